@@ -1,0 +1,41 @@
+# Two commands set everything up on a fresh machine: `make test` and `make lab`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+export OMP_NUM_THREADS ?= 2
+
+.PHONY: test lab demo bench lint clean venv
+
+$(VENV)/bin/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Re-install only when the project's metadata changes.
+$(VENV)/.stamp-dev: pyproject.toml | $(VENV)/bin/activate
+	$(PIP) install -q -e ".[cpu,dev]"
+	touch $@
+
+$(VENV)/.stamp-lab: pyproject.toml | $(VENV)/.stamp-dev
+	$(PIP) install -q -e ".[cpu,dev,lab]"
+	touch $@
+
+venv: $(VENV)/.stamp-dev
+
+test: $(VENV)/.stamp-dev
+	$(PY) -m pytest -q tests
+
+lab: $(VENV)/.stamp-lab
+	$(VENV)/bin/jupyter lab notebooks/
+
+demo: $(VENV)/.stamp-dev
+	$(PY) -m fleetlab demo
+
+bench: $(VENV)/.stamp-dev
+	$(PY) -m fleetlab bench
+
+lint: $(VENV)/.stamp-dev
+	$(VENV)/bin/ruff check fleetlab tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

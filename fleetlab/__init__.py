@@ -1,0 +1,53 @@
+"""fleetlab: learn how an LLM inference engine serves many requests at once.
+
+Four composable pieces, each driven by a notebook:
+
+1. attention patching (:func:`patch_model`, :func:`forward_context`);
+2. a paged KV cache (:class:`BlockPool`, :class:`PagedKVCache`);
+3. a persistent batch with decode-first reordering (:class:`InputBatch`);
+4. a decode loop (:class:`Scheduler`, :class:`LLM`).
+
+Names are imported lazily so that ``import fleetlab`` stays cheap and the
+pieces that need Paddle only load it when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "LLM": "fleetlab.engine.llm",
+    "SamplingParams": "fleetlab.engine.sampling_params",
+    "RequestOutput": "fleetlab.engine.outputs",
+    "EngineConfig": "fleetlab.engine.config",
+    "Scheduler": "fleetlab.engine.scheduler",
+    "InputBatch": "fleetlab.engine.input_batch",
+    "patch_model": "fleetlab.patching",
+    "forward_context": "fleetlab.context",
+    "AttentionMetadata": "fleetlab.attention.metadata",
+    "BlockPool": "fleetlab.block_pool",
+    "PagedKVCache": "fleetlab.kv_cache",
+    "register_attention_backend": "fleetlab.attention.backend",
+    "get_attention_backend": "fleetlab.attention.backend",
+}
+_SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine"}
+
+__all__ = sorted(_LAZY) + sorted(_SUBMODULES)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        module = importlib.import_module(f"fleetlab.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module 'fleetlab' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

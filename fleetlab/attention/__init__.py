@@ -1,0 +1,1 @@
+"""Paged attention: step metadata, the reference backend and the backend registry."""

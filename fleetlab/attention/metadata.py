@@ -1,0 +1,119 @@
+"""The per-step attention metadata that the runner builds and attention reads.
+
+One engine step runs every scheduled token of every running request as one packed
+sequence ``[1, T]``. Row ``i`` of the batch owns tokens
+``[cu_seqlens_q[i], cu_seqlens_q[i + 1])`` of that sequence. After a decode-first
+reorder, rows ``[0, num_decodes)`` are decodes and their tokens come first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs to read and write the paged KV cache for one step.
+
+    Device tensors (on the model's device):
+      positions:     int64 ``[T]``  logical position of each packed token in its request.
+      slot_mapping:  int64 ``[T]``  cache slot each token's K/V is written to (-1: don't write).
+      cu_seqlens_q:  int32 ``[B + 1]`` prefix sums of the rows' query lengths.
+      seq_lens_kv:   int32 ``[B]``  context length of each row after this step's writes
+                     (``num_computed_tokens + num_scheduled_tokens``).
+      block_tables:  int32 ``[B, max_blocks_per_seq]`` physical block ids, unused entries -1.
+    Host copies (numpy) of ``cu_seqlens_q`` and ``seq_lens_kv`` let backends plan their
+    work without a device-to-host sync.
+    """
+
+    positions: paddle.Tensor
+    slot_mapping: paddle.Tensor
+    cu_seqlens_q: paddle.Tensor
+    seq_lens_kv: paddle.Tensor
+    block_tables: paddle.Tensor
+    block_size: int
+    num_decodes: int
+    num_decode_tokens: int
+    max_query_len: int
+    max_seq_len: int
+    cu_seqlens_q_host: np.ndarray
+    seq_lens_kv_host: np.ndarray
+
+    @property
+    def num_reqs(self) -> int:
+        return int(self.seq_lens_kv_host.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.cu_seqlens_q_host[-1])
+
+    @property
+    def query_lens_host(self) -> np.ndarray:
+        return np.diff(self.cu_seqlens_q_host)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens,
+        num_computed_tokens,
+        block_tables,
+        block_size: int,
+        decode_threshold: int = 1,
+        place=None,
+    ) -> "AttentionMetadata":
+        """Build the metadata from host arrays.
+
+        Args:
+          query_lens: ``[B]`` tokens each row schedules this step (>= 1).
+          num_computed_tokens: ``[B]`` tokens of each row already in the cache.
+          block_tables: ``[B, max_blocks_per_seq]`` int block ids, -1 where unused. Every
+            position ``< num_computed + query_len`` must have its block allocated.
+          block_size: tokens per block.
+          decode_threshold: a row with at most this many query tokens is a decode;
+            ``num_decodes`` counts the leading run of such rows.
+          place: Paddle place for the device tensors (default: the current device).
+        """
+        query_lens = np.asarray(query_lens, dtype=np.int64)
+        num_computed = np.asarray(num_computed_tokens, dtype=np.int64)
+        tables = np.asarray(block_tables, dtype=np.int32)
+        if query_lens.ndim != 1 or query_lens.shape != num_computed.shape:
+            raise ValueError("query_lens and num_computed_tokens must be 1-D arrays of equal length")
+        if tables.ndim != 2 or tables.shape[0] != query_lens.shape[0]:
+            raise ValueError(f"block_tables must be [B, max_blocks]; got {tables.shape}")
+        if (query_lens < 1).any():
+            raise ValueError(f"every row must schedule at least one token; got {query_lens.tolist()}")
+        cu = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=cu[1:])
+        row_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+        positions = num_computed[row_of_token] + (np.arange(cu[-1]) - cu[:-1][row_of_token])
+        block_idx = positions // block_size
+        if tables.shape[1] and (block_idx >= tables.shape[1]).any():
+            raise ValueError("a position falls beyond its row's block table")
+        blocks = tables[row_of_token, block_idx] if len(positions) else np.zeros(0, np.int32)
+        if (blocks < 0).any():
+            raise ValueError("a scheduled position has no block allocated (block table holds -1)")
+        slot_mapping = blocks.astype(np.int64) * block_size + positions % block_size
+        seq_lens = (num_computed + query_lens).astype(np.int32)
+        is_decode = query_lens <= decode_threshold
+        num_decodes = int(np.argmin(is_decode)) if not is_decode.all() else len(query_lens)
+
+        def dev(a):
+            return paddle.to_tensor(a, place=place)
+
+        return cls(
+            positions=dev(positions.astype(np.int64)),
+            slot_mapping=dev(slot_mapping),
+            cu_seqlens_q=dev(cu),
+            seq_lens_kv=dev(seq_lens),
+            block_tables=dev(tables),
+            block_size=int(block_size),
+            num_decodes=num_decodes,
+            num_decode_tokens=int(cu[num_decodes]),
+            max_query_len=int(query_lens.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)),
+            cu_seqlens_q_host=cu,
+            seq_lens_kv_host=seq_lens,
+        )

@@ -1,0 +1,54 @@
+"""``forward_context``: how attention layers deep inside a model get the step's state.
+
+The model library calls our attention function with only ``(module, query, key, value,
+...)``; the paged cache and the step's metadata cannot travel through its signature.
+The runner opens a context around the forward pass, and attention reads it here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from fleetlab.attention.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """The state of one forward pass: the step's metadata and the paged KV cache."""
+
+    metadata: AttentionMetadata
+    kv_cache: Any  # fleetlab.PagedKVCache
+
+
+_STACK: list[ForwardContext] = []
+
+
+@contextlib.contextmanager
+def forward_context(metadata: AttentionMetadata, kv_cache) -> Iterator[ForwardContext]:
+    """Make ``metadata`` and ``kv_cache`` visible to patched attention for one forward.
+
+    Example::
+
+        with fleetlab.forward_context(metadata, kv_cache):
+            logits = handle.compute_logits(input_ids, positions, logits_indices)
+    """
+    ctx = ForwardContext(metadata=metadata, kv_cache=kv_cache)
+    _STACK.append(ctx)
+    try:
+        yield ctx
+    finally:
+        _STACK.pop()
+
+
+def get_forward_context() -> ForwardContext:
+    """Return the innermost open context; raise if attention runs outside one."""
+    if not _STACK:
+        raise RuntimeError(
+            "fleetlab attention was called outside `fleetlab.forward_context(metadata, kv_cache)`: "
+            "a patched model needs the step's metadata and paged KV cache. Run it through "
+            "fleetlab.LLM, or open the context yourself; call handle.unpatch() to get the "
+            "original attention back."
+        )
+    return _STACK[-1]

@@ -1,0 +1,50 @@
+"""Models that need no download: tiny random models of each family, a Fleet-style
+decoder, and the tiny Llama that fleetlab trains and ships.
+
+- ``tiny(family, seed=0, **overrides)``: a small random-init model in eval mode.
+  Families: ``"llama"``, ``"ernie4_5"``, ``"phi3"``, ``"gemma3"``, ``"gpt_oss"`` (PaddleFormers)
+  and ``"fleet"`` (fleetlab's own Fleet-style decoder).
+- ``load_tiny()`` -> ``(model, tokenizer)``: the shipped trained tiny Llama.
+- ``load_pretrained(path)``: a PaddleFormers checkpoint directory from disk.
+"""
+
+from __future__ import annotations
+
+FAMILIES = ("llama", "ernie4_5", "phi3", "gemma3", "gpt_oss", "fleet")
+
+
+def tiny(family: str, seed: int = 0, **overrides):
+    """A small random-init model of ``family`` in eval mode (see ``FAMILIES``)."""
+    if family == "fleet":
+        from fleetlab.models.fleet import tiny_fleet
+
+        return tiny_fleet(seed=seed, **overrides)
+    from fleetlab.models.tiny import tiny_paddleformers
+
+    return tiny_paddleformers(family, seed=seed, **overrides)
+
+
+def load_tiny():
+    """The tiny Llama trained by ``python -m fleetlab train-tiny``: ``(model, tokenizer)``."""
+    from fleetlab.models.pretrained import load_tiny as _load
+
+    return _load()
+
+
+def load_pretrained(path):
+    """Load a PaddleFormers causal-LM checkpoint directory from disk (eval mode)."""
+    from fleetlab.models.pretrained import load_pretrained as _load
+
+    return _load(path)
+
+
+def __getattr__(name):
+    if name in ("CharTokenizer",):
+        from fleetlab.models import tokenizer
+
+        return getattr(tokenizer, name)
+    if name in ("FleetConfig", "FleetForCausalLM"):
+        from fleetlab.models import fleet
+
+        return getattr(fleet, name)
+    raise AttributeError(f"module 'fleetlab.models' has no attribute {name!r}")
