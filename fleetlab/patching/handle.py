@@ -68,3 +68,8 @@ class PatchHandle:
         state = "patched" if self.patched else "unpatched"
         return (f"<PatchHandle {self.family} {state}: {len(self.layer_ids)} attention layers -> "
                 f"{type(self.backend).__name__}>")
+
+
+def has_core_attention(model) -> bool:
+    """True for Fleet/Megatron-style models: decoder layers hold a ``core_attention`` sub-layer."""
+    return any(name.split(".")[-1] == "core_attention" for name, _ in model.named_sublayers())

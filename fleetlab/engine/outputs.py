@@ -1,0 +1,66 @@
+"""What the engine hands back: one ``RequestOutput`` per request, and per-step traces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """The result of one request.
+
+    token_ids: the generated ids (a final EOS or stop token is included).
+    text: ``token_ids`` decoded without special tokens, when the engine has a tokenizer.
+    finish_reason: ``"stop"`` (EOS or a stop token), ``"length"`` (max_tokens or the
+      model's maximum length), ``"error"`` (see ``error``), or None while unfinished.
+    metrics: arrival / first-token / finish times (``time.perf_counter`` seconds) and
+      the number of times the request was preempted.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RowTrace:
+    """One batch row in one step: who it was and what it did."""
+
+    request_id: str
+    phase: str  # "decode" or "prefill"
+    num_scheduled_tokens: int
+    num_computed_tokens: int  # before this step
+    num_prompt_tokens: int
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepTrace:
+    """Everything one engine step did, for drawing and for tests.
+
+    order_before / order_after: request ids by batch row before and after the
+    decode-first reorder (equal when the step did not reorder).
+    timings: seconds spent in schedule, batch_update, metadata, forward, sample, update.
+    """
+
+    step: int
+    rows: list[RowTrace]
+    order_before: list[str]
+    order_after: list[str]
+    num_decodes: int
+    reordered: bool
+    tokens: dict[str, int]
+    preempted: list[str]
+    finished: list[str]
+    num_free_blocks: int
+    num_blocks: int
+    num_batched_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)

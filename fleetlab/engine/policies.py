@@ -1,0 +1,82 @@
+"""Scheduling policies: who is admitted next, and who is preempted when blocks run out.
+
+A policy is a small object with two methods, selected by name in the engine config
+(``scheduling_policy="fcfs"``). Register your own with :func:`register_policy`.
+"""
+
+from __future__ import annotations
+
+from fleetlab.engine.request import Request
+
+
+class SchedulingPolicy:
+    """First come, first served: admit in arrival order, preempt the newest admission.
+
+    ``admission_key(request, step)``: the waiting request with the smallest key is
+    admitted next (a preempted request keeps its arrival order, so it goes back to the
+    front). ``pick_victim(running)``: the running request to preempt when the pool is
+    dry; ``running`` is in admission order.
+    """
+
+    name = "fcfs"
+
+    def admission_key(self, request: Request, step: int):
+        return request.arrival_order
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        return running[-1]
+
+
+class ShortestPromptFirst(SchedulingPolicy):
+    """Admit the shortest waiting prompt first: lower time to first token on average,
+    but a long prompt can wait as long as shorter ones keep arriving."""
+
+    name = "spf"
+
+    def admission_key(self, request: Request, step: int):
+        return (request.num_prompt_tokens, request.arrival_order)
+
+
+class PriorityPolicy(SchedulingPolicy):
+    """Lower ``priority`` runs first, with aging so nobody starves.
+
+    Every ``aging_steps`` steps a request has waited lowers its effective priority by
+    one, so a request waits at most ``(priority - best_priority + 1) * aging_steps``
+    steps behind requests that arrived after it. Preemption takes the running request
+    with the worst priority (the newest among equals).
+    """
+
+    name = "priority"
+
+    def __init__(self, aging_steps: int = 32):
+        if aging_steps < 1:
+            raise ValueError(f"PriorityPolicy: aging_steps={aging_steps} must be >= 1")
+        self.aging_steps = aging_steps
+        self.enqueued_at: dict[str, int] = {}
+
+    def admission_key(self, request: Request, step: int):
+        since = self.enqueued_at.setdefault(request.request_id, step)
+        return (request.priority - (step - since) // self.aging_steps, request.arrival_order)
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        return max(reversed(running), key=lambda r: r.priority)
+
+
+_POLICIES: dict[str, type[SchedulingPolicy]] = {
+    "fcfs": SchedulingPolicy,
+    "spf": ShortestPromptFirst,
+    "priority": PriorityPolicy,
+}
+
+
+def register_policy(name: str, cls: type[SchedulingPolicy]) -> None:
+    """Make ``cls`` selectable as ``scheduling_policy=name``."""
+    _POLICIES[name] = cls
+
+
+def make_policy(name_or_policy) -> SchedulingPolicy:
+    if isinstance(name_or_policy, SchedulingPolicy):
+        return name_or_policy
+    if name_or_policy not in _POLICIES:
+        raise ValueError(f"unknown scheduling_policy {name_or_policy!r}; known: {sorted(_POLICIES)}")
+    return _POLICIES[name_or_policy]()

@@ -1,0 +1,62 @@
+"""``Request``: the scheduler's record of one request across its whole life."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from fleetlab.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, its blocks freed; it will be recomputed
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One request: its tokens, how far its KV cache is computed, and its blocks.
+
+    ``num_computed_tokens`` counts the tokens whose K/V are in the paged cache; the
+    tokens still to run are ``all_token_ids[num_computed_tokens:]``. Preemption frees the
+    blocks and resets it to 0 (the request is recomputed from its prompt and outputs).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seed: int
+    arrival_order: int
+    eos_token_id: int | None = None
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

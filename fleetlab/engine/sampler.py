@@ -1,0 +1,83 @@
+"""``Sampler``: turns each row's logits into its next token.
+
+Greedy rows take the argmax. Sampled rows apply temperature, top-k and top-p, then
+draw by inverse CDF with a uniform number derived from the request's own seed and the
+index of the token being drawn, so a seeded request gives the same tokens whatever
+else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Per-row sampling settings for one step, rows in batch order.
+
+    temperature, top_p: float32 ``[B]``; top_k: int64 ``[B]`` (0 = off);
+    seeds, draw_index: int64 ``[B]`` host arrays (draw_index = outputs so far);
+    banned: per row, token ids that must not be drawn (EOS/stop before min_tokens).
+    """
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    seeds: np.ndarray
+    draw_index: np.ndarray
+    banned: list[list[int]]
+
+
+def uniform_for(seed: int, draw_index: int) -> float:
+    """The request's uniform draw for its ``draw_index``-th token, in [0, 1)."""
+    return float(np.random.Generator(np.random.Philox(key=int(seed), counter=int(draw_index))).random())
+
+
+class Sampler:
+    """Samples one token per row from logits ``[B, vocab]``; returns int64 numpy ``[B]``."""
+
+    def __call__(self, logits: paddle.Tensor, st: SamplingTensors) -> np.ndarray:
+        logits = logits.astype("float32")
+        if any(st.banned):
+            logits = self._ban(logits, st.banned)
+        greedy = st.temperature == 0
+        tokens = paddle.argmax(logits, axis=-1).numpy().astype(np.int64)
+        if greedy.all():
+            return tokens
+        rows = np.nonzero(~greedy)[0]
+        sub = paddle.gather(logits, paddle.to_tensor(rows), axis=0)
+        probs = self._probs(sub, st.temperature[rows], st.top_k[rows], st.top_p[rows])
+        u = np.array([uniform_for(st.seeds[r], st.draw_index[r]) for r in rows], dtype=np.float32)
+        cdf = paddle.cumsum(probs, axis=-1)
+        u_t = paddle.to_tensor(u).unsqueeze(-1) * cdf[:, -1:]
+        drawn = paddle.sum((cdf <= u_t).astype("int64"), axis=-1).numpy()
+        tokens[rows] = np.minimum(drawn, logits.shape[-1] - 1)
+        return tokens
+
+    @staticmethod
+    def _ban(logits: paddle.Tensor, banned: list[list[int]]) -> paddle.Tensor:
+        mask = np.zeros(logits.shape, dtype=bool)
+        for row, ids in enumerate(banned):
+            mask[row, ids] = True
+        return paddle.where(paddle.to_tensor(mask), paddle.full_like(logits, float("-inf")), logits)
+
+    @staticmethod
+    def _probs(logits, temperature, top_k, top_p) -> paddle.Tensor:
+        """Probabilities after temperature, top-k and top-p (masked tokens get 0)."""
+        vocab = logits.shape[-1]
+        logits = logits / paddle.to_tensor(temperature, dtype="float32").unsqueeze(-1)
+        sorted_logits = paddle.sort(logits, axis=-1, descending=True)
+        k = np.where(top_k > 0, np.minimum(top_k, vocab), vocab) - 1
+        kth = paddle.take_along_axis(sorted_logits, paddle.to_tensor(k, dtype="int64").unsqueeze(-1), axis=-1)
+        sorted_probs = paddle.nn.functional.softmax(sorted_logits, axis=-1)
+        # Keep a token while the mass strictly before it is below top_p (the top token always stays).
+        mass_before = paddle.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep_sorted = mass_before < paddle.to_tensor(top_p, dtype="float32").unsqueeze(-1)
+        n_keep = paddle.sum(keep_sorted.astype("int64"), axis=-1, keepdim=True) - 1
+        pth = paddle.take_along_axis(sorted_logits, n_keep, axis=-1)
+        threshold = paddle.maximum(kth, pth)
+        masked = paddle.where(logits >= threshold, logits, paddle.full_like(logits, float("-inf")))
+        return paddle.nn.functional.softmax(masked, axis=-1)
