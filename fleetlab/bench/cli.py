@@ -1,0 +1,33 @@
+"""``python -m fleetlab bench [NAME] [options]``: benchmarks are commands, not tests.
+
+Names: ``all`` (default: the engine benchmark), ``engine`` (fleetlab vs PaddleFormers
+generate, KV memory, prefix caching, step-time breakdown), ``reorder`` (condense +
+decode-first reorder cost), ``attention`` (reference paged attention), ``triton``
+(Triton decode kernel; needs a GPU with torch and triton).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHES = {
+    "engine": "fleetlab.bench.engine",
+    "reorder": "fleetlab.bench.reorder",
+    "attention": "fleetlab.bench.attention",
+    "triton": "fleetlab.bench.triton_decode",
+}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = argv.pop(0) if argv and not argv[0].startswith("-") else "all"
+    if name in ("-h", "--help", "help"):
+        print(__doc__)
+        return 0
+    if name == "all":
+        name = "engine"
+    if name not in BENCHES:
+        print(f"unknown benchmark {name!r}; choose from: all, {', '.join(BENCHES)}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(BENCHES[name]).main(argv) or 0)

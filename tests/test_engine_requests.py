@@ -1,0 +1,143 @@
+"""Requests in, outputs out: stop conditions, bad input, errors that must not lose work."""
+
+import numpy as np
+import paddle
+import pytest
+
+from conftest import random_prompts
+from fleetlab import LLM, SamplingParams
+from fleetlab.patching.parity import reference_greedy
+
+
+@pytest.fixture()
+def llm(fleet_model):
+    engine = LLM(fleet_model, block_size=4, max_num_batched_tokens=16, max_model_len=48)
+    yield engine
+    engine.handle.unpatch()
+
+
+def test_outputs_come_back_in_input_order_with_ids(llm):
+    prompts = random_prompts([9, 2, 5], seed=7)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=3), use_tqdm=False)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    assert len({o.request_id for o in outs}) == 3
+
+
+@pytest.fixture(scope="module")
+def oracle_seq(fleet_model):
+    prompt = random_prompts([6], seed=8)[0]
+    want, _ = reference_greedy(fleet_model, [prompt], 8)
+    return prompt, want[0]
+
+
+def test_stop_token_and_eos_and_min_tokens(oracle_seq, llm):
+    prompt, seq = oracle_seq
+    stop_at = seq[3]
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+        max_tokens=8, stop_token_ids=(stop_at,), ignore_eos=True), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids == seq[: seq.index(stop_at) + 1]
+
+    llm.handle.eos_token_id = seq[2]  # make the model's third token its EOS
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=8), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == seq[2]
+    assert len(out.token_ids) == seq.index(seq[2]) + 1
+
+    # min_tokens bans EOS until enough tokens exist, so generation must pass it
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=8, min_tokens=5),
+                       use_tqdm=False)[0]
+    assert len(out.token_ids) >= 5 and seq[2] not in out.token_ids[:5]
+
+
+def test_length_limits(llm):
+    prompt = random_prompts([40], seed=9)[0]
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=30, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 48  # max_model_len
+    out = llm.generate(prompt_token_ids=[prompt[:5]], sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 2
+
+
+BAD = [
+    (dict(prompt_token_ids=[[]]), "prompt is empty"),
+    (dict(prompt_token_ids=[[1, 2, 999]]), "outside the vocabulary"),
+    (dict(prompt_token_ids=[[-1, 2]]), "outside the vocabulary"),
+    (dict(prompt_token_ids=[list(range(3, 51))]), "max_model_len"),
+    (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(max_tokens=0)), "max_tokens"),
+    (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(temperature=-0.5)), "temperature"),
+    (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(top_p=0.0)), "top_p"),
+    (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(top_p=1.5)), "top_p"),
+    (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(top_k=-1)), "top_k"),
+    (dict(prompts=["hello"]), "no tokenizer"),
+]
+
+
+@pytest.mark.parametrize("kwargs,field", BAD, ids=[b[1] for b in BAD])
+def test_bad_input_raises_value_error_naming_request_and_field_and_queues_nothing(llm, kwargs, field):
+    good = [[5, 6, 7]]
+    ids = kwargs.pop("prompt_token_ids", None)
+    if ids is not None:
+        kwargs["prompt_token_ids"] = good + ids
+    with pytest.raises(ValueError, match=field) as err:
+        llm.generate(use_tqdm=False, **kwargs)
+    assert "request" in str(err.value)
+    assert not llm.has_unfinished_requests()  # the good request was not queued either
+
+
+def test_pool_too_small_for_one_request(fleet_model):
+    llm = LLM(fleet_model, block_size=4, num_blocks=3)
+    try:
+        with pytest.raises(ValueError, match="num_blocks"):
+            llm.generate(prompt_token_ids=[[3] * 10], sampling_params=SamplingParams(max_tokens=8), use_tqdm=False)
+    finally:
+        llm.handle.unpatch()
+
+
+def test_bad_engine_config():
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(None, block_size=0)
+    with pytest.raises(TypeError, match="unknown engine config"):
+        LLM(None, blok_size=4)
+
+
+def test_an_error_found_mid_run_finishes_only_that_request(llm, monkeypatch):
+    prompts = random_prompts([5, 6, 7], seed=10)
+    real = llm.handle.compute_logits
+    poisoned = {"row": None}
+
+    def compute_logits(input_ids, positions, rows):
+        logits = real(input_ids, positions, rows)
+        if llm.runner.batch.num_reqs == 3:  # poison request "1" once all three run
+            row = llm.runner.batch.req_id_to_row[ids[1]]
+            poisoned["row"] = row
+            mask = np.zeros(logits.shape, dtype=bool)
+            mask[row] = True
+            logits = paddle.where(paddle.to_tensor(mask), paddle.full_like(logits, float("nan")), logits)
+        return logits
+
+    monkeypatch.setattr(llm.handle, "compute_logits", compute_logits)
+    ids = [llm.add_request(prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=4, ignore_eos=True))
+           for p in prompts]
+    finished = {}
+    for _ in range(50):
+        for out in llm.step():
+            finished[out.request_id] = out
+        if not llm.has_unfinished_requests():
+            break
+    assert poisoned["row"] is not None
+    assert finished[ids[1]].finish_reason == "error" and "non-finite" in finished[ids[1]].error
+    assert finished[ids[0]].finish_reason == finished[ids[2]].finish_reason == "length"
+    assert len(finished[ids[0]].token_ids) == 4
+    assert llm.stats()["num_free_blocks"] == llm.stats()["num_blocks"]
+
+
+def test_step_by_hand_and_stats(llm):
+    llm.add_request(prompt_token_ids=[3, 4, 5], sampling_params=SamplingParams(max_tokens=2, ignore_eos=True))
+    outs, trace = llm.step(trace=True)
+    assert trace.rows[0].phase == "prefill" and trace.num_batched_tokens == 3
+    assert not outs and llm.has_unfinished_requests()
+    outs, trace = llm.step(trace=True)
+    assert trace.rows[0].phase == "decode" and outs[0].finish_reason == "length"
+    s = llm.stats()
+    for key in ("num_blocks", "num_free_blocks", "prefix_cache_hit_rate", "num_preemptions", "kv_cache_utilization"):
+        assert key in s
