@@ -33,6 +33,8 @@ class AttentionBackend:
       supported_devices: Paddle device kinds it runs on (``"cpu"``, ``"gpu"``).
       supports_sliding_window / supports_sinks: features a model may ask for; patching
         a model that needs a missing one fails with an error naming the feature.
+      required_metadata: the ``AttentionMetadata`` fields it reads (checked when the
+        backend is registered, so a typo fails at once rather than mid-step).
 
     Shapes: ``query [T, num_heads, head_dim]``, ``key``/``value`` ``[T, num_kv_heads,
     head_dim]`` for the step's ``T`` packed tokens; output ``[T, num_heads, head_dim]``.
@@ -44,6 +46,8 @@ class AttentionBackend:
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "gpu")
     supports_sliding_window: ClassVar[bool] = True
     supports_sinks: ClassVar[bool] = True
+    required_metadata: ClassVar[tuple[str, ...]] = (
+        "slot_mapping", "block_tables", "cu_seqlens_q", "seq_lens_kv", "positions")
 
     def __init__(self) -> None:
         device = current_device_kind()
@@ -94,6 +98,14 @@ def register_attention_backend(name: str, cls: type[AttentionBackend]) -> type[A
         raise TypeError(f"backend {name!r} must be a subclass of fleetlab.attention.backend.AttentionBackend")
     if not isinstance(cls.reorder_threshold, int) or cls.reorder_threshold < 1:
         raise ValueError(f"backend {name!r}: reorder_threshold must be an int >= 1")
+    provided = set(AttentionMetadata.__dataclass_fields__)
+    missing = [f for f in cls.required_metadata if f not in provided]
+    if missing:
+        raise ValueError(f"backend {name!r} reads metadata {missing} that the engine does not provide; "
+                         f"it provides {sorted(provided)}")
+    unknown = [d for d in cls.supported_devices if d not in ("cpu", "gpu", "xpu", "npu")]
+    if unknown:
+        raise ValueError(f"backend {name!r}: unknown device kinds {unknown} in supported_devices")
     _REGISTRY[name] = cls
     return cls
 

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from fleetlab.attention.backend import get_attention_backend
 from fleetlab.block_pool import BlockPool
 from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.input_batch import InputBatch
@@ -49,8 +50,18 @@ class LLM:
         else:
             from fleetlab.patching import patch_model
 
+            _check_backend_needs(get_attention_backend(cfg.backend), cfg)
             self.handle = patch_model(model, backend=cfg.backend)
+        try:
+            self._build(cfg)
+        except Exception:
+            if self.handle is not model:  # a failed construction leaves the model as it was
+                self.handle.unpatch()
+            raise
+
+    def _build(self, cfg: EngineConfig) -> None:
         backend_cls = type(self.handle.backend)
+        _check_backend_needs(backend_cls, cfg)
         self.max_model_len = min(cfg.max_model_len or self.handle.max_model_len, self.handle.max_model_len)
         if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -252,6 +263,16 @@ class LLM:
             "num_generated_tokens": self._num_generated,
             "num_steps": self.scheduler.step_count,
         }
+
+
+def _check_backend_needs(backend_cls, cfg: EngineConfig) -> None:
+    """Refuse, before any work, a backend whose declared needs this engine config cannot meet."""
+    if backend_cls.requires_reorder and cfg.reorder is False:
+        raise ValueError(f"engine config: reorder=False, but attention backend {backend_cls.name!r} "
+                         "requires decode-first rows (requires_reorder=True)")
+    if backend_cls.reorder_threshold > cfg.max_num_batched_tokens:
+        raise ValueError(f"attention backend {backend_cls.name!r}: reorder_threshold="
+                         f"{backend_cls.reorder_threshold} exceeds max_num_batched_tokens={cfg.max_num_batched_tokens}")
 
 
 def _progress(total: int, enabled: bool):

@@ -52,11 +52,10 @@ class PriorityPolicy(SchedulingPolicy):
         if aging_steps < 1:
             raise ValueError(f"PriorityPolicy: aging_steps={aging_steps} must be >= 1")
         self.aging_steps = aging_steps
-        self.enqueued_at: dict[str, int] = {}
 
     def admission_key(self, request: Request, step: int):
-        since = self.enqueued_at.setdefault(request.request_id, step)
-        return (request.priority - (step - since) // self.aging_steps, request.arrival_order)
+        waited = step - request.enqueue_step
+        return (request.priority - waited // self.aging_steps, request.arrival_order)
 
     def pick_victim(self, running: list[Request]) -> Request:
         return max(reversed(running), key=lambda r: r.priority)

@@ -69,6 +69,7 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        request.enqueue_step = self.step_count
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
