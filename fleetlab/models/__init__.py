@@ -19,7 +19,7 @@ def tiny(family: str, seed: int = 0, **overrides):
         from fleetlab.models.fleet import tiny_fleet
 
         return tiny_fleet(seed=seed, **overrides)
-    from fleetlab.models.tiny import tiny_paddleformers
+    from fleetlab.models.small import tiny_paddleformers
 
     return tiny_paddleformers(family, seed=seed, **overrides)
 

@@ -18,11 +18,15 @@ from fleetlab.patching.handle import has_core_attention
 def full_forward_logits(model, token_ids) -> np.ndarray:
     """Logits ``[len(token_ids), vocab]`` of one sequence from the model's own forward."""
     ids = paddle.to_tensor([list(token_ids)], dtype="int64")
-    with paddle.no_grad():
-        if has_core_attention(model):
-            logits = model(ids)
-        else:
-            logits = model(input_ids=ids, use_cache=False, return_dict=True).logits
+    if has_core_attention(model):
+        with paddle.no_grad():
+            return model(ids)[0].astype("float32").numpy()
+    from fleetlab.patching.families import library_fixes
+
+    # library_fixes mends known library bugs for the duration (PaddleFormers 1.2's GPT-OSS
+    # experts mix routing weights across tokens), so the oracle is the model as intended.
+    with paddle.no_grad(), library_fixes(model):
+        logits = model(input_ids=ids, use_cache=False, return_dict=True).logits
     return logits[0].astype("float32").numpy()
 
 

@@ -1,0 +1,151 @@
+"""The one place where every per-request buffer of the :class:`InputBatch` is declared.
+
+A production engine's persistent batch keeps 50-70 per-request buffers; when they are
+listed by hand in ``swap``, ``condense`` and ``reorder``, one forgotten buffer silently
+pairs a request with another request's block table or sampling state. Here each buffer
+is a :class:`Field` in a :class:`FieldRegistry`; the batch allocates, swaps, condenses
+and reorders *whatever the registry holds*, so a new field needs no other change.
+
+A field's buffer has shape ``[max_num_seqs, *per_row_shape]``. Entries of
+``per_row_shape`` are ints or the names of the batch's size parameters
+(``"max_model_len"``, ``"max_blocks_per_seq"``, ``"max_stop_ids"``), resolved when the
+batch is built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+HOMES = ("host", "device")
+
+
+@dataclass(frozen=True, slots=True)
+class Field:
+    """One per-request buffer of the batch.
+
+    Attributes:
+      name: buffer name; also the attribute name on the batch (``batch.token_ids``).
+      per_row_shape: shape of one row; ints or size-parameter names. ``()`` is a scalar.
+      dtype: numpy dtype string (``"int64"``, ``"float32"``, ``"bool"``) or ``"object"``.
+      home: ``"host"`` (numpy only, host bookkeeping) or ``"device"`` (numpy plus a Paddle
+        mirror on the current device, for what attention and sampling read).
+      fill: value of the row while it is empty (after removal, before the next add).
+      doc: what the field means, for readers and for ``describe()``.
+    """
+
+    name: str
+    per_row_shape: tuple[int | str, ...] = ()
+    dtype: str = "int32"
+    home: str = "host"
+    fill: object = 0
+    doc: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name.isidentifier() or self.name.startswith("_"):
+            raise ValueError(f"field name {self.name!r} must be a public Python identifier")
+        if self.home not in HOMES:
+            raise ValueError(f"field {self.name!r}: home must be one of {HOMES}, got {self.home!r}")
+        if self.dtype != "object":
+            try:
+                np.dtype(self.dtype)
+            except TypeError as exc:
+                raise ValueError(f"field {self.name!r}: unknown dtype {self.dtype!r}") from exc
+        elif self.home == "device":
+            raise ValueError(f"field {self.name!r}: dtype 'object' cannot live on the device")
+        if not isinstance(self.per_row_shape, tuple):
+            raise TypeError(f"field {self.name!r}: per_row_shape must be a tuple")
+
+    def resolve_shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        """``per_row_shape`` with size-parameter names replaced by their values."""
+        shape = []
+        for dim in self.per_row_shape:
+            if isinstance(dim, str):
+                if dim not in sizes:
+                    raise ValueError(
+                        f"field {self.name!r}: unknown size parameter {dim!r}; known: {sorted(sizes)}"
+                    )
+                dim = sizes[dim]
+            if not isinstance(dim, (int, np.integer)) or dim < 0:
+                raise ValueError(f"field {self.name!r}: per-row dimension {dim!r} must be an int >= 0")
+            shape.append(int(dim))
+        return tuple(shape)
+
+
+class FieldRegistry:
+    """An ordered set of :class:`Field` s, looked up by name.
+
+    Iteration yields fields in registration order. ``copy()`` gives an independent
+    registry, so a notebook or test can add fields without touching ``DEFAULT_FIELDS``.
+    """
+
+    def __init__(self, fields: tuple[Field, ...] | list[Field] = ()) -> None:
+        self._fields: dict[str, Field] = {}
+        for field in fields:
+            self.register(field)
+
+    def register(self, field: Field) -> Field:
+        """Add ``field``; a second field with the same name is an error."""
+        if not isinstance(field, Field):
+            raise TypeError(f"expected a Field, got {type(field).__name__}")
+        if field.name in self._fields:
+            raise ValueError(f"field {field.name!r} is already registered")
+        self._fields[field.name] = field
+        return field
+
+    def copy(self) -> FieldRegistry:
+        return FieldRegistry(tuple(self._fields.values()))
+
+    def names(self) -> list[str]:
+        return list(self._fields)
+
+    def __getitem__(self, name: str) -> Field:
+        if name not in self._fields:
+            raise KeyError(f"no field {name!r}; registered: {self.names()}")
+        return self._fields[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fields
+
+    def __iter__(self) -> Iterator[Field]:
+        return iter(self._fields.values())
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def __repr__(self) -> str:
+        return f"FieldRegistry({self.names()})"
+
+
+def _f(name, shape, dtype, home, fill, doc) -> Field:
+    return Field(name=name, per_row_shape=shape, dtype=dtype, home=home, fill=fill, doc=doc)
+
+
+# The per-request state of one running request. Device fields are what the sampler reads
+# every step (and the block table, which attention reads); the rest is host bookkeeping
+# that the runner turns into AttentionMetadata itself.
+DEFAULT_FIELDS = FieldRegistry(
+    [
+        _f("req_id", (), "object", "host", None, "request id; None marks an empty row"),
+        _f("token_ids", ("max_model_len",), "int64", "host", 0, "prompt then output tokens"),
+        _f("num_tokens", (), "int32", "host", 0, "valid entries of token_ids (prompt + output)"),
+        _f("num_prompt_tokens", (), "int32", "host", 0, "prompt length"),
+        _f("num_computed_tokens", (), "int32", "host", 0, "tokens whose K/V is already in the cache"),
+        _f("num_scheduled_tokens", (), "int32", "host", 0, "tokens this step computes (query length)"),
+        _f("block_table", ("max_blocks_per_seq",), "int32", "device", -1, "physical block ids, -1 unused"),
+        _f("num_blocks", (), "int32", "host", 0, "valid entries of block_table"),
+        _f("temperature", (), "float32", "device", 1.0, "sampling temperature; 0 = greedy"),
+        _f("top_k", (), "int32", "device", 0, "keep the k most likely tokens; 0 = all"),
+        _f("top_p", (), "float32", "device", 1.0, "nucleus mass; 1 = all"),
+        _f("seed", (), "int64", "device", 0, "per-request seed of the sampler"),
+        _f("num_output_tokens", (), "int32", "device", 0,
+           "tokens generated so far; (seed, this counter) is the request's random state"),
+        _f("max_tokens", (), "int32", "host", 0, "stop after this many output tokens"),
+        _f("min_tokens", (), "int32", "host", 0, "ignore stop tokens before this many outputs"),
+        _f("ignore_eos", (), "bool", "host", False, "keep going past eos"),
+        _f("stop_token_ids", ("max_stop_ids",), "int64", "host", -1, "extra stop tokens, -1 unused"),
+        _f("eos_token_id", (), "int64", "host", -1, "end-of-sequence token; -1 = none"),
+    ]
+)
