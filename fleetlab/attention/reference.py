@@ -1,0 +1,307 @@
+"""Reference paged attention in plain Paddle ops, and the ``"reference"`` backend.
+
+One packed step mixes decode rows (one query token) and prefill chunks (many). Every
+query token at position ``p`` of its request attends to that request's cached keys at
+positions ``j <= p`` (and ``j > p - w`` with a sliding window ``w``), read from the paged
+cache through the row's block table.
+
+How it is vectorized: the host copies in the metadata give every row's query length and
+context length, so the work is planned on the host, without a device sync. Rows are
+grouped into *tiles* (decode rows together, prefill rows together, each sorted by context
+length and padded to the longest) and a tile is a handful of batched ops: gather its rows'
+keys/values through the block tables straight into ``[B, Hkv, L, D]``, one batched matmul
+for the scores ``[B, Hkv, Q*G, L]`` (``G = Hq / Hkv`` query heads share a KV head), a mask
+from positions, a float32 softmax, a second matmul. :class:`TileLimits` caps a tile's size:
+on a CPU small tiles stay in cache and let a long prompt's early queries skip later keys;
+the count of tiles grows with the batch's size in tokens, never with its count of requests.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+import paddle
+
+from fleetlab.attention.backend import AttentionBackend, current_device_kind, register_attention_backend
+from fleetlab.attention.metadata import AttentionMetadata
+from fleetlab.kv_cache import gather_rows
+
+
+@dataclass(slots=True, frozen=True)
+class TileLimits:
+    """How big one tile may grow (float32 elements), so its temporaries stay bounded.
+
+    score_elements: ``B * Hq * Q * L`` scores; kv_elements: ``B * L * Hkv * D`` gathered keys
+    (and as many values); query_slots: ``Q``, so a long prompt's early queries skip the keys
+    after them. Small tiles keep a CPU's caches warm; a GPU wants few, large ones.
+    """
+
+    score_elements: int
+    kv_elements: int
+    query_slots: int
+
+
+CPU_TILE_LIMITS = TileLimits(score_elements=1 << 22, kv_elements=1 << 20, query_slots=128)
+GPU_TILE_LIMITS = TileLimits(score_elements=1 << 26, kv_elements=1 << 26, query_slots=1024)
+
+
+def tile_limits() -> TileLimits:
+    """The limits for Paddle's current device."""
+    return CPU_TILE_LIMITS if current_device_kind() == "cpu" else GPU_TILE_LIMITS
+
+
+@dataclass(slots=True)
+class _Tile:
+    """Host plan of one batched piece of work: ``B`` rows, ``Q`` query slots each.
+
+    rows: ``[B]`` batch rows; tokens: ``[B, Q]`` packed token index of each query slot
+    (a valid token for padding too); valid: ``[B, Q]`` real query slots; qpos: ``[B, Q]``
+    logical position of each query; first_block: ``[B]`` first block-table column read;
+    num_blocks: columns read per row (the tile's padded key length is ``num_blocks * block_size``).
+    """
+
+    rows: np.ndarray
+    tokens: np.ndarray
+    valid: np.ndarray
+    qpos: np.ndarray
+    first_block: np.ndarray
+    num_blocks: int
+
+
+def paged_attention(
+    query: paddle.Tensor,
+    key_cache: paddle.Tensor,
+    value_cache: paddle.Tensor,
+    metadata: AttentionMetadata,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: paddle.Tensor | None = None,
+) -> paddle.Tensor:
+    """Attention of a packed batch of queries over the paged KV cache.
+
+    Args:
+      query: ``[T, Hq, D]`` the step's packed queries (RoPE applied).
+      key_cache, value_cache: ``[num_blocks, block_size, Hkv, D]`` one layer's cache, already
+        holding this step's keys/values. ``Hq`` must be a multiple of ``Hkv`` (GQA).
+      metadata: the step's :class:`AttentionMetadata`; rows may come in any order.
+      scale: multiplies ``q . k`` (usually ``D ** -0.5``).
+      sliding_window: ``w``: a query at position ``p`` sees keys in ``(p - w, p]``; None = all.
+      sinks: ``[Hq]`` per-head logits added to the softmax denominator only (GPT-OSS).
+
+    Returns ``[T, Hq, D]`` in ``query``'s dtype; the softmax runs in float32.
+    """
+    num_tokens, num_heads, head_dim = _check_inputs(query, key_cache, value_cache, metadata, sinks)
+    sliding_window = _check_window(sliding_window)
+    if num_tokens == 0:
+        return paddle.zeros_like(query)
+    num_kv_heads = key_cache.shape[2]
+    tiles = plan_tiles(metadata, num_heads, num_kv_heads * head_dim, sliding_window, tile_limits())
+    q32 = query.astype("float32") * scale
+    sink_logits = None
+    if sinks is not None:
+        sink_logits = sinks.astype("float32").reshape([1, num_kv_heads, 1, num_heads // num_kv_heads, 1])
+    table = metadata.block_tables.astype("int64").flatten()
+    outs, dests = [], []
+    for tile in tiles:
+        out = _attend_tile(q32, key_cache, value_cache, table, metadata, tile, sliding_window, sink_logits)
+        outs.append(out)
+        dests.append(tile.tokens[tile.valid])
+    dest = np.concatenate(dests)
+    out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+    if not np.array_equal(dest, np.arange(num_tokens)):
+        # Put the tiles' tokens back in packed order.
+        out = paddle.gather(out, paddle.to_tensor(np.argsort(dest), place=query.place))
+    return out.astype(query.dtype)
+
+
+def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: int,
+               sliding_window: int | None, limits: TileLimits) -> list[_Tile]:
+    """Split the batch into tiles: decode rows, then prefill rows, each cut to fit ``limits``.
+
+    ``kv_token_elements`` is ``Hkv * D``, the size of one token's keys.
+    """
+    query_lens = metadata.query_lens_host.astype(np.int64)
+    seq_lens = metadata.seq_lens_kv_host.astype(np.int64)
+    tiles = []
+    for rows in (np.flatnonzero(query_lens == 1), np.flatnonzero(query_lens > 1)):
+        if len(rows) == 0:
+            continue
+        rows = rows[np.argsort(seq_lens[rows], kind="stable")]  # neighbours pad to similar lengths
+        max_q = int(query_lens[rows].max())
+        max_kv = int(seq_lens[rows].max())
+        if sliding_window is not None:
+            max_kv = min(max_kv, sliding_window + max_q - 1 + metadata.block_size)
+        q_step = max(1, min(max_q, limits.query_slots, limits.score_elements // (num_heads * max_kv)))
+        row_step = max(1, min(limits.score_elements // (num_heads * max_kv * q_step),
+                              limits.kv_elements // (kv_token_elements * max_kv)))
+        for r0 in range(0, len(rows), row_step):
+            for q0 in range(0, max_q, q_step):
+                tile = _make_tile(metadata, rows[r0:r0 + row_step], q0, q_step, sliding_window)
+                if tile is not None:
+                    tiles.append(tile)
+    return tiles
+
+
+def _make_tile(metadata, rows, q0, q_len, sliding_window) -> _Tile | None:
+    """Plan query slots ``[q0, q0 + q_len)`` of each row in ``rows`` (None if all are padding)."""
+    cu = metadata.cu_seqlens_q_host.astype(np.int64)
+    query_lens = np.diff(cu)[rows]
+    seq_lens = metadata.seq_lens_kv_host.astype(np.int64)[rows]
+    keep = query_lens > q0
+    rows, query_lens, seq_lens = rows[keep], query_lens[keep], seq_lens[keep]
+    if len(rows) == 0:
+        return None
+    q_len = int(min(q_len, query_lens.max() - q0))
+    slot = q0 + np.arange(q_len)[None, :]
+    valid = slot < query_lens[:, None]
+    slot = np.minimum(slot, query_lens[:, None] - 1)  # padding repeats the row's last real query
+    tokens = cu[rows][:, None] + slot
+    qpos = (seq_lens - query_lens)[:, None] + slot
+    bs = metadata.block_size
+    end_block = (qpos.max(axis=1) + bs) // bs  # one past the block holding the last visible key
+    if sliding_window is None:
+        first_block = np.zeros_like(end_block)
+    else:
+        first_block = np.maximum(qpos.min(axis=1) - sliding_window + 1, 0) // bs
+    return _Tile(rows, tokens, valid, qpos, first_block, int((end_block - first_block).max()))
+
+
+def _attend_tile(q32, key_cache, value_cache, table, metadata, tile, sliding_window, sink_logits):
+    """Compute one tile; returns ``[num valid query slots, Hq, D]`` float32 in row-major slot order."""
+    num_rows, q_len = tile.tokens.shape
+    _, bs, num_kv_heads, head_dim = key_cache.shape
+    num_heads = q32.shape[1]
+    group = num_heads // num_kv_heads
+    place = q32.place
+
+    def dev(array):
+        return paddle.to_tensor(array, place=place)
+
+    # Queries [B, Q, Hq, D] -> [B, Hkv, Q*G, D]: each KV head's G query heads share one matmul.
+    q = paddle.gather(q32, dev(tile.tokens.reshape(-1)))
+    q = q.reshape([num_rows, q_len, num_kv_heads, group, head_dim]).transpose([0, 2, 1, 3, 4])
+    q = q.reshape([num_rows, num_kv_heads, q_len * group, head_dim])
+
+    # Block ids of the columns read, then the padded keys/values [B, Hkv, L, D].
+    width = metadata.block_tables.shape[1]
+    cols = np.minimum(tile.first_block[:, None] + np.arange(tile.num_blocks)[None, :], width - 1)
+    blocks = paddle.gather(table, dev((tile.rows[:, None] * width + cols).reshape(-1))).clip(min=0)
+    seq_len = tile.num_blocks * bs
+    rows = _kv_row_index(blocks, num_rows, bs, num_kv_heads)
+    k = _gather_kv(key_cache, blocks, rows, num_rows, seq_len)
+    v = _gather_kv(value_cache, blocks, rows, num_rows, seq_len)
+
+    scores = paddle.matmul(q, k, transpose_y=True)  # [B, Hkv, Q*G, L]
+    scores = scores.reshape([num_rows, num_kv_heads, q_len, group, seq_len])
+    scores = paddle.where(_visible(tile, seq_len, bs, sliding_window, place), scores,
+                          paddle.full([], float("-inf"), "float32"))
+    scores = scores.reshape([num_rows, num_kv_heads, q_len * group, seq_len])
+    out = paddle.matmul(paddle.nn.functional.softmax(scores, axis=-1), v)  # [B, Hkv, Q*G, D]
+    if sink_logits is not None:
+        # A sink adds exp(sink) to the denominator Z = sum(exp(scores)), which rescales every
+        # weight by Z / (Z + exp(sink)) = sigmoid(logsumexp(scores) - sink): apply it to the output.
+        lse = paddle.logsumexp(scores, axis=-1, keepdim=True)  # [B, Hkv, Q*G, 1]
+        lse = lse.reshape([num_rows, num_kv_heads, q_len, group, 1])
+        out = out.reshape(lse.shape[:-1] + [head_dim]) * paddle.nn.functional.sigmoid(lse - sink_logits)
+    out = out.reshape([num_rows, num_kv_heads, q_len, group, head_dim])
+    out = out.transpose([0, 2, 1, 3, 4])  # [B, Q, Hkv, G, D]
+    out = out.reshape([num_rows * q_len, num_heads, head_dim])
+    if not tile.valid.all():
+        out = paddle.gather(out, dev(np.flatnonzero(tile.valid.reshape(-1))))
+    return out
+
+
+def _kv_row_index(blocks, num_rows, block_size, num_kv_heads):
+    """Rows of the cache seen as ``[num_blocks * block_size * Hkv, D]`` that make up ``[B, Hkv, L]``.
+
+    Gathering these rows yields keys already laid out ``[B, Hkv, L, D]``: cheaper than
+    gathering whole blocks ``[B, L, Hkv, D]`` and transposing (a strided copy, slow on CPU).
+    None when ``Hkv == 1``, where whole blocks already have that layout.
+    """
+    if num_kv_heads == 1:
+        return None
+    slots = blocks.reshape([num_rows, -1, 1]) * block_size + paddle.arange(block_size, dtype="int64")
+    heads = paddle.arange(num_kv_heads, dtype="int64").reshape([1, num_kv_heads, 1])
+    return (slots.reshape([num_rows, 1, -1]) * num_kv_heads + heads).flatten()
+
+
+def _gather_kv(cache, blocks, rows, num_rows, seq_len):
+    """One layer's keys (or values) of the tile's rows as float32 ``[B, Hkv, L, D]``."""
+    _, _, num_kv_heads, head_dim = cache.shape
+    if rows is None:
+        x = gather_rows(cache, blocks)
+    else:
+        x = gather_rows(cache.reshape([-1, head_dim]), rows)
+    return x.astype("float32").reshape([num_rows, num_kv_heads, seq_len, head_dim])
+
+
+def _visible(tile, seq_len, block_size, sliding_window, place):
+    """Boolean mask ``[B, 1, Q, 1, L]``: which gathered keys each query may attend to.
+
+    Gathered key ``l`` of a row sits at position ``first_block * block_size + l``; it is
+    visible to a query at ``p`` iff ``j <= p`` (and ``j > p - w`` with a window). Every real
+    query sees at least itself, so no softmax row is all -inf.
+    """
+    key_pos = paddle.arange(seq_len, dtype="int64").unsqueeze(0) + paddle.to_tensor(
+        tile.first_block[:, None] * block_size, place=place)  # [B, L]
+    key_pos = key_pos.unsqueeze(1)  # [B, 1, L]
+    query_pos = paddle.to_tensor(tile.qpos, place=place).unsqueeze(2)  # [B, Q, 1]
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        visible = paddle.logical_and(visible, key_pos > query_pos - sliding_window)
+    num_rows, q_len = tile.qpos.shape
+    return visible.reshape([num_rows, 1, q_len, 1, seq_len])
+
+
+def _check_window(sliding_window) -> int | None:
+    """A positive int window (numpy ints welcome) or None."""
+    if sliding_window is None:
+        return None
+    try:
+        window = operator.index(sliding_window)
+    except TypeError:
+        window = 0
+    if window < 1:
+        raise ValueError(f"paged_attention: sliding_window must be a positive int or None; got {sliding_window!r}")
+    return window
+
+
+def _check_inputs(query, key_cache, value_cache, metadata, sinks):
+    """Validate shapes; return ``(T, Hq, D)``."""
+    if query.ndim != 3:
+        raise ValueError(f"paged_attention: query must be [T, Hq, D]; got {list(query.shape)}")
+    if key_cache.ndim != 4 or list(value_cache.shape) != list(key_cache.shape):
+        raise ValueError(f"paged_attention: key_cache {list(key_cache.shape)} and value_cache "
+                         f"{list(value_cache.shape)} must both be [num_blocks, block_size, Hkv, D]")
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_dim = key_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"paged_attention: query head_dim {head_dim} != cache head_dim {cache_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"paged_attention: {num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
+    if block_size != metadata.block_size:
+        raise ValueError(f"paged_attention: cache block_size {block_size} != metadata.block_size "
+                         f"{metadata.block_size}")
+    if num_tokens != metadata.num_tokens:
+        raise ValueError(f"paged_attention: query has {num_tokens} tokens, metadata {metadata.num_tokens}")
+    if sinks is not None and list(sinks.shape) != [num_heads]:
+        raise ValueError(f"paged_attention: sinks must be [{num_heads}]; got {list(sinks.shape)}")
+    return num_tokens, num_heads, head_dim
+
+
+class ReferenceBackend(AttentionBackend):
+    """Paged attention in plain Paddle ops: any device, any row order, windows and sinks."""
+
+    name = "reference"
+    requires_reorder = False
+
+    def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
+        """See :func:`paged_attention`."""
+        return paged_attention(query, key_cache, value_cache, metadata, scale=scale,
+                               sliding_window=sliding_window, sinks=sinks)
+
+
+register_attention_backend("reference", ReferenceBackend)
