@@ -27,6 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     rest = [a for a in argv[1:] if a not in ("-v", "--verbose")]
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    from fleetlab.cpu_tuning import tune_malloc
+
+    tune_malloc()  # a program, not a library: keep Paddle's freed CPU buffers (see cpu_tuning)
     module = importlib.import_module(COMMANDS[args.command][0])
     return int(module.main(rest) or 0)
 

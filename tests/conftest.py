@@ -9,6 +9,10 @@ import matplotlib
 matplotlib.use("Agg")
 
 import numpy as np
+
+from fleetlab.cpu_tuning import tune_malloc
+
+tune_malloc()  # tests are a program of ours: keep freed CPU buffers (fleetlab.cpu_tuning)
 import pytest
 
 

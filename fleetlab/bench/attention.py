@@ -8,8 +8,6 @@ gathering its own blocks). Run ``python -m fleetlab.bench.attention --help``.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import statistics
 import time
 from dataclasses import dataclass
@@ -19,6 +17,7 @@ import paddle
 
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.attention.reference import paged_attention
+from fleetlab.cpu_tuning import tune_malloc
 from fleetlab.kv_cache import PagedKVCache
 
 
@@ -124,16 +123,6 @@ def run(args) -> list[dict]:
         Case(f"prefill {args.prefill_tokens} tokens", 1, args.prefill_tokens, 0),
     ]
     return [bench_case(case, args) for case in cases]
-
-
-def tune_malloc() -> bool:
-    """Stop glibc from returning every large buffer to the OS (see ``--tune-malloc``)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3  # mallopt parameters from <malloc.h>
-    return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 30))
 
 
 def parse_args(argv=None):
