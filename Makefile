@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: test lab demo bench lint clean venv
+.PHONY: test test-kernels lab demo bench lint clean venv
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ venv: $(VENV)/.stamp-dev
 
 test: $(VENV)/.stamp-dev
 	$(PY) -m pytest -q tests
+
+# The Triton kernel tests under Triton's CPU interpreter (torch + triton, about 1 GB; not in `make test`).
+test-kernels: $(VENV)/.stamp-dev
+	$(PIP) install -q "torch==2.13.0" triton
+	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_triton_kernels.py
 
 lab: $(VENV)/.stamp-lab
 	$(VENV)/bin/jupyter lab notebooks/
