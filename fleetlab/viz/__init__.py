@@ -1,0 +1,104 @@
+"""Pictures of what the engine does: drawing functions and widgets for notebooks (and beyond).
+
+Every drawing function returns a ``matplotlib.figure.Figure`` (not a pyplot figure: a
+notebook shows it when a cell returns it, a script can ``fig.savefig(...)``); pass
+``ax=`` where offered to draw into your own axes. Widgets are ``ipywidgets`` that keep
+their latest figure in ``.figure``. A request has the same colour in every picture
+(:func:`request_color`).
+
+Modules:
+  blocks   -- the block pool as a grid, block tables, memory wasted by paging vs padding
+  batch    -- InputBatch rows, condense and decode-first reorder swap by swap, gather maps
+  timeline -- the decode loop from engine traces: who ran when, KV occupancy, tokens per step
+  parity   -- oracle vs patched logits
+  layers   -- which attention layer writes which cache layer after patching
+  results  -- stored benchmark results (benchmarks/results/*.json)
+  perf     -- runs measured on the spot, side by side
+  widgets  -- LiveFigure (controls + figure), int_sliders, player (play button + slider)
+"""
+
+from fleetlab.viz._style import PHASE_COLORS, phase_color, request_color
+from fleetlab.viz.batch import (
+    ReorderFrame,
+    draw_batch,
+    draw_gather_map,
+    draw_reorder,
+    draw_reorder_frame,
+    reorder_frames,
+)
+from fleetlab.viz.blocks import (
+    MemoryWaste,
+    block_owners,
+    draw_block_pool,
+    draw_block_tables,
+    draw_memory_waste,
+    memory_waste,
+)
+from fleetlab.viz.layers import PatchedLayer, draw_layer_map, format_patch_table, patch_table
+from fleetlab.viz.parity import ParityReport, draw_logits_parity, greedy_table, logits_parity
+from fleetlab.viz.perf import RunRecord, draw_run_comparison, run_record
+from fleetlab.viz.results import (
+    draw_bench_summary,
+    draw_decode_bandwidth,
+    draw_result_bars,
+    load_results,
+    result_records,
+)
+from fleetlab.viz.timeline import (
+    TIMING_PARTS,
+    blocks_by_request,
+    describe_step,
+    draw_engine_step,
+    draw_kv_occupancy,
+    draw_step_timings,
+    draw_step_tokens,
+    draw_timeline,
+    request_order,
+)
+from fleetlab.viz.widgets import LiveFigure, int_sliders, player
+
+__all__ = [
+    "PHASE_COLORS",
+    "TIMING_PARTS",
+    "LiveFigure",
+    "MemoryWaste",
+    "ParityReport",
+    "PatchedLayer",
+    "ReorderFrame",
+    "RunRecord",
+    "block_owners",
+    "blocks_by_request",
+    "describe_step",
+    "draw_batch",
+    "draw_bench_summary",
+    "draw_block_pool",
+    "draw_block_tables",
+    "draw_decode_bandwidth",
+    "draw_engine_step",
+    "draw_gather_map",
+    "draw_kv_occupancy",
+    "draw_layer_map",
+    "draw_logits_parity",
+    "draw_memory_waste",
+    "draw_reorder",
+    "draw_reorder_frame",
+    "draw_result_bars",
+    "draw_run_comparison",
+    "draw_step_timings",
+    "draw_step_tokens",
+    "draw_timeline",
+    "format_patch_table",
+    "greedy_table",
+    "int_sliders",
+    "load_results",
+    "logits_parity",
+    "memory_waste",
+    "patch_table",
+    "phase_color",
+    "player",
+    "reorder_frames",
+    "request_color",
+    "request_order",
+    "result_records",
+    "run_record",
+]

@@ -1,0 +1,201 @@
+"""Drawings of the paged KV cache: the block pool as a grid, block tables, and waste.
+
+- :func:`draw_block_pool`: every physical block as a square, coloured by the request that
+  owns it; shared blocks are hatched and show their reference count; free blocks that
+  still hold a cached prefix are grey and show their place in the eviction queue.
+- :func:`draw_block_tables`: each request's block table (logical block -> physical id),
+  with how full each block is.
+- :func:`memory_waste` / :func:`draw_memory_waste`: KV slots reserved versus used when
+  memory is paged, padded to the longest request, or reserved for ``max_model_len``.
+
+Every rectangle carries a ``gid`` (``"block:<id>"``, ``"table:<req>:<j>"``,
+``"waste:<strategy>:<used|wasted>"``) so that tests and curious readers can find it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from matplotlib.patches import Patch, Rectangle
+
+from fleetlab.viz._style import (
+    CACHED_FREE_COLOR,
+    EDGE_COLOR,
+    FREE_COLOR,
+    UNKNOWN_OWNER_COLOR,
+    new_axes,
+    request_color,
+)
+
+
+def _block_infos(pool_or_snapshot):
+    """A pool's ``snapshot()`` list, or the given list of ``BlockInfo`` as is."""
+    snapshot = getattr(pool_or_snapshot, "snapshot", None)
+    return list(snapshot() if callable(snapshot) else pool_or_snapshot)
+
+
+def block_owners(block_tables: Mapping[object, Sequence[int]]) -> dict[int, list]:
+    """Invert block tables: ``{block_id: [request ids holding it, in table order]}``."""
+    owners: dict[int, list] = {}
+    for req_id, blocks in block_tables.items():
+        for block in blocks:
+            owners.setdefault(int(block), []).append(req_id)
+    return owners
+
+
+def block_face(info, owners: Sequence) -> tuple[str, str | None, str]:
+    """``(face colour, hatch, label)`` of one block of the grid (see :func:`draw_block_pool`)."""
+    if info.ref_count > 0:
+        color = request_color(owners[0]) if owners else UNKNOWN_OWNER_COLOR
+        shared = info.ref_count > 1
+        return color, ("xx" if shared else None), (f"x{info.ref_count}" if shared else "")
+    if info.is_cached:
+        return CACHED_FREE_COLOR, "..", str(info.lru_position)
+    return FREE_COLOR, None, ""
+
+
+def draw_block_pool(pool, block_tables: Mapping[object, Sequence[int]] | None = None, *, ncols: int = 8,
+                    ax=None, title: str | None = None):
+    """Draw a block pool as a grid of squares, one per physical block, in block-id order.
+
+    Args:
+      pool: a :class:`fleetlab.BlockPool` or a list of its ``BlockInfo`` (``pool.snapshot()``).
+      block_tables: ``{request id: block ids}`` of the live requests, to colour each block by
+        its owner (first owner when shared). Without it, blocks in use are dark grey.
+      ncols: squares per grid row.
+      ax: draw into these axes; default a new figure.
+    Colours: a request's colour for its blocks (hatched ``xx`` and labelled ``xN`` when N
+    requests share it); grey dotted for a free block that still holds a cached prefix
+    (labelled with its place in the free queue, 0 = evicted next); white for a free block.
+    Each square shows its block id in the corner.
+    Returns the ``matplotlib.figure.Figure``.
+    """
+    infos = _block_infos(pool)
+    owners = block_owners(block_tables or {})
+    nrows = max(1, -(-len(infos) // ncols))
+    fig, ax = new_axes(ax, figsize=(0.6 * ncols + 1.8, 0.6 * nrows + 0.8))
+    for info in infos:
+        row, col = divmod(info.block_id, ncols)
+        color, hatch, label = block_face(info, owners.get(info.block_id, []))
+        ax.add_patch(Rectangle((col, -row), 0.92, 0.92, facecolor=color, edgecolor=EDGE_COLOR, hatch=hatch,
+                               linewidth=1.0, gid=f"block:{info.block_id}"))
+        ax.text(col + 0.08, -row + 0.78, str(info.block_id), fontsize=7, color="#222222")
+        if label:
+            ax.text(col + 0.46, -row + 0.3, label, fontsize=7, ha="center", color="#111111",
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.8, "alpha": 0.85})
+    ax.set_xlim(-0.1, ncols)
+    ax.set_ylim(-nrows + 0.9, 1.0)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    legend = [Patch(facecolor=request_color(r), edgecolor=EDGE_COLOR, label=f"req {r}") for r in (block_tables or {})]
+    legend += [Patch(facecolor=CACHED_FREE_COLOR, hatch="..", edgecolor=EDGE_COLOR,
+                     label="free, still cached\n(number: place in the\neviction queue, 0 = next)"),
+               Patch(facecolor=FREE_COLOR, edgecolor=EDGE_COLOR, label="free")]
+    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    ax.set_title(title or f"block pool: {sum(i.ref_count > 0 for i in infos)}/{len(infos)} blocks in use",
+                 fontsize=9)
+    return fig
+
+
+def draw_block_tables(block_tables: Mapping[object, Sequence[int]], num_tokens: Mapping[object, int] | None = None,
+                      block_size: int | None = None, *, ax=None, title: str | None = None):
+    """Draw each request's block table as a row of cells: logical block j -> physical id.
+
+    Args:
+      block_tables: ``{request id: physical block ids in logical order}``.
+      num_tokens: ``{request id: tokens stored}``; with ``block_size`` each cell is shaded
+        up to how full it is, so the half-empty last block (paging's only waste) shows.
+      block_size: tokens per block (needed with ``num_tokens``).
+    Returns the Figure. Cells have gid ``"table:<request id>:<logical index>"`` and their
+    shaded part ``"fill:<request id>:<logical index>"`` (width 0.92 = a full block).
+    """
+    if num_tokens is not None and not block_size:
+        raise ValueError("draw_block_tables: num_tokens needs block_size")
+    req_ids = list(block_tables)
+    width = max([len(b) for b in block_tables.values()] + [1])
+    fig, ax = new_axes(ax, figsize=(0.6 * width + 1.6, 0.45 * len(req_ids) + 0.9))
+    for y, req_id in enumerate(req_ids):
+        for j, block in enumerate(block_tables[req_id]):
+            fill = 1.0
+            if num_tokens is not None:
+                fill = min(1.0, max(0.0, (num_tokens[req_id] - j * block_size) / block_size))
+            ax.add_patch(Rectangle((j, -y), 0.92, 0.8, facecolor="white", edgecolor=EDGE_COLOR,
+                                   gid=f"table:{req_id}:{j}"))
+            ax.add_patch(Rectangle((j, -y), 0.92 * fill, 0.8, facecolor=request_color(req_id), alpha=0.85,
+                                   gid=f"fill:{req_id}:{j}"))
+            ax.text(j + 0.46, -y + 0.4, str(block), ha="center", va="center", fontsize=8)
+    ax.set_yticks([-y + 0.4 for y in range(len(req_ids))], [f"req {r}" for r in req_ids], fontsize=8)
+    ax.set_xticks([j + 0.46 for j in range(width)], [str(j) for j in range(width)], fontsize=7)
+    ax.set_xlabel("logical block (position // block_size); cell text = physical block id", fontsize=8)
+    ax.set_xlim(-0.1, width)
+    ax.set_ylim(-len(req_ids) + 0.9, 0.9)
+    for side in ("top", "right", "left"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(title or "block tables", fontsize=9)
+    return fig
+
+
+@dataclass(slots=True)
+class MemoryWaste:
+    """KV token slots three ways of laying out the same requests would take.
+
+    tokens: slots the requests' tokens actually fill (the same for every layout).
+    paged: slots held by whole blocks (each request rounds up to ``block_size``).
+    padded: slots when every request is padded to the longest one (a static batch).
+    reserved: slots when every request reserves ``max_model_len`` up front.
+    """
+
+    tokens: int
+    paged: int
+    padded: int
+    reserved: int
+
+    def wasted_fraction(self, layout: str) -> float:
+        """Share of a layout's slots that hold no token (``layout``: paged, padded, reserved)."""
+        total = getattr(self, layout)
+        return (total - self.tokens) / total if total else 0.0
+
+
+def memory_waste(lengths: Sequence[int], block_size: int, max_model_len: int | None = None) -> MemoryWaste:
+    """Slots used by requests of ``lengths`` tokens under paging, padding and reservation.
+
+    ``max_model_len`` defaults to the longest length (then reservation equals padding).
+    """
+    lengths = [int(n) for n in lengths]
+    if block_size < 1 or any(n < 0 for n in lengths):
+        raise ValueError(f"memory_waste: need block_size >= 1 and lengths >= 0; got {block_size}, {lengths}")
+    longest = max(lengths, default=0)
+    max_model_len = longest if max_model_len is None else int(max_model_len)
+    if max_model_len < longest:
+        raise ValueError(f"memory_waste: max_model_len={max_model_len} is shorter than a request ({longest})")
+    paged = sum(-(-n // block_size) * block_size for n in lengths)
+    return MemoryWaste(tokens=sum(lengths), paged=paged, padded=longest * len(lengths),
+                       reserved=max_model_len * len(lengths))
+
+
+def draw_memory_waste(lengths: Sequence[int], block_size: int, max_model_len: int | None = None, *, ax=None):
+    """Stacked bars of used and wasted KV slots for paging, padding and reservation.
+
+    Args: as :func:`memory_waste`. Each bar is split into slots holding tokens (solid) and
+    empty slots (light, labelled with the wasted percentage). Returns the Figure; bars
+    have gid ``"waste:<paged|padded|reserved>:<used|wasted>"``.
+    """
+    waste = memory_waste(lengths, block_size, max_model_len)
+    layouts = {"paged": f"paged\n(block {block_size})", "padded": "padded to\nlongest",
+               "reserved": "reserve\nmax_model_len"}
+    fig, ax = new_axes(ax, figsize=(4.6, 3.0))
+    for x, (layout, label) in enumerate(layouts.items()):
+        total = getattr(waste, layout)
+        used = ax.bar(x, waste.tokens, color="#4e79a7", width=0.6)[0]
+        wasted = ax.bar(x, total - waste.tokens, bottom=waste.tokens, color="#f4c7c3", width=0.6)[0]
+        used.set_gid(f"waste:{layout}:used")
+        wasted.set_gid(f"waste:{layout}:wasted")
+        ax.text(x, total, f"{100 * waste.wasted_fraction(layout):.0f}% empty", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(layouts)), list(layouts.values()), fontsize=8)
+    ax.set_ylabel("KV slots (tokens)")
+    ax.set_ylim(0, max(waste.reserved, 1) * 1.18)
+    ax.legend(handles=[Patch(color="#4e79a7", label="holds a token"), Patch(color="#f4c7c3", label="empty")],
+              fontsize=7, loc="upper left", frameon=False)
+    ax.set_title(f"{len(lengths)} requests, {waste.tokens} tokens", fontsize=9)
+    return fig

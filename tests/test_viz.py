@@ -1,0 +1,438 @@
+"""fleetlab.viz on the Agg backend: what each drawing puts on its figure, and widgets driven
+by setting their values (as a reader dragging a slider would)."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from matplotlib.colors import to_hex
+from matplotlib.figure import Figure
+
+from fleetlab import LLM, BlockPool, InputBatch, SamplingParams, viz
+from fleetlab.engine.outputs import RequestOutput, RowTrace, StepTrace
+from fleetlab.viz._style import CACHED_FREE_COLOR, FREE_COLOR, PALETTE
+
+
+def by_gid(artists, prefix):
+    """``{gid: artist}`` of the artists whose gid starts with ``prefix``."""
+    return {a.get_gid(): a for a in artists if a.get_gid() and a.get_gid().startswith(prefix)}
+
+
+def face(patch):
+    return to_hex(patch.get_facecolor())
+
+
+# ----------------------------------------------------------------- colours
+def test_request_colors_are_stable_and_distinct_for_the_first_requests():
+    colors = [viz.request_color(str(i)) for i in range(len(PALETTE))]
+    assert len(set(colors)) == len(PALETTE)
+    assert viz.request_color("3") == viz.request_color(3)
+    assert len({viz.request_color(c) for c in "abcdefghijkl"}) == len(PALETTE)
+    assert viz.request_color("req-a") == viz.request_color("req-a")
+    assert set(viz.PHASE_COLORS.values()).isdisjoint(PALETTE)
+    with pytest.raises(ValueError, match="phase"):
+        viz.phase_color("decoding")
+
+
+# ----------------------------------------------------------------- blocks
+@pytest.fixture()
+def shared_pool():
+    """Request a fills 3 blocks (cached); b hits a's first 2 and allocates 1; c came and went."""
+    pool = BlockPool(10, 4)
+    prompt_a = list(range(10, 22))
+    a = pool.allocate(3)
+    pool.cache_blocks(prompt_a, a, 0, 3)
+    hits = pool.lookup(prompt_a[:8] + [90, 91])
+    pool.touch(hits)
+    b = hits + pool.allocate(1)
+    c = pool.allocate(2)
+    pool.cache_blocks(list(range(50, 58)), c, 0, 2)
+    pool.free(c)
+    return pool, {"a": a, "b": b}, c
+
+
+def test_block_grid_colours_each_block_by_owner_share_and_cache_state(shared_pool):
+    pool, tables, freed = shared_pool
+    fig = viz.draw_block_pool(pool, tables, ncols=5)
+    assert isinstance(fig, Figure)
+    cells = by_gid(fig.axes[0].patches, "block:")
+    assert len(cells) == pool.num_blocks
+    a, b = tables["a"], tables["b"]
+    shared, only_a, only_b = a[:2], a[2], b[2]
+    for block in shared:
+        assert face(cells[f"block:{block}"]) == viz.request_color("a")  # first owner's colour
+        assert cells[f"block:{block}"].get_hatch() == "xx"
+    assert face(cells[f"block:{only_a}"]) == viz.request_color("a")
+    assert face(cells[f"block:{only_b}"]) == viz.request_color("b")
+    assert cells[f"block:{only_b}"].get_hatch() is None
+    for block in freed:  # free but still holding a cached prefix
+        assert face(cells[f"block:{block}"]) == CACHED_FREE_COLOR
+    never_used = set(range(pool.num_blocks)) - set(a) - set(b) - set(freed)
+    assert {face(cells[f"block:{blk}"]) for blk in never_used} == {FREE_COLOR}
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert texts.count("x2") == 2
+    # A freed cached block shows its place in the free queue (the tail: freed last, evicted last).
+    queue = {info.block_id: info.lru_position for info in pool.snapshot()}
+    assert {str(queue[b]) for b in freed} <= set(texts)
+    assert max(queue[b] for b in freed) == pool.num_free_blocks - 1
+
+
+def test_block_grid_accepts_a_snapshot_and_marks_unknown_owners_grey():
+    pool = BlockPool(4, 2)
+    pool.allocate(1)
+    fig = viz.draw_block_pool(pool.snapshot(), ncols=2)
+    cells = by_gid(fig.axes[0].patches, "block:")
+    assert face(cells["block:0"]) == "#7f7f7f" and face(cells["block:1"]) == FREE_COLOR
+
+
+def test_block_tables_shade_the_filled_part_of_each_block():
+    fig = viz.draw_block_tables({"a": [7, 2], "b": [5]}, {"a": 6, "b": 1}, block_size=4)
+    ax = fig.axes[0]
+    assert set(by_gid(ax.patches, "table:")) == {"table:a:0", "table:a:1", "table:b:0"}
+    fills = {gid: p.get_width() for gid, p in by_gid(ax.patches, "fill:").items()}
+    assert fills == pytest.approx({"fill:a:0": 0.92, "fill:a:1": 0.46, "fill:b:0": 0.23})
+    assert [t.get_text() for t in ax.texts] == ["7", "2", "5"]
+    with pytest.raises(ValueError, match="block_size"):
+        viz.draw_block_tables({"a": [1]}, {"a": 1})
+
+
+def test_memory_waste_counts_and_bars():
+    waste = viz.memory_waste([5, 8, 1], block_size=4, max_model_len=16)
+    assert (waste.tokens, waste.paged, waste.padded, waste.reserved) == (14, 20, 24, 48)
+    assert waste.wasted_fraction("paged") == pytest.approx(6 / 20)
+    fig = viz.draw_memory_waste([5, 8, 1], 4, 16)
+    bars = by_gid(fig.axes[0].patches, "waste:")
+    assert bars["waste:paged:used"].get_height() == 14
+    assert bars["waste:paged:wasted"].get_height() == 6
+    assert bars["waste:reserved:wasted"].get_height() == 34
+    with pytest.raises(ValueError, match="max_model_len"):
+        viz.memory_waste([20], 4, max_model_len=8)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=12), st.integers(1, 64))
+def test_paging_wastes_less_than_one_block_per_request(lengths, block_size):
+    waste = viz.memory_waste(lengths, block_size)
+    assert waste.tokens <= waste.paged <= waste.tokens + (block_size - 1) * len(lengths)
+    assert waste.paged % block_size == 0
+    assert waste.tokens <= waste.padded <= waste.reserved
+
+
+# ----------------------------------------------------------------- widgets
+def test_live_figure_redraws_when_a_slider_moves():
+    sliders = viz.int_sliders(block_size=(1, 32, 1, 4), length=(1, 64, 1, 10))
+    live = viz.LiveFigure(lambda block_size, length: viz.draw_memory_waste([length, 3], block_size), sliders)
+    assert live.num_draws == 1
+    assert by_gid(live.figure.axes[0].patches, "waste:")["waste:paged:used"].get_height() == 13
+    sliders["block_size"].value = 16
+    bars = by_gid(live.figure.axes[0].patches, "waste:")
+    assert live.num_draws == 2
+    assert bars["waste:paged:wasted"].get_height() == 32 - 13
+    sliders["length"].value = 20
+    assert by_gid(live.figure.axes[0].patches, "waste:")["waste:paged:used"].get_height() == 23
+    assert live.values() == {"block_size": 16, "length": 20}
+    with pytest.raises(ValueError, match="outside"):
+        viz.int_sliders(x=(0, 3, 1, 9))
+
+
+def test_player_links_play_and_slider():
+    drawn = []
+
+    def draw(index):
+        drawn.append(index)
+        fig = Figure()
+        fig.add_subplot().bar([0], [index], gid="frame")
+        return fig
+
+    live = viz.player(draw, 5, start=1)
+    live.play.value = 3  # what pressing play does, tick by tick
+    assert live.slider.value == 3 and drawn == [1, 3]
+    live.slider.value = 4
+    assert live.play.value == 4
+    assert by_gid(live.figure.axes[0].patches, "frame")["frame"].get_height() == 4
+    with pytest.raises(ValueError, match="frame"):
+        viz.player(draw, 0)
+
+
+# ----------------------------------------------------------------- batch
+def make_batch():
+    """Rows 0..5 = requests 0..5; 2 finishes (a hole); 1 and 3 prefill, the rest decode."""
+    batch = InputBatch(max_num_seqs=6, max_model_len=32, max_blocks_per_seq=4)
+    for i, (n, computed) in enumerate([(5, 4), (6, 0), (4, 3), (7, 0), (3, 2), (8, 7)]):
+        batch.add_request(str(i), list(range(1, n + 1)), num_computed_tokens=computed, block_ids=[i])
+    batch.remove_request("2")
+    batch.set_num_scheduled({"0": 1, "1": 6, "3": 7, "4": 1, "5": 1})
+    return batch
+
+
+def test_reorder_frames_step_condense_then_each_swap():
+    frames = viz.reorder_frames(batch := make_batch())
+    assert [r.req_id for r in frames[0].records] == ["0", "1", None, "3", "4", "5"]
+    assert [r.req_id for r in frames[1].records] == ["0", "1", "3", "4", "5"]
+    assert frames[1].moved == (2, 3, 4)
+    swaps = frames[2:]
+    assert [f.moved for f in swaps] == [(1, 4), (2, 3)]
+    last = [r.phase for r in frames[-1].records]
+    assert last == ["decode"] * 3 + ["prefill"] * 2 and frames[-1].num_decodes == 3
+    # The same rows the engine's one-shot reorder produces.
+    reference = make_batch()
+    reference.condense()
+    reference.reorder_split_prefill_and_decode()
+    assert batch.req_ids == reference.req_ids
+    fig = viz.draw_reorder_frame(frames, 2)
+    rows = by_gid(fig.axes[1].patches, "row:")
+    outlined = sorted(int(g.split(":")[1]) for g, p in rows.items() if p.get_linewidth() > 2)
+    assert outlined == [1, 4]
+    with pytest.raises(ValueError, match="out of range"):
+        viz.draw_reorder_frame(frames, len(frames))
+
+
+def test_draw_reorder_draws_one_arrow_per_moved_request():
+    frames = viz.reorder_frames(make_batch())
+    fig = viz.draw_reorder(frames[1].records, frames[-1].records, num_decodes=3)
+    arrows = by_gid(fig.artists, "move:")
+    assert set(arrows) == {"move:1", "move:3", "move:4", "move:5"}
+    phases = [face(p) for p in by_gid(fig.axes[1].patches, "row:").values()]
+    assert phases == [viz.phase_color("decode")] * 3 + [viz.phase_color("prefill")] * 2
+
+
+def test_gather_map_moves_no_row_and_points_slots_at_rows():
+    batch = make_batch()
+    batch.condense()
+    before = batch.req_ids
+    order, num_decodes = batch.decode_first_order()
+    fig = viz.draw_gather_map(batch.snapshot(), order, num_decodes)
+    assert batch.req_ids == before
+    expected = {f"gather:{k}" for k, i in enumerate(order) if k != i}
+    assert set(by_gid(fig.artists, "gather:")) == expected and expected
+    labels = [t.get_text() for t in fig.axes[1].get_yticklabels()]
+    assert labels[0] == f"slot 0 <- row {order[0]}"
+
+
+# ----------------------------------------------------------------- timeline (synthetic traces)
+def trace(step, rows, preempted=(), finished=(), free=6):
+    return StepTrace(step=step, rows=[RowTrace(r, ph, n, 0, 4, list(b)) for r, ph, n, b in rows],
+                     order_before=[r[0] for r in rows], order_after=[r[0] for r in rows], num_decodes=0,
+                     reordered=False, tokens={}, preempted=list(preempted), finished=list(finished),
+                     num_free_blocks=free, num_blocks=8, num_batched_tokens=sum(r[2] for r in rows))
+
+
+@pytest.fixture()
+def traces():
+    return [
+        trace(0, [("a", "prefill", 4, [0]), ("b", "prefill", 3, [1])]),
+        trace(1, [("a", "decode", 1, [0, 2]), ("b", "decode", 1, [1]), ("c", "prefill", 5, [0, 3])]),
+        trace(2, [("a", "decode", 1, [0, 2])], preempted=["c"], finished=["a"]),
+    ]
+
+
+def test_timeline_boxes_markers_and_upto(traces):
+    fig = viz.draw_timeline(traces)
+    ax = fig.axes[0]
+    boxes = by_gid(ax.patches, "")
+    assert {g for g in boxes if g.startswith("prefill")} == {"prefill:a:0", "prefill:b:0", "prefill:c:1"}
+    assert len([g for g in boxes if g.startswith("decode")]) == 3
+    assert face(boxes["decode:a:1"]) == viz.phase_color("decode")
+    assert to_hex(boxes["decode:a:1"].get_edgecolor()) == viz.request_color("a")
+    assert set(by_gid(ax.lines, "")) == {"preempted:c:2", "finished:a:2"}
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["req a", "req b", "req c"]
+    upto = viz.draw_timeline(traces, upto=0).axes[0]
+    assert len(by_gid(upto.patches, "")) == 2 and not by_gid(upto.lines, "preempted")
+    assert upto.get_xlim() == ax.get_xlim()  # frames of a player keep the same axes
+
+
+def test_kv_occupancy_counts_shared_blocks_once(traces):
+    assert viz.blocks_by_request(traces[1]) == {"a": 2, "b": 1, "c": 1}  # block 0 is a's
+    bars = by_gid(viz.draw_kv_occupancy(traces).axes[0].patches, "kv:")
+    assert bars["kv:c:1"].get_height() == 1 and bars["kv:c:1"].get_y() == 3
+    assert sum(b.get_height() for g, b in bars.items() if g.endswith(":1")) == 4
+
+
+def test_step_tokens_bars_and_engine_step_figure(traces):
+    bars = by_gid(viz.draw_step_tokens(traces, budget=8).axes[0].patches, "tokens:")
+    assert bars["tokens:prefill:1"].get_height() == 5 and bars["tokens:decode:1"].get_height() == 2
+    assert bars["tokens:prefill:1"].get_y() == 2
+    fig = viz.draw_engine_step(traces, 1, budget=8)
+    assert len(fig.axes) == 3
+    assert "step 1" in fig._suptitle.get_text()
+    assert not by_gid(fig.axes[0].patches, "decode:a:2")
+    with pytest.raises(ValueError, match="no trace"):
+        viz.draw_engine_step(traces, 9)
+
+
+def test_step_timings_stack_in_milliseconds(traces):
+    traces[1].timings = {"schedule": 0.001, "forward": 0.004, "ignored": 9.0}
+    bars = by_gid(viz.draw_step_timings(traces).axes[0].patches, "timing:")
+    assert len(bars) == len(viz.TIMING_PARTS) * len(traces)
+    assert bars["timing:forward:1"].get_height() == pytest.approx(4.0)
+    assert bars["timing:forward:1"].get_y() == pytest.approx(1.0)  # schedule (1 ms) sits below
+    assert bars["timing:forward:0"].get_height() == 0.0
+
+
+# ----------------------------------------------------------------- timeline (a real engine run)
+@pytest.fixture(scope="module")
+def engine_traces(fleet_model):
+    """A run tight enough on blocks to preempt, with decode-first reorder on."""
+    llm = LLM(fleet_model, block_size=4, num_blocks=12, max_num_batched_tokens=16, max_model_len=40,
+              max_num_seqs=4, record_traces=True, reorder=True)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(3, 100, size=n)] for n in (9, 2, 5, 12, 7)]
+    try:
+        llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=9, ignore_eos=True),
+                     use_tqdm=False)
+    finally:
+        llm.handle.unpatch()  # the traces are plain data; the shared model must go back as it was
+    return llm.traces, llm.stats()
+
+
+def test_timeline_of_a_real_run_matches_its_traces(engine_traces):
+    traces, stats = engine_traces
+    ax = viz.draw_timeline(traces).axes[0]
+    boxes = by_gid(ax.patches, "")
+    rows = [(r.phase, r.request_id, t.step) for t in traces for r in t.rows]
+    assert sorted(boxes) == sorted(f"{p}:{r}:{s}" for p, r, s in rows)
+    assert len(by_gid(ax.lines, "preempted")) == stats["num_preemptions"] > 0
+    assert len(by_gid(ax.lines, "finished")) == 5
+
+
+def test_player_over_engine_steps_shows_only_steps_so_far(engine_traces):
+    traces, _ = engine_traces
+    live = viz.player(lambda i: viz.draw_engine_step(traces, traces[i].step, budget=16), len(traces))
+    live.slider.value = 3
+    shown = by_gid(live.figure.axes[0].patches, "")
+    assert shown and max(int(g.rsplit(":", 1)[1]) for g in shown) == traces[3].step
+
+
+# ----------------------------------------------------------------- parity
+def test_logits_parity_report_and_bars():
+    rng = np.random.default_rng(0)
+    ref = [rng.normal(size=(3, 10)), rng.normal(size=(2, 10))]
+    new = [a.copy() for a in ref]
+    new[1][1, 4] += 0.5
+    new[0][2] = 0.0
+    new[0][2, int(ref[0][2].argmax())] = 100.0  # huge change, same greedy token
+    report = viz.logits_parity(ref, new)
+    assert report.max_abs_diff == pytest.approx(np.abs(ref[0][2] - new[0][2]).max())
+    assert report.per_step[0][:2].tolist() == [0.0, 0.0]
+    flip = new[1][1].argmax() != ref[1][1].argmax()
+    assert report.argmax_agreement == pytest.approx(1 - flip / 5)
+    fig = viz.draw_logits_parity(ref, new, max_points=20)
+    bars = by_gid(fig.axes[1].patches, "diff:")
+    assert len(bars) == 5
+    assert bars["diff:1:1"].get_height() == pytest.approx(0.5)
+    assert bars["diff:0:0"].get_height() == pytest.approx(1e-9)  # zero drawn at the log floor
+    assert fig.axes[0].collections[0].get_offsets().shape == (20, 2)
+    with pytest.raises(ValueError, match="shapes"):
+        viz.logits_parity(ref, ref[:1])
+
+
+def test_greedy_table_marks_differences():
+    text = viz.greedy_table([[1, 2], [3]], [[1, 2], [4]], decode=lambda ids: "".join(map(str, ids)))
+    assert text.splitlines() == ["req 0: '12' == '12'", "req 1: '3' != '4'"]
+
+
+# ----------------------------------------------------------------- layers
+def test_fleet_layer_map_shows_zero_based_ids_and_the_one_based_trap(fleet_model):
+    from fleetlab import patch_model
+
+    with patch_model(fleet_model) as handle:
+        table = viz.patch_table(handle)
+        assert [(r.layer_id, r.layer_number) for r in table] == [(0, 1), (1, 2), (2, 3)]
+        assert "core_attention" in viz.format_patch_table(handle).splitlines()[1]
+        fig = viz.draw_layer_map(handle)
+    ax = fig.axes[0]
+    assert set(by_gid(ax.patches, "layer:")) == {"layer:0", "layer:1", "layer:2"}
+    assert set(by_gid(ax.patches, "one_based:")) == {"one_based:1", "one_based:2", "one_based:3"}
+    assert "no such\nlayer" in [t.get_text() for t in ax.texts]
+
+
+def test_paddleformers_layer_map_has_no_one_based_arrows(family_models):
+    from fleetlab import patch_model
+
+    with patch_model(family_models("llama")) as handle:
+        table = viz.patch_table(handle)
+        fig = viz.draw_layer_map(handle)
+    assert [r.layer_number for r in table] == [None] * 3 and [r.layer_id for r in table] == [0, 1, 2]
+    assert not by_gid(fig.axes[0].patches, "one_based:")
+
+
+# ----------------------------------------------------------------- perf
+def test_result_records_flatten_common_layouts():
+    assert viz.result_records([{"name": "x", "tok_s": 3.0, "note": "n"}]) == [{"name": "x", "tok_s": 3.0}]
+    nested = {"bench": {"results": {"fleetlab": {"tok_s": 5, "ok": True}, "static": {"tok_s": 2}}}}
+    assert viz.result_records(nested) == [{"name": "bench/results/fleetlab", "tok_s": 5.0},
+                                          {"name": "bench/results/static", "tok_s": 2.0}]
+    mixed = {"system": "s", "tok_s": 1, "runs": [{"engine": "e", "ms": 2}]}
+    assert viz.result_records(mixed) == [{"name": "s", "tok_s": 1.0}, {"name": "e", "ms": 2.0}]
+    assert viz.result_records({"x": float("nan"), "y": "text"}) == []
+
+
+def test_load_results_skips_bad_files_and_bars_are_drawn(tmp_path):
+    assert viz.load_results(tmp_path / "missing") == {}
+    (tmp_path / "bench.json").write_text(json.dumps([{"name": "a", "tok_s": 4}, {"name": "b", "tok_s": 8}]))
+    (tmp_path / "broken.json").write_text("{not json")
+    results = viz.load_results(tmp_path)
+    assert list(results) == ["bench"]
+    fig = viz.draw_result_bars(viz.result_records(results))
+    bars = by_gid(fig.axes[0].patches, "result:")
+    assert bars["result:tok_s:b"].get_width() == 8
+    with pytest.raises(ValueError, match="no records"):
+        viz.draw_result_bars([])
+
+
+def test_run_records_and_comparison():
+    outs = [RequestOutput("0", [1], [5, 6, 7], metrics={"finish_time": 11.0}),
+            RequestOutput("1", [1], [5], metrics={"finish_time": 10.5})]
+    run = viz.run_record("continuous", outs, start=10.0, end=12.0)
+    assert run.finish_times == [0.5, 1.0] and run.tokens_per_s == 2.0
+    assert run.mean_latency_s == pytest.approx(0.75)
+    fig = viz.draw_run_comparison([run, viz.run_record("static", outs, 10.0, 14.0)])
+    assert len(fig.axes) == 2  # steps unknown: no steps panel
+    bars = by_gid(fig.axes[0].patches, "throughput:")
+    assert bars["throughput:static"].get_height() == 1.0
+    line = by_gid(fig.axes[1].lines, "completed:")["completed:continuous"]
+    assert list(line.get_ydata()) == [0, 1, 2]
+    fig = viz.draw_run_comparison([viz.run_record("a", outs, 10.0, 12.0, num_steps=7),
+                                   viz.run_record("b", outs, 10.0, 12.0, num_steps=9)])
+    assert by_gid(fig.axes[1].patches, "steps:")["steps:b"].get_height() == 9
+    with pytest.raises(ValueError, match="before start"):
+        viz.run_record("x", outs, start=5.0, end=1.0)
+
+
+BENCH = {
+    "throughput": {"models": [{"size": "small", "paddleformers": {"tokens_per_s": 500.0},
+                               "fleetlab": {"tokens_per_s": 2000.0}},
+                              {"size": "base", "fleetlab": {"tokens_per_s": 600.0}}]},
+    "kv_memory": {"paged": {"token_fill": 0.97}, "padded": {"token_fill": 0.63}, "reserved": {}},
+    "prefix_caching": {"off": {"seconds": 5.0}, "on": {"seconds": 1.5}},
+    "step_breakdown": [{"batch_size": 4, "ms_per_step": {"forward": 13.0, "sample": 0.5, "total": 13.5}}],
+}
+
+
+def test_bench_summary_draws_the_sections_it_finds():
+    fig = viz.draw_bench_summary(BENCH)
+    assert len(fig.axes) == 4
+    bars = {g: p for ax in fig.axes for g, p in by_gid(ax.patches, "").items()}
+    assert bars["throughput:small:fleetlab LLM"].get_height() == 2000.0
+    assert "throughput:base:PaddleFormers generate" not in bars  # missing numbers are skipped
+    assert bars["kv_memory:paged"].get_height() == pytest.approx(97.0)
+    assert "kv_memory:reserved" not in bars
+    assert bars["prefix_caching:on"].get_height() == 1.5
+    assert bars["step_breakdown:batch 4:sample"].get_y() == 13.0  # stacked on forward; total dropped
+    assert "step_breakdown:batch 4:total" not in bars
+    only = viz.draw_bench_summary({"prefix_caching": BENCH["prefix_caching"], "other": [1, 2]})
+    assert len(only.axes) == 1
+    assert viz.draw_bench_summary({"schema_version": 2, "results": []}) is None
+
+
+def test_decode_bandwidth_lines_per_batch_and_implementation():
+    rows = [{"batch": b, "context": c, "triton_tbps": b * c / 1e4, "sdpa_tbps": 0.5, "dtype": "bf16"}
+            for b in (1, 16) for c in (512, 2048)]
+    fig = viz.draw_decode_bandwidth({"decode_bandwidth": rows, "ceilings": {"read_sum_tbps": 4.2}})
+    assert len(fig.axes) == 2
+    lines = by_gid(fig.axes[1].lines, "bandwidth:")
+    assert set(lines) == {"bandwidth:16:triton", "bandwidth:16:sdpa"}
+    assert list(lines["bandwidth:16:triton"].get_ydata()) == pytest.approx([16 * 512 / 1e4, 16 * 2048 / 1e4])
+    assert viz.draw_decode_bandwidth({"decode_bandwidth": []}) is None
