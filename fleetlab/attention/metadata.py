@@ -8,7 +8,7 @@ reorder, rows ``[0, num_decodes)`` are decodes and their tokens come first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
@@ -26,7 +26,8 @@ class AttentionMetadata:
                      (``num_computed_tokens + num_scheduled_tokens``).
       block_tables:  int32 ``[B, max_blocks_per_seq]`` physical block ids, unused entries -1.
     Host copies (numpy) of ``cu_seqlens_q`` and ``seq_lens_kv`` let backends plan their
-    work without a device-to-host sync.
+    work without a device-to-host sync; ``scratch`` lets a backend build that plan once per
+    step rather than once per layer.
     """
 
     positions: paddle.Tensor
@@ -41,6 +42,8 @@ class AttentionMetadata:
     max_seq_len: int
     cu_seqlens_q_host: np.ndarray
     seq_lens_kv_host: np.ndarray
+    # Per-step memo for backends: what the first layer plans, later layers reuse.
+    scratch: dict = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

@@ -98,23 +98,77 @@ def paged_attention(
     if num_tokens == 0:
         return paddle.zeros_like(query)
     num_kv_heads = key_cache.shape[2]
-    tiles = plan_tiles(metadata, num_heads, num_kv_heads * head_dim, sliding_window, tile_limits())
+    plan = _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, query.place)
     q32 = query.astype("float32") * scale
     sink_logits = None
     if sinks is not None:
         sink_logits = sinks.astype("float32").reshape([1, num_kv_heads, 1, num_heads // num_kv_heads, 1])
-    table = metadata.block_tables.astype("int64").flatten()
-    outs, dests = [], []
-    for tile in tiles:
-        out = _attend_tile(q32, key_cache, value_cache, table, metadata, tile, sliding_window, sink_logits)
-        outs.append(out)
-        dests.append(tile.tokens[tile.valid])
-    dest = np.concatenate(dests)
+    outs = [_attend_tile(q32, key_cache, value_cache, tile, sink_logits) for tile in plan.tiles]
     out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
-    if not np.array_equal(dest, np.arange(num_tokens)):
-        # Put the tiles' tokens back in packed order.
-        out = paddle.gather(out, paddle.to_tensor(np.argsort(dest), place=query.place))
+    if plan.order is not None:
+        out = paddle.gather(out, plan.order)  # put the tiles' tokens back in packed order
     return out.astype(query.dtype)
+
+
+@dataclass(slots=True)
+class _TileIndex:
+    """A tile's device-side indices and mask, the same for every layer of a step.
+
+    query_index: int64 ``[B * Q]`` packed token of each query slot; kv_index: int64 rows of
+    the cache (seen as ``[num_blocks * block_size * Hkv, D]``; whole blocks when ``Hkv == 1``)
+    that gather into ``[B, Hkv, L, D]``; visible: bool ``[B, 1, Q, 1, L]``; valid_index:
+    int64 real query slots, None when every slot is real.
+    """
+
+    tile: _Tile
+    seq_len: int
+    query_index: paddle.Tensor
+    kv_index: paddle.Tensor
+    visible: paddle.Tensor
+    valid_index: paddle.Tensor | None
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """Every tile of a step, and the gather that restores packed order (None: already in order)."""
+
+    tiles: list[_TileIndex]
+    order: paddle.Tensor | None
+
+
+def _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, place) -> _StepPlan:
+    """The plan for this step and layer shape: built by the step's first layer, kept in
+    ``metadata.scratch`` and reused by every later layer (they attend with the same metadata)."""
+    limits = tile_limits()
+    key = (num_heads, num_kv_heads, head_dim, sliding_window, limits, str(place))
+    plans = metadata.scratch.setdefault("reference_plans", {})
+    if key not in plans:
+        tiles = plan_tiles(metadata, num_heads, num_kv_heads * head_dim, sliding_window, limits)
+        table = metadata.block_tables.astype("int64").flatten()
+        indexed = [_index_tile(t, table, metadata, num_kv_heads, sliding_window, place) for t in tiles]
+        dest = np.concatenate([t.tokens[t.valid] for t in tiles])
+        order = None
+        if not np.array_equal(dest, np.arange(len(dest))):
+            order = paddle.to_tensor(np.argsort(dest), place=place)
+        plans[key] = _StepPlan(indexed, order)
+    return plans[key]
+
+
+def _index_tile(tile, table, metadata, num_kv_heads, sliding_window, place) -> _TileIndex:
+    """Upload a tile's plan: query slots, the cache rows its keys come from, its mask."""
+
+    def dev(array):
+        return paddle.to_tensor(array, place=place)
+
+    bs = metadata.block_size
+    width = metadata.block_tables.shape[1]
+    cols = np.minimum(tile.first_block[:, None] + np.arange(tile.num_blocks)[None, :], width - 1)
+    blocks = paddle.gather(table, dev((tile.rows[:, None] * width + cols).reshape(-1))).clip(min=0)
+    seq_len = tile.num_blocks * bs
+    rows = _kv_row_index(blocks, len(tile.rows), bs, num_kv_heads)
+    valid = None if tile.valid.all() else dev(np.flatnonzero(tile.valid.reshape(-1)))
+    return _TileIndex(tile, seq_len, dev(tile.tokens.reshape(-1)), blocks if rows is None else rows,
+                      _visible(tile, seq_len, bs, sliding_window, place), valid)
 
 
 def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: int,
@@ -169,35 +223,24 @@ def _make_tile(metadata, rows, q0, q_len, sliding_window) -> _Tile | None:
     return _Tile(rows, tokens, valid, qpos, first_block, int((end_block - first_block).max()))
 
 
-def _attend_tile(q32, key_cache, value_cache, table, metadata, tile, sliding_window, sink_logits):
+def _attend_tile(q32, key_cache, value_cache, index: _TileIndex, sink_logits):
     """Compute one tile; returns ``[num valid query slots, Hq, D]`` float32 in row-major slot order."""
-    num_rows, q_len = tile.tokens.shape
-    _, bs, num_kv_heads, head_dim = key_cache.shape
+    num_rows, q_len = index.tile.tokens.shape
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_heads = q32.shape[1]
     group = num_heads // num_kv_heads
-    place = q32.place
-
-    def dev(array):
-        return paddle.to_tensor(array, place=place)
+    seq_len = index.seq_len
 
     # Queries [B, Q, Hq, D] -> [B, Hkv, Q*G, D]: each KV head's G query heads share one matmul.
-    q = paddle.gather(q32, dev(tile.tokens.reshape(-1)))
+    q = paddle.gather(q32, index.query_index)
     q = q.reshape([num_rows, q_len, num_kv_heads, group, head_dim]).transpose([0, 2, 1, 3, 4])
     q = q.reshape([num_rows, num_kv_heads, q_len * group, head_dim])
-
-    # Block ids of the columns read, then the padded keys/values [B, Hkv, L, D].
-    width = metadata.block_tables.shape[1]
-    cols = np.minimum(tile.first_block[:, None] + np.arange(tile.num_blocks)[None, :], width - 1)
-    blocks = paddle.gather(table, dev((tile.rows[:, None] * width + cols).reshape(-1))).clip(min=0)
-    seq_len = tile.num_blocks * bs
-    rows = _kv_row_index(blocks, num_rows, bs, num_kv_heads)
-    k = _gather_kv(key_cache, blocks, rows, num_rows, seq_len)
-    v = _gather_kv(value_cache, blocks, rows, num_rows, seq_len)
+    k = _gather_kv(key_cache, index.kv_index, num_rows, seq_len)
+    v = _gather_kv(value_cache, index.kv_index, num_rows, seq_len)
 
     scores = paddle.matmul(q, k, transpose_y=True)  # [B, Hkv, Q*G, L]
     scores = scores.reshape([num_rows, num_kv_heads, q_len, group, seq_len])
-    scores = paddle.where(_visible(tile, seq_len, bs, sliding_window, place), scores,
-                          paddle.full([], float("-inf"), "float32"))
+    scores = paddle.where(index.visible, scores, paddle.full([], float("-inf"), "float32"))
     scores = scores.reshape([num_rows, num_kv_heads, q_len * group, seq_len])
     out = paddle.matmul(paddle.nn.functional.softmax(scores, axis=-1), v)  # [B, Hkv, Q*G, D]
     if sink_logits is not None:
@@ -209,8 +252,8 @@ def _attend_tile(q32, key_cache, value_cache, table, metadata, tile, sliding_win
     out = out.reshape([num_rows, num_kv_heads, q_len, group, head_dim])
     out = out.transpose([0, 2, 1, 3, 4])  # [B, Q, Hkv, G, D]
     out = out.reshape([num_rows * q_len, num_heads, head_dim])
-    if not tile.valid.all():
-        out = paddle.gather(out, dev(np.flatnonzero(tile.valid.reshape(-1))))
+    if index.valid_index is not None:
+        out = paddle.gather(out, index.valid_index)
     return out
 
 
@@ -228,13 +271,16 @@ def _kv_row_index(blocks, num_rows, block_size, num_kv_heads):
     return (slots.reshape([num_rows, 1, -1]) * num_kv_heads + heads).flatten()
 
 
-def _gather_kv(cache, blocks, rows, num_rows, seq_len):
-    """One layer's keys (or values) of the tile's rows as float32 ``[B, Hkv, L, D]``."""
+def _gather_kv(cache, kv_index, num_rows, seq_len):
+    """One layer's keys (or values) of the tile's rows as float32 ``[B, Hkv, L, D]``.
+
+    ``kv_index``: whole blocks when ``Hkv == 1``, else rows of ``[num_slots * Hkv, D]``
+    (see ``_kv_row_index``)."""
     _, _, num_kv_heads, head_dim = cache.shape
-    if rows is None:
-        x = gather_rows(cache, blocks)
+    if num_kv_heads == 1:
+        x = gather_rows(cache, kv_index)
     else:
-        x = gather_rows(cache.reshape([-1, head_dim]), rows)
+        x = gather_rows(cache.reshape([-1, head_dim]), kv_index)
     return x.astype("float32").reshape([num_rows, num_kv_heads, seq_len, head_dim])
 
 

@@ -61,7 +61,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         with paddle.no_grad(), forward_context(md, self.kv_cache):
             logits = self.handle.compute_logits(input_ids, md.positions.reshape([1, -1]), logits_rows)
-        logits = logits.astype("float32")
+        if logits.dtype != paddle.float32:
+            logits = logits.astype("float32")
         t3 = time.perf_counter()
         sampled, errors = self._sample(logits)
         t4 = time.perf_counter()
@@ -118,30 +119,31 @@ class ModelRunner:
         b.num_computed_tokens[:n] += q
         done = b.num_computed_tokens[:n] == b.num_tokens[:n]  # chunk reached the last known token
         finite = paddle.isfinite(logits).all(axis=-1).numpy()
-        tokens = self.sampler(paddle.where(paddle.isfinite(logits), logits, paddle.zeros_like(logits)),
-                              self._sampling_tensors(n))
+        if not finite.all():  # rare: zero the bad rows so the sampler stays well defined
+            logits = paddle.where(paddle.isfinite(logits), logits, paddle.zeros_like(logits))
+        tokens = self.sampler(logits, self._sampling_tensors(n))
         sampled, errors = {}, {}
-        for row in np.nonzero(done)[0]:
-            req_id = b.req_ids[row]
+        req_ids = b.req_ids  # a fresh list per access: read it once, not once per row
+        for row in np.flatnonzero(done).tolist():
+            req_id = req_ids[row]
             if not finite[row]:
                 errors[req_id] = "the model produced non-finite logits"
                 continue
-            sampled[req_id] = int(tokens[row])
-            b.append_token(row, int(tokens[row]))
+            token = int(tokens[row])
+            sampled[req_id] = token
+            b.append_token(row, token)
         return sampled, errors
 
     def _sampling_tensors(self, n: int) -> SamplingTensors:
         b = self.batch
         n_out = b.num_tokens[:n] - b.num_prompt_tokens[:n]
-        banned = []
-        for row in range(n):
-            if n_out[row] < b.min_tokens[row]:
-                ids = [int(t) for t in b.stop_token_ids[row] if t >= 0]
-                if not b.ignore_eos[row] and b.eos_token_id[row] >= 0:
-                    ids.append(int(b.eos_token_id[row]))
-                banned.append(ids)
-            else:
-                banned.append([])
+        banned = [[] for _ in range(n)]
+        # Only rows short of min_tokens ban anything; find them in one vector op, not a row loop.
+        for row in np.flatnonzero(n_out < b.min_tokens[:n]).tolist():
+            ids = [int(t) for t in b.stop_token_ids[row] if t >= 0]
+            if not b.ignore_eos[row] and b.eos_token_id[row] >= 0:
+                ids.append(int(b.eos_token_id[row]))
+            banned[row] = ids
         return SamplingTensors(
             temperature=b.temperature[:n], top_k=b.top_k[:n], top_p=b.top_p[:n],
             seeds=b.seed[:n], draw_index=n_out, banned=banned)

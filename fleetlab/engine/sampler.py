@@ -40,7 +40,8 @@ class Sampler:
     """Samples one token per row from logits ``[B, vocab]``; returns int64 numpy ``[B]``."""
 
     def __call__(self, logits: paddle.Tensor, st: SamplingTensors) -> np.ndarray:
-        logits = logits.astype("float32")
+        if logits.dtype != paddle.float32:
+            logits = logits.astype("float32")
         if any(st.banned):
             logits = self._ban(logits, st.banned)
         greedy = st.temperature == 0
