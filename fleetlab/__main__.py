@@ -18,7 +18,8 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m fleetlab", description=__doc__)
-    parser.add_argument("command", choices=sorted(COMMANDS), help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
+    parser.add_argument("command", choices=sorted(COMMANDS),
+                        help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()

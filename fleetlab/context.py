@@ -8,8 +8,9 @@ The runner opens a context around the forward pass, and attention reads it here.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from fleetlab.attention.metadata import AttentionMetadata
 

@@ -2,8 +2,8 @@
 whatever the engine does to get them: chunking, reordering, prefix caching, preemption."""
 
 import pytest
-
 from conftest import random_prompts
+
 from fleetlab import LLM, SamplingParams
 from fleetlab.patching.parity import reference_greedy
 

@@ -211,7 +211,8 @@ def test_batch_and_training_mode_are_refused_by_name():
 
 
 @pytest.mark.parametrize("family,field,value,match", [
-    ("llama", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}, "llama.*rope_type 'dynamic'"),
+    ("llama", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+     "llama.*rope_type 'dynamic'"),
     ("phi3", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4}, "phi3.*rope_type 'longrope'"),
     ("ernie4_5", "apply_rope_fusion", True, "ernie4_5.*apply_rope_fusion"),
     ("gemma3", "attn_logit_softcapping", 50.0, "gemma3.*attn_logit_softcapping"),

@@ -4,8 +4,8 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
-
 from conftest import random_prompts
+
 from fleetlab import LLM, SamplingParams
 from fleetlab.attention.backend import AttentionBackend, get_attention_backend, register_attention_backend
 from fleetlab.attention.reference import paged_attention

@@ -3,8 +3,8 @@
 import numpy as np
 import paddle
 import pytest
-
 from conftest import random_prompts
+
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.sampler import Sampler, SamplingTensors
 

@@ -19,7 +19,7 @@ _BUILTIN_MODULES = {
     "reference": "fleetlab.attention.reference",
     "triton": "fleetlab.attention.triton_backend",
 }
-_REGISTRY: dict[str, type["AttentionBackend"]] = {}
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
 
 
 class AttentionBackend:

@@ -66,7 +66,7 @@ class AttentionMetadata:
         block_size: int,
         decode_threshold: int = 1,
         place=None,
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """Build the metadata from host arrays.
 
         Args:

@@ -494,7 +494,8 @@ def _plot_throughput(ax, result: dict) -> None:
     x = np.arange(len(tp))
     pf = [e["paddleformers"]["tokens_per_s"] for e in tp]
     fl = [e["fleetlab"]["tokens_per_s"] for e in tp]
-    ax.bar(x - 0.2, pf, 0.4, label=f"PaddleFormers generate (batches of {result['throughput']['paddleformers_batch_size']})")
+    pf_batch = result["throughput"]["paddleformers_batch_size"]
+    ax.bar(x - 0.2, pf, 0.4, label=f"PaddleFormers generate (batches of {pf_batch})")
     ax.bar(x + 0.2, fl, 0.4, label="fleetlab LLM (continuous batching)")
     for i, e in enumerate(tp):
         ax.text(i + 0.2, fl[i], f"{e['speedup']:.2f}x", ha="center", va="bottom")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -185,7 +185,7 @@ def draw_memory_waste(lengths: Sequence[int], block_size: int, max_model_len: in
     layouts = {"paged": f"paged\n(block {block_size})", "padded": "padded to\nlongest",
                "reserved": "reserve\nmax_model_len"}
     fig, ax = new_axes(ax, figsize=(4.6, 3.0))
-    for x, (layout, label) in enumerate(layouts.items()):
+    for x, layout in enumerate(layouts):
         total = getattr(waste, layout)
         used = ax.bar(x, waste.tokens, color="#4e79a7", width=0.6)[0]
         wasted = ax.bar(x, total - waste.tokens, bottom=waste.tokens, color="#f4c7c3", width=0.6)[0]
