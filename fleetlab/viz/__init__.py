@@ -11,6 +11,7 @@ Modules:
   batch    -- InputBatch rows, condense and decode-first reorder swap by swap, gather maps
   timeline -- the decode loop from engine traces: who ran when, KV occupancy, tokens per step
   parity   -- oracle vs patched logits
+  latency  -- TTFT / TPOT percentiles of several runs (e.g. scheduling policies)
   layers   -- which attention layer writes which cache layer after patching
   results  -- stored benchmark results (benchmarks/results/*.json)
   perf     -- runs measured on the spot, side by side
@@ -34,6 +35,7 @@ from fleetlab.viz.blocks import (
     draw_memory_waste,
     memory_waste,
 )
+from fleetlab.viz.latency import draw_latency
 from fleetlab.viz.layers import PatchedLayer, draw_layer_map, format_patch_table, patch_table
 from fleetlab.viz.parity import ParityReport, draw_logits_parity, greedy_table, logits_parity
 from fleetlab.viz.perf import RunRecord, draw_run_comparison, run_record
@@ -77,6 +79,7 @@ __all__ = [
     "draw_engine_step",
     "draw_gather_map",
     "draw_kv_occupancy",
+    "draw_latency",
     "draw_layer_map",
     "draw_logits_parity",
     "draw_memory_waste",
