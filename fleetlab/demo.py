@@ -11,7 +11,7 @@ import argparse
 import random
 import time
 
-PROMPT_KINDS = ("add", "sub", "count", "text")
+PROMPT_KINDS = ("add", "times", "count", "add", "text")
 
 
 def make_prompts(n: int, seed: int = 0) -> list[str]:
@@ -22,9 +22,8 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
         kind = PROMPT_KINDS[i % len(PROMPT_KINDS)]
         if kind == "add":
             prompts.append(f"{rng.randint(10, 99)}+{rng.randint(10, 99)}=")
-        elif kind == "sub":
-            a = rng.randint(10, 99)
-            prompts.append(f"{a}-{rng.randint(1, a)}=")
+        elif kind == "times":
+            prompts.append(f"{rng.randint(2, 9)}*{rng.randint(2, 9)}=")
         elif kind == "count":
             prompts.append(f"count {rng.randint(1, 80)} ")
         else:
@@ -34,10 +33,11 @@ def make_prompts(n: int, seed: int = 0) -> list[str]:
 
 def check(prompt: str, answer: str) -> str:
     """A tick or a cross for arithmetic prompts, blank for the rest."""
-    for op in ("+", "-"):
+    ops = {"+": int.__add__, "-": int.__sub__, "*": int.__mul__}
+    for op, fn in ops.items():
         if prompt.endswith("=") and op in prompt:
             a, b = prompt[:-1].split(op)
-            want = int(a) + int(b) if op == "+" else int(a) - int(b)
+            want = fn(int(a), int(b))
             return "ok" if answer.strip() == str(want) else f"want {want}"
     return ""
 
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--max-num-batched-tokens", type=int, default=48)
     p.add_argument("--block-size", type=int, default=4)
-    p.add_argument("--num-blocks", type=int, default=48)
+    p.add_argument("--num-blocks", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 

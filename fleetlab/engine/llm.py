@@ -185,8 +185,10 @@ class LLM:
         for rid in order:
             n = sched.num_scheduled_tokens[rid]
             computed, num_tokens, blocks = rows_before[rid]
-            # A decode runs exactly the last known token; anything else is (re)filling the cache.
-            phase = "decode" if computed == num_tokens - 1 else "prefill"
+            # A decode runs the last sampled token; anything else fills the cache with the prompt
+            # (even a single token after a prefix-cache hit) or recomputes after a preemption.
+            decode = computed == num_tokens - 1 and computed >= by_id[rid].num_prompt_tokens
+            phase = "decode" if decode else "prefill"
             rows.append(RowTrace(rid, phase, n, computed, by_id[rid].num_prompt_tokens, blocks))
         return StepTrace(
             step=sched.step, rows=rows, order_before=ran.order_before if ran else [], order_after=order,
