@@ -46,24 +46,18 @@ def timeline(traces, request_ids, width: int = 60) -> list[str]:
     """One text line per request: P prefill chunk, D decode, x preempted, . waiting."""
     lines = []
     for rid in request_ids:
-        cells = []
-        started = finished = False
+        cells, finished = [], False
         for t in traces[:width]:
             row = next((r for r in t.rows if r.request_id == rid), None)
             if rid in t.preempted:
                 cells.append("x")
             elif row is not None:
-                started = True
                 cells.append("D" if row.phase == "decode" else "P")
             else:
-                cells.append(" " if finished or (started and rid not in _live(t)) else ".")
+                cells.append(" " if finished else ".")
             finished = finished or rid in t.finished
         lines.append("".join(cells))
     return lines
-
-
-def _live(trace) -> set:
-    return {r.request_id for r in trace.rows}
 
 
 def main(argv=None) -> int:
