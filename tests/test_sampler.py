@@ -10,10 +10,9 @@ from fleetlab.engine.sampler import Sampler, SamplingTensors
 
 
 def tensors(n, temperature=1.0, top_k=0, top_p=1.0, seeds=None, draw=None, banned=None):
-    return SamplingTensors(
-        temperature=np.full(n, temperature, np.float32), top_k=np.full(n, top_k, np.int64),
-        top_p=np.full(n, top_p, np.float32), seeds=np.arange(n) if seeds is None else np.asarray(seeds),
-        draw_index=np.zeros(n, np.int64) if draw is None else np.asarray(draw), banned=banned or [[]] * n)
+    return SamplingTensors.from_host(
+        np.full(n, temperature, np.float32), np.full(n, top_k, np.int64), np.full(n, top_p, np.float32),
+        np.arange(n) if seeds is None else seeds, np.zeros(n, np.int64) if draw is None else draw, banned)
 
 
 LOGITS = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], dtype=np.float32))

@@ -66,6 +66,7 @@ class AttentionMetadata:
         block_size: int,
         decode_threshold: int = 1,
         place=None,
+        block_tables_device=None,
     ) -> AttentionMetadata:
         """Build the metadata from host arrays.
 
@@ -78,6 +79,8 @@ class AttentionMetadata:
           decode_threshold: a row with at most this many query tokens is a decode;
             ``num_decodes`` counts the leading run of such rows.
           place: Paddle place for the device tensors (default: the current device).
+          block_tables_device: the same block tables already on the device (the InputBatch's
+            mirror); uploaded from ``block_tables`` when None.
         """
         query_lens = np.asarray(query_lens, dtype=np.int64)
         num_computed = np.asarray(num_computed_tokens, dtype=np.int64)
@@ -111,7 +114,7 @@ class AttentionMetadata:
             slot_mapping=dev(slot_mapping),
             cu_seqlens_q=dev(cu),
             seq_lens_kv=dev(seq_lens),
-            block_tables=dev(tables),
+            block_tables=dev(tables) if block_tables_device is None else block_tables_device,
             block_size=int(block_size),
             num_decodes=num_decodes,
             num_decode_tokens=int(cu[num_decodes]),

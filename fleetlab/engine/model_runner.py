@@ -88,6 +88,7 @@ class ModelRunner:
         num_decodes = 0
         if self.reorder:
             _, num_decodes = b.reorder_split_prefill_and_decode(self.decode_threshold)
+        b.sync_to_device()  # one copy per device field, after every row has moved
         return order_before, list(b.req_ids[: b.num_reqs]), num_decodes
 
     def _add(self, req: Request) -> None:
@@ -106,7 +107,8 @@ class ModelRunner:
         c = b.num_computed_tokens[:n].astype(np.int64)
         max_blocks = max(1, int(b.num_blocks[:n].max()))
         md = AttentionMetadata.build(q, c, b.block_table[:n, :max_blocks], self.block_size,
-                                     self.decode_threshold)
+                                     self.decode_threshold,
+                                     block_tables_device=b.dev("block_table")[:, :max_blocks])
         row_of_token = np.repeat(np.arange(n), q)
         pos = c[row_of_token] + np.arange(md.num_tokens) - md.cu_seqlens_q_host[:-1][row_of_token]
         input_ids = paddle.to_tensor(b.token_ids[row_of_token, pos].reshape(1, -1), dtype="int64")
@@ -145,8 +147,8 @@ class ModelRunner:
                 ids.append(int(b.eos_token_id[row]))
             banned[row] = ids
         return SamplingTensors(
-            temperature=b.temperature[:n], top_k=b.top_k[:n], top_p=b.top_p[:n],
-            seeds=b.seed[:n], draw_index=n_out, banned=banned)
+            greedy=b.temperature[:n] == 0, temperature=b.dev("temperature"), top_k=b.dev("top_k"),
+            top_p=b.dev("top_p"), seeds=b.seed[:n], draw_index=n_out, banned=banned)
 
 
 @dataclass(slots=True)

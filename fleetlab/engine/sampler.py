@@ -18,17 +18,29 @@ import paddle
 class SamplingTensors:
     """Per-row sampling settings for one step, rows in batch order.
 
-    temperature, top_p: float32 ``[B]``; top_k: int64 ``[B]`` (0 = off);
-    seeds, draw_index: int64 ``[B]`` host arrays (draw_index = outputs so far);
+    greedy: bool ``[B]`` host, rows with temperature 0 (decides the fast all-greedy path).
+    temperature, top_p: float32 ``[B]``, top_k: int ``[B]`` (0 = off): device tensors,
+      the InputBatch's device mirrors in the engine.
+    seeds, draw_index: int64 ``[B]`` host arrays (draw_index = outputs so far): the
+      per-request random state, drawn on the host so it never depends on the batch.
     banned: per row, token ids that must not be drawn (EOS/stop before min_tokens).
     """
 
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
+    greedy: np.ndarray
+    temperature: paddle.Tensor
+    top_k: paddle.Tensor
+    top_p: paddle.Tensor
     seeds: np.ndarray
     draw_index: np.ndarray
     banned: list[list[int]]
+
+    @classmethod
+    def from_host(cls, temperature, top_k, top_p, seeds, draw_index, banned=None) -> "SamplingTensors":
+        """Build from host arrays (uploads the settings the sampler reads on the device)."""
+        temperature = np.asarray(temperature, dtype=np.float32)
+        return cls(temperature == 0, paddle.to_tensor(temperature), paddle.to_tensor(np.asarray(top_k)),
+                   paddle.to_tensor(np.asarray(top_p, dtype=np.float32)), np.asarray(seeds),
+                   np.asarray(draw_index), banned or [[] for _ in temperature])
 
 
 def uniform_for(seed: int, draw_index: int) -> float:
@@ -44,13 +56,13 @@ class Sampler:
             logits = logits.astype("float32")
         if any(st.banned):
             logits = self._ban(logits, st.banned)
-        greedy = st.temperature == 0
         tokens = paddle.argmax(logits, axis=-1).numpy().astype(np.int64)
-        if greedy.all():
+        if st.greedy.all():
             return tokens
-        rows = np.nonzero(~greedy)[0]
-        sub = paddle.gather(logits, paddle.to_tensor(rows), axis=0)
-        probs = self._probs(sub, st.temperature[rows], st.top_k[rows], st.top_p[rows])
+        rows = np.nonzero(~st.greedy)[0]
+        index = paddle.to_tensor(rows)
+        probs = self._probs(paddle.gather(logits, index, axis=0), paddle.gather(st.temperature, index),
+                            paddle.gather(st.top_k, index), paddle.gather(st.top_p, index))
         u = np.array([uniform_for(st.seeds[r], st.draw_index[r]) for r in rows], dtype=np.float32)
         cdf = paddle.cumsum(probs, axis=-1)
         u_t = paddle.to_tensor(u).unsqueeze(-1) * cdf[:, -1:]
@@ -69,14 +81,15 @@ class Sampler:
     def _probs(logits, temperature, top_k, top_p) -> paddle.Tensor:
         """Probabilities after temperature, top-k and top-p (masked tokens get 0)."""
         vocab = logits.shape[-1]
-        logits = logits / paddle.to_tensor(temperature, dtype="float32").unsqueeze(-1)
+        logits = logits / temperature.astype("float32").unsqueeze(-1)
         sorted_logits = paddle.sort(logits, axis=-1, descending=True)
-        k = np.where(top_k > 0, np.minimum(top_k, vocab), vocab) - 1
-        kth = paddle.take_along_axis(sorted_logits, paddle.to_tensor(k, dtype="int64").unsqueeze(-1), axis=-1)
+        top_k = top_k.astype("int64")
+        k = paddle.where(top_k > 0, paddle.clip(top_k, max=vocab), paddle.full_like(top_k, vocab)) - 1
+        kth = paddle.take_along_axis(sorted_logits, k.unsqueeze(-1), axis=-1)
         sorted_probs = paddle.nn.functional.softmax(sorted_logits, axis=-1)
         # Keep a token while the mass strictly before it is below top_p (the top token always stays).
         mass_before = paddle.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep_sorted = mass_before < paddle.to_tensor(top_p, dtype="float32").unsqueeze(-1)
+        keep_sorted = mass_before < top_p.astype("float32").unsqueeze(-1)
         n_keep = paddle.sum(keep_sorted.astype("int64"), axis=-1, keepdim=True) - 1
         pth = paddle.take_along_axis(sorted_logits, n_keep, axis=-1)
         threshold = paddle.maximum(kth, pth)
