@@ -20,3 +20,12 @@ def test_triton_backend_needs_a_gpu(fleet_model):
         LLM(fleet_model, backend="triton")
     assert not any(n.endswith("core_attention") and type(m).__name__ == "PagedCoreAttention"
                    for n, m in fleet_model.named_sublayers())  # the failed LLM left the model as it was
+
+
+def test_kernel_source_reads_the_kernels_without_triton():
+    from fleetlab.attention.source import kernel_source
+
+    text = kernel_source("_decode_kernel")
+    assert text.startswith("@triton.jit") and "def _decode_kernel(" in text and "block_tables_ptr" in text
+    with pytest.raises(ValueError, match="no function"):
+        kernel_source("no_such_kernel")

@@ -865,11 +865,41 @@ PERFORMANCE = [
     On a model this small the engine's own bookkeeping is a visible share of each step; on
     a real model the forward pass dominates and batching more tokens per step is what pays.
 
+    ## 4. Inside the GPU decode kernel
+
+    On a GPU, fleetlab's `backend="triton"` runs three Triton kernels over the same paged
+    cache this notebook's CPU backend uses: `store_kv` writes each token's K/V to its slot,
+    `_decode_kernel` handles the decode rows, `_prefill_kernel` the prefill chunks (that is
+    why this backend asks for decode-first rows). Triton is not installed on a CPU machine,
+    so here we only *read* the decode kernel; it was tested and timed on an NVIDIA H200 (on
+    torch tensors), and its numbers are the `h200_triton` panel in section 1.
+
+    One program handles one (row, KV head, split of the context). Read it with three ideas:
+
+    1. **GQA for free**: the query heads that share a KV head are loaded together as a
+       `[GROUP, head_dim]` tile, so each K/V tile is read from memory once for all of them;
+    2. **paging inside the loop**: `_kv_tile_offsets` turns logical positions into cache
+       addresses through the block table — no gather into a contiguous copy first, which is
+       why paging costs almost nothing (3x faster than gather-then-SDPA on the H200);
+    3. **online softmax and split-K**: a running max `m`, a running sum `l` and an
+       accumulator `acc` let the program stream over the context once; when a batch is too
+       small to fill the GPU, the context is split over several programs whose partial
+       results `_decode_reduce_kernel` merges by their log-sum-exp (flash-decoding).
+    """),
+    code("""
+    from fleetlab.attention.source import kernel_source
+
+    print(kernel_source("_kv_tile_offsets"))
+    print()
+    print(kernel_source("_decode_kernel"))
+    """),
+    md("""
     ## Try next
 
     - `max_num_seqs=8` for both runs, or output lengths all equal: when does static
       batching catch up?
     - Run `python -m fleetlab bench` (or `make bench`) and re-run section 1.
+    - Read `_prefill_kernel` the same way: where does the causal mask come in?
     - Back to **00_tour** with what you know now.
     """),
 ]
