@@ -3,7 +3,7 @@
 It copies notebooks/ to a temporary folder (the committed notebooks stay output-free), serves
 it with JupyterLab on a free localhost port, opens a notebook whose slider redraws a matplotlib
 plot, runs all cells, checks that the widgets rendered, moves the slider and checks that the
-plot changed. Screenshots land in test-artifacts/browser/.
+plot changed; then runs every other notebook there too. Screenshots land in test-artifacts/browser/.
 
 Skipped unless /usr/bin/chromium and the ``playwright`` and ``jupyterlab`` packages are present;
 the browser is never downloaded (``playwright install`` is not needed). Needs ipywidgets >= 8.
@@ -29,6 +29,7 @@ CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-q
 # cap of its own). With shutdown they keep the test under three minutes on a loaded machine.
 SERVER_START_S, SESSION_S = 45, 110
 STEP_CAPS_S = {"open": 50, "run": 70, "widgets": 25, "redraw": 25}
+OTHER_NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb") if p.name != NOTEBOOK)
 
 
 def _missing() -> str | None:
@@ -121,3 +122,22 @@ def test_slider_redraws_plot_in_jupyterlab(lab, page):
     assert lab_page.plot_src(widget) != before_src
     assert lab_page.plot_image(widget).screenshot() != before_pixels, "the plot's pixels did not change"
     assert lab_page.placeholders_shown(page) == []
+
+
+@pytest.mark.parametrize("name", OTHER_NOTEBOOKS)
+def test_every_other_notebook_runs_in_jupyterlab(lab, page, name):
+    """Run All in the browser: no cell left unrun, no widget placeholder left on the page."""
+    from browser import lab_page
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    budget = _Budget(SESSION_S)
+    try:
+        lab_page.open_notebook(page, lab.url, name, budget.ms("open"))
+        lab_page.run_all_cells(page, budget.ms("run"))
+        page.wait_for_timeout(500)  # let widget views attach before looking for placeholders
+        assert lab_page.placeholders_shown(page) == []
+    except Exception:
+        _shot(page, f"99_failure_{Path(name).stem}.png")
+        print(f"JupyterLab log tail:\n{lab.log_tail()}")
+        raise
+    _shot(page, f"run_all_{Path(name).stem}.png")

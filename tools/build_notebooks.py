@@ -718,7 +718,9 @@ DECODE_LOOP = [
 
     A preempted request loses its blocks and is recomputed later. Its answer must be the
     one it would have got with plenty of memory. Run the same arrivals on a roomy engine
-    (the same patched model, 10x the blocks) and compare.
+    (the same patched model, 10x the blocks) and compare. (With `ignore_eos=True` the model
+    keeps writing past its answer, so each text starts with the answer, e.g. `'19'` for
+    `12+7=`, and trails off into noise: what matters here is that both runs agree.)
     """),
     code("""
     roomy = fleetlab.LLM(llm.handle, tokenizer, **{**engine_config, "num_blocks": 140})
