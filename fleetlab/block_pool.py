@@ -248,13 +248,15 @@ class BlockPool:
             keys.append(parent)
         return keys
 
-    def lookup(self, token_ids: Sequence[int]) -> list[int]:
+    def lookup(self, token_ids: Sequence[int], *, record_stats: bool = True) -> list[int]:
         """Cached blocks holding the longest full-block prefix of ``token_ids``, in order.
 
         The hit never covers the whole prompt: at least one token must still run through
         the model to produce the logits of the next token, so a prompt of exactly
         ``k * block_size`` tokens can hit at most ``k - 1`` blocks (that last block is
-        recomputed). Counts one query; takes no references (call :meth:`touch` for that).
+        recomputed). Counts one query unless ``record_stats=False`` (a caller that may retry
+        the same lookup counts it once with :meth:`record_lookup`); takes no references
+        (call :meth:`touch` for that).
         """
         if not self.enable_prefix_caching:
             return []
@@ -268,10 +270,17 @@ class BlockPool:
                 break
             hits.append(block_id)
             parent = self._block_key[block_id]  # the stored object: later compares stop early
-        self._queries += 1
-        self._query_tokens += len(token_ids)
-        self._hit_tokens += len(hits) * self.block_size
+        if record_stats:
+            self.record_lookup(len(token_ids), len(hits))
         return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
+        """Count one prefix-cache query of ``num_tokens`` tokens that hit ``num_hit_blocks`` blocks."""
+        if not self.enable_prefix_caching:
+            return
+        self._queries += 1
+        self._query_tokens += int(num_tokens)
+        self._hit_tokens += int(num_hit_blocks) * self.block_size
 
     def cache_blocks(
         self,

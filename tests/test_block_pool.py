@@ -483,3 +483,17 @@ class CollidingPoolMachine(PoolMachine):
 
 CollidingPoolMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
 test_block_pool_state_machine_with_hash_collisions = CollidingPoolMachine.TestCase
+
+
+def test_a_lookup_can_be_counted_once_by_the_caller():
+    pool = BlockPool(num_blocks=8, block_size=4)
+    tokens = list(range(9))
+    _run_request(pool, tokens)  # caches two blocks, counts one query that missed
+    assert pool.lookup(tokens, record_stats=False) == pool.lookup(tokens, record_stats=False)
+    assert pool.stats().queries == 1
+    pool.record_lookup(len(tokens), 2)
+    s = pool.stats()
+    assert (s.queries, s.hit_tokens, s.query_tokens) == (2, 8, 18)
+    off = BlockPool(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    off.record_lookup(9, 0)
+    assert off.stats().queries == 0

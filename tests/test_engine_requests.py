@@ -69,6 +69,9 @@ BAD = [
     (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(top_p=1.5)), "top_p"),
     (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(top_k=-1)), "top_k"),
     (dict(prompts=["hello"]), "no tokenizer"),
+    (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(stop_token_ids=(5, 999))), "stop_token_ids"),
+    (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(stop_token_ids=tuple(range(3, 12)))),
+     "stop_token_ids"),
 ]
 
 
@@ -141,3 +144,17 @@ def test_step_by_hand_and_stats(llm):
     s = llm.stats()
     for key in ("num_blocks", "num_free_blocks", "prefix_cache_hit_rate", "num_preemptions", "kv_cache_utilization"):
         assert key in s
+
+
+def test_a_request_waiting_for_blocks_counts_one_prefix_query(fleet_model):
+    # The pool holds only the first request: the second is looked up every step until it fits,
+    # but the hit rate must count each admission once, not each retry.
+    llm = LLM(fleet_model, block_size=4, num_blocks=4, max_num_batched_tokens=10, max_model_len=48)
+    try:
+        outs = llm.generate(prompt_token_ids=random_prompts([10, 10], seed=3),
+                            sampling_params=SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+        assert [len(o.token_ids) for o in outs] == [6, 6]
+        assert llm.stats()["num_steps"] > 8  # the second request really waited
+        assert llm.stats()["prefix_cache_queries"] == 2
+    finally:
+        llm.handle.unpatch()

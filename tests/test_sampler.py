@@ -78,3 +78,11 @@ def test_degenerate_sampling_is_greedy(fleet_model, kw):
     finally:
         llm.handle.unpatch()
     assert [o.token_ids for o in g] == [o.token_ids for o in s]
+
+
+def test_a_uniform_that_rounds_to_one_never_draws_a_masked_token(monkeypatch):
+    # 1 - 1e-9 becomes 1.0 in float32: the inverse CDF must still stop at a kept token.
+    monkeypatch.setattr("fleetlab.engine.sampler.uniform_for", lambda seed, index: 1 - 1e-9)
+    assert set(draw_many(n=8, top_k=2)) == {1}
+    banned = [[3]] * 8
+    assert set(draw_many(n=8, banned=banned)) == {2}

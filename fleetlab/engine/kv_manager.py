@@ -18,11 +18,17 @@ class KVCacheManager:
         self.block_size = pool.block_size
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)
 
     def get_computed_blocks(self, request: Request) -> list[int]:
-        """Cached blocks that already hold a prefix of the request (never all of it)."""
-        return self.pool.lookup(request.all_token_ids)
+        """Cached blocks that already hold a prefix of the request (never all of it).
+
+        Counts nothing in the pool's hit rate: a request that cannot be admitted is looked
+        up again next step. The scheduler counts the query once, on admission
+        (``pool.record_lookup``).
+        """
+        return self.pool.lookup(request.all_token_ids, record_stats=False)
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[int] | None = None) -> bool:

@@ -117,6 +117,7 @@ class LLM:
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"request {rid!r}: sampling_params must be a fleetlab.SamplingParams")
         sp.validate(rid)
+        self._check_stop_ids(rid, sp)
         self._check_fits(rid, ids, sp)
         seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**62))
         return Request(rid, ids, sp, seed=seed, arrival_order=next(self._arrivals),
@@ -141,6 +142,17 @@ class LLM:
                              f"[0, {self.handle.vocab_size})")
         return ids
 
+    def _check_stop_ids(self, rid, sp) -> None:
+        """Refuse now what would otherwise fail mid-step: the InputBatch row and the sampler's ban."""
+        cap = self.runner.batch.sizes["max_stop_ids"]
+        if len(sp.stop_token_ids) > cap:
+            raise ValueError(f"request {rid!r}: sampling field stop_token_ids holds {len(sp.stop_token_ids)} "
+                             f"ids; the engine keeps at most {cap}")
+        bad = [t for t in sp.stop_token_ids if t >= self.handle.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid!r}: sampling field stop_token_ids {bad[:5]} outside the "
+                             f"vocabulary [0, {self.handle.vocab_size})")
+
     def _check_fits(self, rid, ids, sp) -> None:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"request {rid!r}: prompt has {len(ids)} tokens; max_model_len="
@@ -157,22 +169,20 @@ class LLM:
     def step(self, trace: bool = False):
         """Run one engine step. Returns the outputs of requests that finished in it, or
         ``(outputs, StepTrace)`` with ``trace=True``."""
+        tracing = trace or self.config.record_traces
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         rows_before = {r.request_id: (r.num_computed_tokens, r.num_tokens, list(r.block_ids))
-                       for r in sched.scheduled}
-        if sched.scheduled:
-            ran = self.runner.execute(sched)
-        else:
-            ran = None
+                       for r in sched.scheduled} if tracing else {}  # copied only when a trace needs them
+        ran = self.runner.execute(sched) if sched.scheduled else None
         t2 = time.perf_counter()
         finished = self.scheduler.update(sched, ran.sampled if ran else {}, ran.errors if ran else {}, t2)
         t3 = time.perf_counter()
         self._num_generated += len(ran.sampled) if ran else 0
         outputs = [self._output(r) for r in finished]
         record = None
-        if trace or self.config.record_traces:
+        if tracing:
             record = self._trace(sched, ran, finished, rows_before, {"schedule": t1 - t0, "update": t3 - t2})
             if self.config.record_traces:
                 self.traces.append(record)

@@ -54,6 +54,7 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run the step ``out`` plans (at least one request): batch update, forward, sampling."""
         t0 = time.perf_counter()
         order_before, order_after, num_decodes = self._update_batch(out)
         t1 = time.perf_counter()

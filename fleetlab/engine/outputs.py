@@ -13,8 +13,8 @@ class RequestOutput:
     text: ``token_ids`` decoded without special tokens, when the engine has a tokenizer.
     finish_reason: ``"stop"`` (EOS or a stop token), ``"length"`` (max_tokens or the
       model's maximum length), ``"error"`` (see ``error``), or None while unfinished.
-    metrics: arrival / first-token / finish times (``time.perf_counter`` seconds) and
-      the number of times the request was preempted.
+    metrics: arrival / first-token / finish times and each output token's time
+      (``token_times``; ``time.perf_counter`` seconds), and ``num_preemptions``.
     """
 
     request_id: str

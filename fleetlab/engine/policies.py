@@ -74,6 +74,7 @@ def register_policy(name: str, cls: type[SchedulingPolicy]) -> None:
 
 
 def make_policy(name_or_policy) -> SchedulingPolicy:
+    """A policy instance from a registered name (or the instance itself, unchanged)."""
     if isinstance(name_or_policy, SchedulingPolicy):
         return name_or_policy
     if name_or_policy not in _POLICIES:

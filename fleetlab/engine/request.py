@@ -10,6 +10,8 @@ from fleetlab.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
+    """Where a request is in its life: queued, in the running batch, requeued, or done."""
+
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, its blocks freed; it will be recomputed

@@ -35,7 +35,7 @@ class SamplingTensors:
     banned: list[list[int]]
 
     @classmethod
-    def from_host(cls, temperature, top_k, top_p, seeds, draw_index, banned=None) -> "SamplingTensors":
+    def from_host(cls, temperature, top_k, top_p, seeds, draw_index, banned=None) -> SamplingTensors:
         """Build from host arrays (uploads the settings the sampler reads on the device)."""
         temperature = np.asarray(temperature, dtype=np.float32)
         return cls(temperature == 0, paddle.to_tensor(temperature), paddle.to_tensor(np.asarray(top_k)),
@@ -67,7 +67,11 @@ class Sampler:
         cdf = paddle.cumsum(probs, axis=-1)
         u_t = paddle.to_tensor(u).unsqueeze(-1) * cdf[:, -1:]
         drawn = paddle.sum((cdf <= u_t).astype("int64"), axis=-1).numpy()
-        tokens[rows] = np.minimum(drawn, logits.shape[-1] - 1)
+        # A float32 u can round up to 1.0 (u_t == cdf[-1]): every entry then counts and the
+        # draw runs off the end. Clamp to the last drawable token, never a masked or banned one.
+        drawable_ids = (probs > 0).astype("int64") * paddle.arange(probs.shape[-1], dtype="int64")
+        last = paddle.max(drawable_ids, axis=-1).numpy()
+        tokens[rows] = np.minimum(drawn, last)
         return tokens
 
     @staticmethod
@@ -93,5 +97,8 @@ class Sampler:
         n_keep = paddle.sum(keep_sorted.astype("int64"), axis=-1, keepdim=True) - 1
         pth = paddle.take_along_axis(sorted_logits, n_keep, axis=-1)
         threshold = paddle.maximum(kth, pth)
-        masked = paddle.where(logits >= threshold, logits, paddle.full_like(logits, float("-inf")))
-        return paddle.nn.functional.softmax(masked, axis=-1)
+        keep = (logits >= threshold) & (logits > float("-inf"))  # banned tokens are -inf already
+        probs = paddle.nn.functional.softmax(paddle.where(keep, logits, paddle.full_like(logits, float("-inf"))), -1)
+        # Paddle's CPU softmax gives -inf a tiny mass (~1e-28), not 0: zero it so a masked token
+        # can never be drawn.
+        return paddle.where(keep, probs, paddle.zeros_like(probs))

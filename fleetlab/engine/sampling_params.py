@@ -50,8 +50,8 @@ class SamplingParams:
             bad("top_k", self.top_k, "must be an int >= 0 (0 disables it)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             bad("top_p", self.top_p, "must be in (0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            bad("seed", self.seed, "must be a non-negative int or None")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            bad("seed", self.seed, "must be an int in [0, 2**63) or None")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             bad("min_tokens", self.min_tokens, f"must be an int in [0, max_tokens={self.max_tokens}]")
         for t in self.stop_token_ids:

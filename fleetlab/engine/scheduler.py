@@ -5,8 +5,10 @@ running requests first (their decodes, or the next chunk of a long prompt), then
 waiting requests in the policy's order. Prefills and decodes share a step. When the
 block pool runs dry it preempts a running request (the policy picks: by default the
 most recently admitted), frees its blocks and puts it back in the waiting queue to be
-recomputed later. The oldest request can always finish alone (the engine rejects any
-request the whole pool could not hold), so the loop can neither deadlock nor starve it.
+recomputed later. The engine rejects any request the whole pool could not hold, so the
+request the policy never preempts (the oldest, under the default first-come-first-served
+policy) can always finish: the loop cannot deadlock. Other policies bound waiting by
+their own rules (see ``PriorityPolicy``'s aging).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class SchedulerOutput:
 
     @property
     def total_num_scheduled_tokens(self) -> int:
+        """Tokens the step runs in all (the packed batch length ``T``)."""
         return sum(self.num_scheduled_tokens.values())
 
 
@@ -68,14 +71,17 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
+        """Queue a new request (validated by the engine) at the back of the waiting list."""
         request.status = RequestStatus.WAITING
         request.enqueue_step = self.step_count
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first (preempting on a dry pool), then admissions."""
         out = SchedulerOutput(step=self.step_count)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:  # after a preemption the pool is tight: admit nobody new
@@ -84,6 +90,13 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Give each running request its next tokens; returns the budget left.
+
+        On a dry pool the policy's victim is preempted (its tokens, if already scheduled
+        this step, go back to the budget) until ``req`` fits or is itself the victim.
+        A scheduled victim stands before ``req`` in ``running``, so removing it shifts ``req``
+        down one row: hence ``i -= 1``.
+        """
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -114,6 +127,8 @@ class Scheduler:
             n = min(remaining, budget)
             if not self.kv.allocate_slots(req, n, hits):
                 break
+            if self.enable_prefix_caching:  # counted once per admission, not once per retry
+                self.kv.pool.record_lookup(req.num_tokens, len(hits))
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
