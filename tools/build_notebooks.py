@@ -566,9 +566,9 @@ REORDER = [
     md("""
     The scan makes the fewest moves (each misplaced row moves once), but it is **not
     stable**: look at the order inside each group (`j` jumped ahead of `d`). A stable
-    partition keeps the order and moves many more rows. Both are correct, because the engine never trusts row order to mean
-    anything: results go back to requests by id (`by_request`), or through the permutation
-    (`unpermute`).
+    partition keeps the order but moves more rows (twice as many below). Both are correct,
+    because the engine never trusts row order to mean anything: results go back to requests
+    by id (`by_request`), or through the permutation (`unpermute`).
     """),
     code("""
     from fleetlab.engine.input_batch import unpermute
@@ -842,13 +842,13 @@ PERFORMANCE = [
     viz.draw_run_comparison([static, continuous])
     """),
     md("""
-    Both runs compute exactly the same tokens, but continuous batching needs far fewer
-    **steps**: no row sits idle behind its batch's longest request. Whether that shows in
-    seconds depends on the hardware. On a GPU a step of 4 rows costs about as much as a
+    Both runs compute exactly the same tokens, but continuous batching needs about a third
+    fewer **steps**: no row sits idle behind its batch's longest request. Whether that shows
+    in seconds depends on the hardware. On a GPU a step of 4 rows costs about as much as a
     step of 1 (the weights are read once either way), so time follows the step count. On
-    this CPU, with a 1M-parameter model, a step's cost grows with the rows in it, and the
-    two times come out much closer (they also wobble from run to run). The step count is
-    the part of the result that carries over to real hardware.
+    this CPU, with a 1M-parameter model, a step's cost grows with the rows in it, so the gap
+    in seconds is usually smaller than the gap in steps, and wobbles from run to run. The
+    step count is the part of the result that carries over to real hardware.
 
     ## 3. Where a step's time goes
 
@@ -1197,7 +1197,8 @@ PROTOTYPING = [
     """),
     md("""
     Under `fcfs` Alice and Bob wait for the whole burst; under `round-robin` they are
-    admitted as soon as a row frees up, and `bulk` pays a few steps for it.
+    admitted as soon as a row frees up, and `bulk` pays for it: its later requests start
+    about 8 steps later.
 
     ## Try next
 

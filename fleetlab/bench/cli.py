@@ -20,11 +20,15 @@ BENCHES = {
 
 
 def main(argv=None) -> int:
+    """Run benchmark ``argv[0]`` (default ``all``) with the remaining options; returns its exit code.
+
+    ``-h``/``--help``/``help`` alone lists the benchmarks; ``NAME --help`` shows one's options.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
-    name = argv.pop(0) if argv and not argv[0].startswith("-") else "all"
-    if name in ("-h", "--help", "help"):
+    if argv[:1] in (["-h"], ["--help"], ["help"]):
         print(__doc__)
         return 0
+    name = argv.pop(0) if argv and not argv[0].startswith("-") else "all"
     if name == "all":
         name = "engine"
     if name not in BENCHES:

@@ -20,7 +20,8 @@ Every figure is measured in one run, on one machine, with the same models and re
    forward, sample, update, other) in decode steps at a small and a large batch.
 
 Results go to ``<out>/bench.json`` and ``<out>/*.png`` (default ``benchmarks/results``),
-which the ``05_performance`` notebook reads. ``--tiny`` runs a few-second version (tests).
+which the ``05_performance`` notebook reads; :mod:`fleetlab.bench.report` draws the
+PNGs and the README table. ``--tiny`` runs a few-second version (tests).
 
 JSON schema (``schema_version`` 1; times in seconds unless the key says ``_ms``)::
 
@@ -36,7 +37,7 @@ JSON schema (``schema_version`` 1; times in seconds unless the key says ``_ms``)
       engine: {block_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching}
       models: list of
         {size, num_params, config: {model config overrides},
-         paddleformers: {seconds, cpu_seconds: [per repeat], best_s, best_cpu_s, output_tokens,
+         paddleformers: {seconds, cpu_seconds (lists, one per repeat), best_s, best_cpu_s, output_tokens,
                          tokens_per_s (from best_s), generated_tokens (incl. static-batch waste),
                          num_batches, batch_size},
          fleetlab: {seconds, cpu_seconds, best_s, best_cpu_s, output_tokens, tokens_per_s,
@@ -81,6 +82,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
+from fleetlab.bench.report import STEP_KEYS, headline_table, write_plots
 from fleetlab.bench.workloads import Workload, mixed_workload, padded_batches, shared_prefix_workload
 
 logger = logging.getLogger(__name__)
@@ -92,7 +94,7 @@ MODEL_SIZES = {
     # 1.0M parameters: per-step Python overhead dominates.
     "small": {"hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 512},
-    # 3.4M parameters: the size of the tiny Llama measured in ANCHORS.
+    # 3.4M parameters: the forward pass weighs more against the engine's per-step overhead.
     "base": {"hidden_size": 256, "intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 8,
              "num_key_value_heads": 4, "head_dim": 32, "vocab_size": 1024},
     # For --tiny: the test-sized model.
@@ -101,7 +103,6 @@ MODEL_SIZES = {
 }
 # An EOS id for PaddleFormers' generate that no sampled token can equal (EOS off).
 NO_EOS = -1
-STEP_KEYS = ("schedule", "batch_update", "metadata", "forward", "sample", "update")
 
 
 @dataclass(slots=True)
@@ -150,6 +151,7 @@ def build_model(size: str, max_len: int, seed: int = 0):
 
 
 def num_params(model) -> int:
+    """How many parameters ``model`` holds."""
     return int(sum(int(np.prod(p.shape)) for p in model.parameters()))
 
 
@@ -436,111 +438,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or "?"
-
-
-def headline_table(result: dict) -> str:
-    """The README table (markdown) of a ``bench.json`` result."""
-    tp, kv, px = result["throughput"], result["kv_memory"], result["prefix_caching"]
-    m = result["machine"]
-    load = m.get("load_average") or ["?"]
-    lines = [(f"Measured on {m['processor']} ({m['cpu_count']} cores, {m['device']}), Paddle {m['paddle']}, "
-              f"PaddleFormers {m['paddleformers']}, OMP_NUM_THREADS={m['omp_num_threads']}, "
-              f"load average {load[0]} at the start."), "",
-             "| figure | PaddleFormers generate | fleetlab LLM | fleetlab / PaddleFormers |", "|---|---|---|---|"]
-    wl = tp["workload"]
-    for e in tp["models"]:
-        a = e["agreement"]
-        lines.append(
-            f"| output tok/s, {e['size']} Llama ({e['num_params'] / 1e6:.1f}M params), {wl['num_requests']} requests, "
-            f"in {wl['prompt_len'][0]}-{wl['prompt_len'][1]} / out {wl['output_len'][0]}-{wl['output_len'][1]} tokens "
-            f"| {e['paddleformers']['tokens_per_s']:.0f} (static batches of {tp['paddleformers_batch_size']}) "
-            f"| {e['fleetlab']['tokens_per_s']:.0f} | **{e['speedup']:.2f}x** (CPU time: {e['cpu_time_speedup']:.2f}x; "
-            f"greedy outputs identical {a['identical_requests']}/{a['requests']}) |")
-    lines.append(f"| allocated KV memory holding real tokens | {100 * kv['padded']['token_fill']:.0f}% "
-                 f"(padded batches) | {100 * kv['paged']['token_fill']:.0f}% (paged, block {kv['block_size']}) "
-                 f"| reserving the longest sequence: {100 * kv['reserved']['token_fill']:.0f}% |")
-    lines.append(f"| prefix caching, {px['workload']['num_requests']} requests sharing {px['workload']['prefix_len']} "
-                 f"tokens: output tok/s off / on | | {px['off']['tokens_per_s']:.0f} / {px['on']['tokens_per_s']:.0f} "
-                 f"(hit rate {100 * px['on']['hit_rate']:.0f}%) | **{px['speedup']:.2f}x** with caching |")
-    for b in result["step_breakdown"]:
-        ms = b["ms_per_step"]
-        lines.append(f"| decode step, batch {b['batch_size']}: model forward / engine overhead | | "
-                     f"{ms['forward']:.1f} ms / {ms['total'] - ms['forward']:.2f} ms "
-                     f"| overhead {100 * b['overhead_share']:.1f}% of the step |")
-    return "\n".join(lines)
-
-
-def write_plots(result: dict, out: Path) -> list[str]:
-    """One PNG per figure in ``out``; returns the file names."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = []
-    for name, draw in (("throughput.png", _plot_throughput), ("kv_memory.png", _plot_kv_memory),
-                       ("prefix_caching.png", _plot_prefix_caching), ("step_breakdown.png", _plot_step_breakdown)):
-        fig, ax = plt.subplots(figsize=(5.8, 3.4))
-        draw(ax, result)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        names.append(name)
-    return names
-
-
-def _plot_throughput(ax, result: dict) -> None:
-    tp = result["throughput"]["models"]
-    x = np.arange(len(tp))
-    pf = [e["paddleformers"]["tokens_per_s"] for e in tp]
-    fl = [e["fleetlab"]["tokens_per_s"] for e in tp]
-    pf_batch = result["throughput"]["paddleformers_batch_size"]
-    ax.bar(x - 0.2, pf, 0.4, label=f"PaddleFormers generate (batches of {pf_batch})")
-    ax.bar(x + 0.2, fl, 0.4, label="fleetlab LLM (continuous batching)")
-    for i, e in enumerate(tp):
-        ax.text(i + 0.2, fl[i], f"{e['speedup']:.2f}x", ha="center", va="bottom")
-    ax.set_xticks(x, [f"{e['size']} ({e['num_params'] / 1e6:.1f}M params)" for e in tp])
-    ax.set_ylim(0, 1.35 * max(pf + fl))
-    ax.set_ylabel("output tokens / s")
-    ax.set_title("Throughput on a mixed workload")
-    ax.legend(fontsize=7, loc="upper left")
-
-
-def _plot_kv_memory(ax, result: dict) -> None:
-    kv = result["kv_memory"]
-    labels = [f"paged, block {kv['block_size']} (fleetlab)", "padded static batches", "reserve longest sequence"]
-    vals = [100 * kv[k]["token_fill"] for k in ("paged", "padded", "reserved")]
-    ax.barh(labels, vals, color=["tab:green", "tab:orange", "tab:red"])
-    for i, v in enumerate(vals):
-        ax.text(v, i, f" {v:.0f}%", va="center")
-    ax.set_xlim(0, 115)
-    ax.set_xlabel("allocated KV memory holding real tokens (%)")
-    ax.set_title("KV memory use over the run")
-
-
-def _plot_prefix_caching(ax, result: dict) -> None:
-    px = result["prefix_caching"]
-    ax.bar(["caching off", "caching on"], [px["off"]["tokens_per_s"], px["on"]["tokens_per_s"]],
-           color=["tab:gray", "tab:green"])
-    ax.set_ylim(0, 1.15 * max(px["off"]["tokens_per_s"], px["on"]["tokens_per_s"]))
-    ax.set_ylabel("output tokens / s")
-    ax.set_title(f"Shared {px['workload']['prefix_len']}-token prefix: hit rate {100 * px['on']['hit_rate']:.0f}%, "
-                 f"{px['speedup']:.2f}x")
-
-
-def _plot_step_breakdown(ax, result: dict) -> None:
-    sb = result["step_breakdown"]
-    bottom = np.zeros(len(sb))
-    for key in (*STEP_KEYS, "other"):
-        vals = np.array([b["ms_per_step"][key] for b in sb])
-        ax.bar([f"batch {b['batch_size']}" for b in sb], vals, bottom=bottom, label=key)
-        bottom += vals
-    for i, b in enumerate(sb):
-        ax.text(i, bottom[i], f"overhead {100 * b['overhead_share']:.1f}%", ha="center", va="bottom", fontsize=8)
-    ax.set_ylim(0, 1.12 * bottom.max())
-    ax.set_ylabel("ms per decode step")
-    ax.set_title("Where a decode step's time goes")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def run(cfg: BenchConfig, preset: str = "custom", argv=None) -> dict:

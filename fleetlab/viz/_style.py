@@ -12,8 +12,8 @@ import zlib
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
-# Twelve colours that stay distinct on a white background and from the phase colours.
-# Saturated request colours; the phase colours below are pastel so the two never clash.
+# Twelve saturated request colours, distinct on white; the phase colours below are pastel
+# so the two never clash.
 PALETTE = (
     "#4e79a7", "#59a14f", "#e15759", "#b07aa1", "#edc948", "#76b7b2",
     "#9c755f", "#ff9da7", "#17becf", "#bcbd22", "#1f4e79", "#d37295",
@@ -66,3 +66,13 @@ def new_axes(ax=None, figsize=(6.0, 3.0)):
 def hex_color(color) -> str:
     """Any matplotlib colour as ``"#rrggbb"`` (for comparing colours in tests)."""
     return to_hex(color)
+
+
+def labelled_bars(ax, names, values, gid: str, fmt: str) -> None:
+    """One bar per name (palette colours in order, gid ``"<gid>:<name>"``), its value written
+    on top with ``fmt``, the names as x tick labels."""
+    names = list(names)
+    for x, (name, value) in enumerate(zip(names, values)):
+        ax.bar(x, value, color=PALETTE[x % len(PALETTE)])[0].set_gid(f"{gid}:{name}")
+        ax.text(x, value, fmt.format(value), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), names, fontsize=8)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from matplotlib.figure import Figure
 
-from fleetlab.viz._style import PALETTE
+from fleetlab.viz._style import PALETTE, labelled_bars
 
 
 @dataclass(slots=True)
@@ -27,6 +27,7 @@ class RunRecord:
 
     @property
     def tokens_per_s(self) -> float:
+        """Output tokens per wall-clock second (nan for a zero-length run)."""
         return self.num_output_tokens / self.wall_s if self.wall_s > 0 else float("nan")
 
     @property
@@ -48,13 +49,6 @@ def run_record(name: str, outputs: Sequence, start: float, end: float, num_steps
     return RunRecord(name, end - start, tokens, finish, num_steps)
 
 
-def _bars(ax, runs, values, gid: str, fmt: str) -> None:
-    for i, (run, value) in enumerate(zip(runs, values)):
-        ax.bar(i, value, color=PALETTE[i % len(PALETTE)])[0].set_gid(f"{gid}:{run.name}")
-        ax.text(i, value, fmt.format(value), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(runs)), [r.name for r in runs], fontsize=8)
-
-
 def draw_run_comparison(runs: Sequence[RunRecord]):
     """Runs side by side: output tokens per second (bars, gid ``"throughput:<name>"``), engine
     steps when every run knows them (bars, gid ``"steps:<name>"``), and requests completed
@@ -65,11 +59,11 @@ def draw_run_comparison(runs: Sequence[RunRecord]):
     fig = Figure(figsize=(12.0 if with_steps else 9.0, 3.2), layout="constrained")
     axes = fig.subplots(1, 3 if with_steps else 2)
     ax_tp, ax_done = axes[0], axes[-1]
-    _bars(ax_tp, runs, [r.tokens_per_s for r in runs], "throughput", "{:.0f}")
+    labelled_bars(ax_tp, [r.name for r in runs], [r.tokens_per_s for r in runs], "throughput", "{:.0f}")
     ax_tp.set_ylabel("output tokens / s")
     ax_tp.set_title("throughput (higher is better)", fontsize=9)
     if with_steps:
-        _bars(axes[1], runs, [r.num_steps for r in runs], "steps", "{:d}")
+        labelled_bars(axes[1], [r.name for r in runs], [r.num_steps for r in runs], "steps", "{:d}")
         axes[1].set_ylabel("engine steps")
         axes[1].set_title("steps for the same work (fewer is better)", fontsize=9)
     for i, run in enumerate(runs):

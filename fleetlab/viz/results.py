@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from fleetlab.viz._style import PALETTE
+from fleetlab.viz._style import PALETTE, labelled_bars
 
 logger = logging.getLogger(__name__)
 
@@ -197,10 +197,10 @@ def draw_bench_summary(bench: Mapping):
             _draw_stacked(ax, data, "step_breakdown")
             ax.set_title("ms per engine step, by part", fontsize=9)
         elif name == "kv_memory":
-            _draw_labelled(ax, {k: 100 * v for k, v in data.items()}, "kv_memory", "{:.0f}%")
+            labelled_bars(ax, data, [100 * v for v in data.values()], "kv_memory", "{:.0f}%")
             ax.set_title("KV slots holding a token (%)", fontsize=9)
         else:
-            _draw_labelled(ax, data, "prefix_caching", "{:.2f} s")
+            labelled_bars(ax, data, data.values(), "prefix_caching", "{:.2f} s")
             ax.set_title("prefix cache: seconds (lower is better)", fontsize=9)
     return fig
 
@@ -217,14 +217,6 @@ def _draw_stacked(ax, data: Mapping[str, Mapping[str, float]], gid: str) -> None
             bottom += value
     ax.set_xticks(range(len(data)), list(data), fontsize=8)
     ax.legend(fontsize=6, frameon=False)
-
-
-def _draw_labelled(ax, data: Mapping[str, float], gid: str, fmt: str) -> None:
-    """One bar per key with its value written on top (gid ``"<gid>:<key>"``)."""
-    for x, (key, value) in enumerate(data.items()):
-        ax.bar(x, value, color=PALETTE[x % len(PALETTE)])[0].set_gid(f"{gid}:{key}")
-        ax.text(x, value, fmt.format(value), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(data)), list(data), fontsize=8)
 
 
 def draw_decode_bandwidth(kernel_results: Mapping):

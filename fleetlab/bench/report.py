@@ -1,0 +1,120 @@
+"""The engine benchmark's report: the README's markdown table and one PNG per figure,
+both drawn from a ``bench.json`` result (schema in :mod:`fleetlab.bench.engine`).
+
+Kept apart from the measuring code so a stored result can be re-drawn without running
+anything: ``write_plots(json.loads(path.read_text()), folder)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+# The parts of an engine step that ``StepTrace.timings`` records (plus "other", the rest).
+STEP_KEYS = ("schedule", "batch_update", "metadata", "forward", "sample", "update")
+
+
+def headline_table(result: dict) -> str:
+    """The README table (markdown) of a ``bench.json`` result."""
+    tp, kv, px = result["throughput"], result["kv_memory"], result["prefix_caching"]
+    m = result["machine"]
+    load = m.get("load_average") or ["?"]
+    lines = [(f"Measured on {m['processor']} ({m['cpu_count']} cores, {m['device']}), Paddle {m['paddle']}, "
+              f"PaddleFormers {m['paddleformers']}, OMP_NUM_THREADS={m['omp_num_threads']}, "
+              f"load average {load[0]} at the start."), "",
+             "| figure | PaddleFormers generate | fleetlab LLM | fleetlab / PaddleFormers |", "|---|---|---|---|"]
+    wl = tp["workload"]
+    for e in tp["models"]:
+        a = e["agreement"]
+        lines.append(
+            f"| output tok/s, {e['size']} Llama ({e['num_params'] / 1e6:.1f}M params), {wl['num_requests']} requests, "
+            f"in {wl['prompt_len'][0]}-{wl['prompt_len'][1]} / out {wl['output_len'][0]}-{wl['output_len'][1]} tokens "
+            f"| {e['paddleformers']['tokens_per_s']:.0f} (static batches of {tp['paddleformers_batch_size']}) "
+            f"| {e['fleetlab']['tokens_per_s']:.0f} | **{e['speedup']:.2f}x** (CPU time: {e['cpu_time_speedup']:.2f}x; "
+            f"greedy outputs identical {a['identical_requests']}/{a['requests']}) |")
+    lines.append(f"| allocated KV memory holding real tokens | {100 * kv['padded']['token_fill']:.0f}% "
+                 f"(padded batches) | {100 * kv['paged']['token_fill']:.0f}% (paged, block {kv['block_size']}) "
+                 f"| reserving the longest sequence: {100 * kv['reserved']['token_fill']:.0f}% |")
+    lines.append(f"| prefix caching, {px['workload']['num_requests']} requests sharing {px['workload']['prefix_len']} "
+                 f"tokens: output tok/s off / on | | {px['off']['tokens_per_s']:.0f} / {px['on']['tokens_per_s']:.0f} "
+                 f"(hit rate {100 * px['on']['hit_rate']:.0f}%) | **{px['speedup']:.2f}x** with caching |")
+    for b in result["step_breakdown"]:
+        ms = b["ms_per_step"]
+        lines.append(f"| decode step, batch {b['batch_size']}: model forward / engine overhead | | "
+                     f"{ms['forward']:.1f} ms / {ms['total'] - ms['forward']:.2f} ms "
+                     f"| overhead {100 * b['overhead_share']:.1f}% of the step |")
+    return "\n".join(lines)
+
+
+def write_plots(result: dict, out: Path) -> list[str]:
+    """One PNG per figure in ``out``; returns the file names."""
+    # A bare Figure, not pyplot: no global backend switch, nothing left open in a notebook.
+    from matplotlib.figure import Figure
+
+    names = []
+    for name, draw in (("throughput.png", _plot_throughput), ("kv_memory.png", _plot_kv_memory),
+                       ("prefix_caching.png", _plot_prefix_caching), ("step_breakdown.png", _plot_step_breakdown)):
+        fig = Figure(figsize=(5.8, 3.4), layout="tight")
+        draw(fig.add_subplot(), result)
+        fig.savefig(Path(out) / name, dpi=110)
+        names.append(name)
+    return names
+
+
+def _plot_throughput(ax, result: dict) -> None:
+    """Output tokens/s of both sides per model size, the speedup written over fleetlab's bar."""
+    tp = result["throughput"]["models"]
+    x = np.arange(len(tp))
+    pf = [e["paddleformers"]["tokens_per_s"] for e in tp]
+    fl = [e["fleetlab"]["tokens_per_s"] for e in tp]
+    pf_batch = result["throughput"]["paddleformers_batch_size"]
+    ax.bar(x - 0.2, pf, 0.4, label=f"PaddleFormers generate (batches of {pf_batch})")
+    ax.bar(x + 0.2, fl, 0.4, label="fleetlab LLM (continuous batching)")
+    for i, e in enumerate(tp):
+        ax.text(i + 0.2, fl[i], f"{e['speedup']:.2f}x", ha="center", va="bottom")
+    ax.set_xticks(x, [f"{e['size']} ({e['num_params'] / 1e6:.1f}M params)" for e in tp])
+    ax.set_ylim(0, 1.35 * max(pf + fl))
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Throughput on a mixed workload")
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def _plot_kv_memory(ax, result: dict) -> None:
+    """Share of allocated KV memory holding real tokens: paged, padded, reserved."""
+    kv = result["kv_memory"]
+    labels = [f"paged, block {kv['block_size']} (fleetlab)", "padded static batches", "reserve longest sequence"]
+    vals = [100 * kv[k]["token_fill"] for k in ("paged", "padded", "reserved")]
+    ax.barh(labels, vals, color=["tab:green", "tab:orange", "tab:red"])
+    for i, v in enumerate(vals):
+        ax.text(v, i, f" {v:.0f}%", va="center")
+    ax.set_xlim(0, 115)
+    ax.set_xlabel("allocated KV memory holding real tokens (%)")
+    ax.set_title("KV memory use over the run")
+
+
+def _plot_prefix_caching(ax, result: dict) -> None:
+    """Output tokens/s of the shared-prefix workload with prefix caching off and on."""
+    px = result["prefix_caching"]
+    ax.bar(["caching off", "caching on"], [px["off"]["tokens_per_s"], px["on"]["tokens_per_s"]],
+           color=["tab:gray", "tab:green"])
+    ax.set_ylim(0, 1.15 * max(px["off"]["tokens_per_s"], px["on"]["tokens_per_s"]))
+    ax.set_ylabel("output tokens / s")
+    ax.set_title(f"Shared {px['workload']['prefix_len']}-token prefix: hit rate {100 * px['on']['hit_rate']:.0f}%, "
+                 f"{px['speedup']:.2f}x")
+
+
+def _plot_step_breakdown(ax, result: dict) -> None:
+    """ms per decode step stacked by part, one bar per batch size."""
+    sb = result["step_breakdown"]
+    bottom = np.zeros(len(sb))
+    for key in (*STEP_KEYS, "other"):
+        vals = np.array([b["ms_per_step"][key] for b in sb])
+        ax.bar([f"batch {b['batch_size']}" for b in sb], vals, bottom=bottom, label=key)
+        bottom += vals
+    for i, b in enumerate(sb):
+        ax.text(i, bottom[i], f"overhead {100 * b['overhead_share']:.1f}%", ha="center", va="bottom", fontsize=8)
+    ax.set_ylim(0, 1.12 * bottom.max())
+    ax.set_ylabel("ms per decode step")
+    ax.set_title("Where a decode step's time goes")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
