@@ -11,8 +11,10 @@ from pathlib import Path
 
 import numpy as np
 
+from fleetlab.engine.outputs import STEP_TIMING_PARTS
+
 # The parts of an engine step that ``StepTrace.timings`` records (plus "other", the rest).
-STEP_KEYS = ("schedule", "batch_update", "metadata", "forward", "sample", "update")
+STEP_KEYS = STEP_TIMING_PARTS
 
 
 def headline_table(result: dict) -> str:

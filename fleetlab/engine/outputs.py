@@ -42,6 +42,10 @@ class RowTrace:
     block_ids: list[int]
 
 
+# The parts of a step that StepTrace.timings times, in the order they run.
+STEP_TIMING_PARTS = ("schedule", "batch_update", "metadata", "forward", "sample", "update")
+
+
 @dataclass(slots=True)
 class StepTrace:
     """Everything one engine step did, for drawing and for tests.

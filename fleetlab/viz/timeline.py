@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
+from fleetlab.engine.outputs import STEP_TIMING_PARTS
 from fleetlab.viz._style import ALERT_COLOR, EDGE_COLOR, PALETTE, new_axes, phase_color, request_color
 
 
@@ -151,7 +152,7 @@ def draw_step_tokens(traces: Sequence, *, budget: int | None = None, upto: int |
 
 
 # The parts of a step in the order they run (keys of ``StepTrace.timings``).
-TIMING_PARTS = ("schedule", "batch_update", "metadata", "forward", "sample", "update")
+TIMING_PARTS = STEP_TIMING_PARTS
 
 
 def draw_step_timings(traces: Sequence, *, ax=None, title: str | None = None):
