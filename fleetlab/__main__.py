@@ -13,10 +13,18 @@ COMMANDS = {
     "train-tiny": ("fleetlab.models.train", "train the tiny Llama shipped in fleetlab/models/weights"),
     "bench": ("fleetlab.bench.cli", "benchmarks: all, reorder, attention, generate, ..."),
 }
+_VERBOSE = ("-v", "--verbose")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``COMMANDS[argv[0]]``'s ``main`` on the remaining arguments; return its exit status.
+
+    ``-v``/``--verbose`` may stand anywhere (before or after the command) and is not
+    passed on to the command.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = any(a in _VERBOSE for a in argv)
+    argv = [a for a in argv if a not in _VERBOSE]
     parser = argparse.ArgumentParser(prog="python -m fleetlab", description=__doc__)
     parser.add_argument("command", choices=sorted(COMMANDS),
                         help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
@@ -24,16 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
-    args, rest = parser.parse_known_args(argv[:1] + [a for a in argv[1:] if a in ("-v", "--verbose")])
-    rest = [a for a in argv[1:] if a not in ("-v", "--verbose")]
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    command = parser.parse_args(argv[:1]).command
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     from fleetlab.cpu_tuning import tune_malloc
 
     tune_malloc()  # a program, not a library: keep Paddle's freed CPU buffers (see cpu_tuning)
-    module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.main(rest) or 0)
-
+    module = importlib.import_module(COMMANDS[command][0])
+    return int(module.main(argv[1:]) or 0)
 
 if __name__ == "__main__":
     sys.exit(main())

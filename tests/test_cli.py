@@ -25,3 +25,4 @@ def test_help_and_unknown_bench(capsys):
     assert main(["--help"]) == 0
     assert "demo" in capsys.readouterr().out
     assert main(["bench", "nope"]) == 2
+    assert main(["-v", "bench", "nope"]) == 2  # -v is taken before or after the command

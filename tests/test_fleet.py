@@ -198,3 +198,38 @@ def test_patched_attention_needs_a_packed_batch_of_one():
 def test_non_fleet_model_is_refused():
     with pytest.raises(TypeError, match="no Fleet-style layers"):
         patch_fleet.patch_fleet_model(paddle.nn.Linear(2, 2))
+
+
+def test_unpatched_handle_refuses_to_run_and_steps_run_without_grad():
+    # Once unpatched, the model's own attention would mix the packed requests: refuse.
+    model = tiny("fleet", seed=0)
+    handle = patch_fleet.patch_fleet_model(model)
+    md = AttentionMetadata.build([3], [0], [[0]], block_size=4)
+    kv_cache = PagedKVCache.for_handle(handle, num_blocks=1, block_size=4)
+    ids = paddle.to_tensor([[1, 2, 3]], dtype="int64")
+    with forward_context(md, kv_cache):
+        logits = handle.compute_logits(ids, md.positions.reshape([1, -1]), paddle.to_tensor([2]))
+        assert logits.shape == [1, 128] and logits.stop_gradient
+        with pytest.raises(ValueError, match="fleet.*metadata covers 3 tokens"):
+            handle.compute_logits(ids[:, :2], md.positions.reshape([1, -1])[:, :2], paddle.to_tensor([1]))
+        handle.unpatch()
+        with pytest.raises(RuntimeError, match="unpatched"):
+            handle.compute_logits(ids, md.positions.reshape([1, -1]), paddle.to_tensor([2]))
+
+
+def test_tiny_fleet_leaves_the_global_random_state_alone():
+    paddle.seed(123)
+    want = paddle.rand([4]).numpy()
+    paddle.seed(123)
+    tiny("fleet", seed=7)
+    np.testing.assert_array_equal(paddle.rand([4]).numpy(), want)
+
+
+def test_backend_may_be_a_name_a_class_or_an_instance():
+    from fleetlab.attention.reference import ReferenceBackend
+
+    for backend in ("reference", ReferenceBackend, ReferenceBackend()):
+        handle = patch_fleet.patch_fleet_model(tiny("fleet", seed=0, num_layers=1), backend=backend)
+        assert type(handle.backend) is ReferenceBackend
+    with pytest.raises(TypeError, match="registered name"):
+        patch_fleet.patch_fleet_model(tiny("fleet", seed=0, num_layers=1), backend=3)

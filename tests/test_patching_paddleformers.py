@@ -252,6 +252,13 @@ def test_backend_missing_a_feature_is_refused_and_leaves_the_model_alone(family,
         pass  # a model without the feature patches fine
 
 
+def test_backend_class_is_accepted_like_a_name():
+    # Fleet-style patching took a backend class; PaddleFormers patching once refused it.
+    with patch_model(tiny_paddleformers("llama", num_hidden_layers=1), backend=ReferenceBackend) as handle:
+        assert type(handle.backend) is ReferenceBackend
+        assert _one_step(handle, paddle.to_tensor([[3, 4, 5]])).shape == [1, 128]
+
+
 def test_unknown_family_and_double_patch_are_refused():
     model = tiny_paddleformers("llama")
     model.config.model_type = "qwen2"

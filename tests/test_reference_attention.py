@@ -207,3 +207,12 @@ def test_bad_inputs_raise(q_shape, heads, block_size, kwargs, match):
     md = AttentionMetadata.build([4], [0], [[0, 1, -1, -1]], 2)
     with pytest.raises(ValueError, match=match):
         paged_attention(paddle.zeros(q_shape), cache.key_cache(0), cache.value_cache(0), md, scale=1.0, **kwargs)
+
+
+@pytest.mark.parametrize("tables,block_size,match", [
+    (np.zeros((1, 0), np.int32), 2, "beyond its row's block table"),  # was an IndexError
+    ([[0, 1]], 0, "block_size"),
+])
+def test_metadata_build_names_a_bad_table_or_block_size(tables, block_size, match):
+    with pytest.raises(ValueError, match=match):
+        AttentionMetadata.build([3], [0], tables, block_size)

@@ -120,5 +120,17 @@ def get_attention_backend(name: str) -> type[AttentionBackend]:
     return _REGISTRY[name]
 
 
+def make_attention_backend(backend) -> AttentionBackend:
+    """An instance from ``backend``: a registered name, an ``AttentionBackend`` class, or an instance."""
+    if isinstance(backend, str):
+        return get_attention_backend(backend)()
+    if isinstance(backend, type) and issubclass(backend, AttentionBackend):
+        return backend()
+    if isinstance(backend, AttentionBackend):
+        return backend
+    raise TypeError(f"backend must be a registered name, an AttentionBackend class or instance; got {backend!r}")
+
+
 def list_attention_backends() -> list[str]:
+    """Names ``backend=`` accepts: registered backends and the built-ins not yet loaded."""
     return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))

@@ -89,6 +89,8 @@ class AttentionMetadata:
             raise ValueError("query_lens and num_computed_tokens must be 1-D arrays of equal length")
         if tables.ndim != 2 or tables.shape[0] != query_lens.shape[0]:
             raise ValueError(f"block_tables must be [B, max_blocks]; got {tables.shape}")
+        if int(block_size) < 1:
+            raise ValueError(f"block_size must be >= 1; got {block_size}")
         if (query_lens < 1).any():
             raise ValueError(f"every row must schedule at least one token; got {query_lens.tolist()}")
         cu = np.zeros(len(query_lens) + 1, dtype=np.int32)
@@ -96,8 +98,9 @@ class AttentionMetadata:
         row_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
         positions = num_computed[row_of_token] + (np.arange(cu[-1]) - cu[:-1][row_of_token])
         block_idx = positions // block_size
-        if tables.shape[1] and (block_idx >= tables.shape[1]).any():
-            raise ValueError("a position falls beyond its row's block table")
+        if (block_idx >= tables.shape[1]).any():
+            raise ValueError(f"a scheduled position falls beyond its row's block table "
+                             f"({tables.shape[1]} blocks of {block_size} tokens)")
         blocks = tables[row_of_token, block_idx] if len(positions) else np.zeros(0, np.int32)
         if (blocks < 0).any():
             raise ValueError("a scheduled position has no block allocated (block table holds -1)")

@@ -212,10 +212,12 @@ def tiny_fleet(seed: int = 0, **overrides) -> FleetForCausalLM:
     """A small random-init :class:`FleetForCausalLM` in eval mode, the same for the same seed.
 
     ``overrides`` replace :class:`FleetConfig` fields (an unknown name raises ``TypeError``).
-    Seeds Paddle's global generator with ``seed``.
+    Paddle's global random state is restored afterwards, as in ``tiny_paddleformers``.
     """
+    from fleetlab.models.small import _seeded
+
     config = dataclasses.replace(FleetConfig(), **overrides)
-    paddle.seed(seed)
-    model = FleetForCausalLM(config)
+    with _seeded(seed):
+        model = FleetForCausalLM(config)
     model.eval()
     return model

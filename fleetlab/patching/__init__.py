@@ -14,7 +14,10 @@ __all__ = ["PatchHandle", "patch_model"]
 
 
 def patch_model(model, backend="reference") -> PatchHandle:
-    """Route ``model``'s attention through the fleetlab backend named ``backend``.
+    """Route ``model``'s attention through a fleetlab attention backend.
+
+    ``backend``: a registered name (``"reference"``, ``"triton"``), an ``AttentionBackend``
+    subclass, or an instance (shared by every patched layer).
 
     Fleet-style models (a ``core_attention`` sub-layer in their decoder layers) get
     their ``core_attention`` replaced; PaddleFormers models get fleetlab's function

@@ -14,7 +14,7 @@ import logging
 import paddle
 from paddle import nn
 
-from fleetlab.attention.backend import AttentionBackend, get_attention_backend
+from fleetlab.attention.backend import AttentionBackend, make_attention_backend
 from fleetlab.context import get_forward_context
 from fleetlab.patching.handle import PatchHandle
 
@@ -61,12 +61,15 @@ class FleetPatchHandle(PatchHandle):
     def compute_logits(self, input_ids, positions, logits_indices):
         """Logits ``[B, vocab]`` at ``logits_indices [B]`` of the packed step ``input_ids [1, T]``.
 
-        The output layer runs on the selected rows only: the other ``T - B`` tokens are
-        prompt tokens whose logits no one samples from.
+        ``positions`` int64 ``[1, T]``; must run inside ``forward_context``. The output
+        layer runs on the selected rows only: the other ``T - B`` tokens are prompt tokens
+        whose logits no one samples from.
         """
-        hidden = self.model.hidden_states(input_ids, position_ids=positions)  # [1, T, hidden]
-        rows = paddle.gather(hidden[0], logits_indices, axis=0)  # [B, hidden]
-        return self.model.output_layer(rows)
+        self._check_step(input_ids, positions, logits_indices)
+        with paddle.no_grad():
+            hidden = self.model.hidden_states(input_ids, position_ids=positions)  # [1, T, hidden]
+            rows = paddle.gather(hidden[0], logits_indices.astype("int64"), axis=0)  # [B, hidden]
+            return self.model.output_layer(rows)
 
 
 def fleet_layer_id(layer) -> int:
@@ -109,16 +112,6 @@ def find_fleet_attentions(model) -> list[tuple[str, nn.Layer, nn.Layer]]:
     return found
 
 
-def _make_backend(backend) -> AttentionBackend:
-    if isinstance(backend, str):
-        return get_attention_backend(backend)()
-    if isinstance(backend, type) and issubclass(backend, AttentionBackend):
-        return backend()
-    if isinstance(backend, AttentionBackend):
-        return backend
-    raise TypeError(f"backend must be a registered name, an AttentionBackend class or instance; got {backend!r}")
-
-
 def patch_fleet_model(model, backend="reference") -> FleetPatchHandle:
     """Route every ``core_attention`` of a Fleet-style model through paged attention.
 
@@ -134,7 +127,7 @@ def patch_fleet_model(model, backend="reference") -> FleetPatchHandle:
         raise ValueError("model is already patched: call unpatch() on its handle first")
     layer_ids = {name: fleet_layer_id(layer) for name, layer, _ in found}
     check_layer_ids(layer_ids)
-    backend = _make_backend(backend)
+    backend = make_attention_backend(backend)
 
     undo = []
     for name, _, attention in found:

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import paddle
 
+from fleetlab.context import get_forward_context
+
 
 class PatchHandle:
     """A patched model, ready to run packed steps under ``forward_context``.
@@ -48,6 +50,27 @@ class PatchHandle:
         Must be called inside ``forward_context``.
         """
         raise NotImplementedError
+
+    def _check_step(self, input_ids, positions, logits_indices) -> None:
+        """Raise, naming the problem, unless the handle is patched and the step is well formed.
+
+        An unpatched model would still run -- on its own attention, over the whole packed
+        batch, so requests would attend to each other: hence the error rather than logits.
+        """
+        if not self.patched:
+            raise RuntimeError(f"{self.family}: compute_logits on an unpatched handle; patch the model again")
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+            raise ValueError(f"{self.family}: input_ids must be one packed sequence [1, T] (batch > 1 is not "
+                             f"supported); got {list(input_ids.shape)}")
+        if list(positions.shape) != list(input_ids.shape):
+            raise ValueError(f"{self.family}: positions {list(positions.shape)} must match input_ids "
+                             f"{list(input_ids.shape)}")
+        if logits_indices.ndim != 1:
+            raise ValueError(f"{self.family}: logits_indices must be 1-D [B]; got {list(logits_indices.shape)}")
+        metadata = get_forward_context().metadata
+        if metadata.num_tokens != input_ids.shape[1]:
+            raise ValueError(f"{self.family}: the forward context's metadata covers {metadata.num_tokens} tokens "
+                             f"but input_ids has {input_ids.shape[1]}")
 
     def unpatch(self) -> None:
         """Restore the model exactly as it was before ``patch_model``."""

@@ -17,7 +17,7 @@ import logging
 
 import paddle
 
-from fleetlab.attention.backend import AttentionBackend, get_attention_backend
+from fleetlab.attention.backend import AttentionBackend, make_attention_backend
 from fleetlab.context import get_forward_context
 from fleetlab.patching.families import (
     FamilySpec,
@@ -106,22 +106,9 @@ class PaddleFormersHandle(PatchHandle):
         return logits
 
     def _check_step(self, input_ids, positions, logits_indices) -> None:
-        if not self.patched:
-            raise RuntimeError(f"{self.family}: compute_logits on an unpatched handle; patch the model again")
+        super()._check_step(input_ids, positions, logits_indices)
         if self.model.training:
             raise NotImplementedError(f"{self.family}: training mode (dropout) is not supported; call model.eval()")
-        if input_ids.ndim != 2 or input_ids.shape[0] != 1:
-            raise ValueError(f"{self.family}: input_ids must be one packed sequence [1, T] (batch > 1 is not "
-                             f"supported); got {list(input_ids.shape)}")
-        if list(positions.shape) != list(input_ids.shape):
-            raise ValueError(f"{self.family}: positions {list(positions.shape)} must match input_ids "
-                             f"{list(input_ids.shape)}")
-        if logits_indices.ndim != 1:
-            raise ValueError(f"{self.family}: logits_indices must be 1-D [B]; got {list(logits_indices.shape)}")
-        metadata = get_forward_context().metadata
-        if metadata.num_tokens != input_ids.shape[1]:
-            raise ValueError(f"{self.family}: the forward context's metadata covers {metadata.num_tokens} tokens "
-                             f"but input_ids has {input_ids.shape[1]}")
 
 
 def patch_paddleformers_model(model, backend="reference") -> PaddleFormersHandle:
@@ -132,7 +119,7 @@ def patch_paddleformers_model(model, backend="reference") -> PaddleFormersHandle
     if not (hasattr(model, "model") and hasattr(model, "lm_head")):
         raise TypeError(f"{spec.name}: expected a *ForCausalLM with .model and .lm_head; got {type(model).__name__}")
     modules = _attention_modules(model, spec)
-    backend_obj = backend if isinstance(backend, AttentionBackend) else get_attention_backend(backend)()
+    backend_obj = make_attention_backend(backend)
     windows = {module.layer_idx: layer_window(spec, config, module) for _, module in modules}
     _check_backend(spec, backend_obj, windows, modules)
     _register_attention()
