@@ -36,8 +36,9 @@ lab: $(VENV)/.stamp-lab
 demo: $(VENV)/.stamp-dev
 	$(PY) -m fleetlab demo
 
+# One thread: how README's figures were measured (two threads wait on each other on 2 cores).
 bench: $(VENV)/.stamp-dev
-	$(PY) -m fleetlab bench
+	OMP_NUM_THREADS=1 $(PY) -m fleetlab bench
 
 lint: $(VENV)/.stamp-dev
 	$(VENV)/bin/ruff check fleetlab tests
