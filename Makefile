@@ -30,8 +30,11 @@ test-kernels: $(VENV)/.stamp-dev
 	$(PIP) install -q "torch==2.13.0" triton
 	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_triton_kernels.py
 
+# Jupyter refuses to start as root unless told; containers often run as root.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
+
 lab: $(VENV)/.stamp-lab
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab $(ROOT_FLAG) notebooks/
 
 demo: $(VENV)/.stamp-dev
 	$(PY) -m fleetlab demo
