@@ -34,11 +34,14 @@ def test_tiny_model_is_a_function_of_its_seed(family):
     assert np.abs(a - c).max() > 1e-2
 
 
-def test_tiny_model_leaves_the_global_random_state_alone():
+@pytest.mark.parametrize("family", ["llama", "fleet"])
+def test_tiny_model_leaves_the_global_random_state_alone(family):
+    from fleetlab.models import tiny
+
     paddle.seed(123)
     want = paddle.rand([4]).numpy()
     paddle.seed(123)
-    tiny_paddleformers("llama", seed=7)
+    tiny(family, seed=7)
     np.testing.assert_array_equal(paddle.rand([4]).numpy(), want)
 
 

@@ -52,9 +52,11 @@ class AttentionBackend:
     def __init__(self) -> None:
         device = current_device_kind()
         if device not in self.supported_devices:
+            hint = "" if "cpu" in self.supported_devices else (
+                " (on a GPU: install paddlepaddle-gpu, README); use backend='reference' on this machine")
             raise RuntimeError(
                 f"attention backend {self.name!r} runs on {list(self.supported_devices)}, "
-                f"but Paddle's current device is {paddle.device.get_device()!r}"
+                f"but Paddle's current device is {paddle.device.get_device()!r}{hint}"
             )
 
     def forward(
