@@ -158,3 +158,40 @@ def test_a_request_waiting_for_blocks_counts_one_prefix_query(fleet_model):
         assert llm.stats()["prefix_cache_queries"] == 2
     finally:
         llm.handle.unpatch()
+
+
+def test_abort_frees_blocks_at_once_and_others_finish(llm):
+    prompts = random_prompts([9, 5, 7], seed=11)
+    ids = [llm.add_request(prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=12, ignore_eos=True))
+           for p in prompts]
+    llm.step()
+    llm.step()
+    outs = llm.abort([ids[1], "no-such-request"])
+    assert [o.request_id for o in outs] == [ids[1]] and outs[0].finish_reason == "abort"
+    waiting_id = llm.add_request(prompt_token_ids=prompts[0], sampling_params=SamplingParams(max_tokens=4))
+    assert [o.finish_reason for o in llm.abort(waiting_id)] == ["abort"]  # aborted before it ever ran
+    done = {}
+    while llm.has_unfinished_requests():
+        done.update({o.request_id: o for o in llm.step()})
+    assert set(done) == {ids[0], ids[2]} and all(len(o.token_ids) == 12 for o in done.values())
+    assert llm.pool.num_free_blocks == llm.pool.num_blocks
+    assert llm.abort(ids) == []  # finished ids are ignored
+
+
+def test_stream_outputs_carry_each_steps_new_tokens(llm):
+    prompts = random_prompts([6, 3], seed=12)
+    want = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)
+    ids = [llm.add_request(prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=5, ignore_eos=True))
+           for p in prompts]
+    streamed = {rid: [] for rid in ids}
+    finished = set()
+    while llm.has_unfinished_requests():
+        for out in llm.step(stream=True):
+            assert out.new_token_ids, "a stream output always carries the step's tokens"
+            streamed[out.request_id] += out.new_token_ids
+            assert out.token_ids == streamed[out.request_id]
+            if out.finished:
+                finished.add(out.request_id)
+    assert finished == set(ids)
+    assert [streamed[rid] for rid in ids] == [o.token_ids for o in want]

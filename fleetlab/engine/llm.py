@@ -166,27 +166,48 @@ class LLM:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self, trace: bool = False):
-        """Run one engine step. Returns the outputs of requests that finished in it, or
-        ``(outputs, StepTrace)`` with ``trace=True``."""
+    def step(self, trace: bool = False, stream: bool = False):
+        """Run one engine step. Returns the outputs of requests that finished in it (with
+        ``stream=True``: of every request that gained tokens or finished, each carrying the
+        step's ``new_token_ids``), or ``(outputs, StepTrace)`` with ``trace=True``."""
         tracing = trace or self.config.record_traces
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
         rows_before = {r.request_id: (r.num_computed_tokens, r.num_tokens, list(r.block_ids))
                        for r in sched.scheduled} if tracing else {}  # copied only when a trace needs them
+        num_out_before = {r.request_id: len(r.output_token_ids) for r in sched.scheduled}
         ran = self.runner.execute(sched) if sched.scheduled else None
         t2 = time.perf_counter()
         finished = self.scheduler.update(sched, ran.sampled if ran else {}, ran.errors if ran else {}, t2)
         t3 = time.perf_counter()
         self._num_generated += len(ran.sampled) if ran else 0
-        outputs = [self._output(r) for r in finished]
+        for req in finished:
+            self._requests.pop(req.request_id, None)
+        if stream:
+            changed = [r for r in sched.scheduled
+                       if r.is_finished or len(r.output_token_ids) > num_out_before[r.request_id]]
+            outputs = [self._output(r, num_out_before[r.request_id]) for r in changed]
+        else:
+            outputs = [self._output(r) for r in finished]
         record = None
         if tracing:
             record = self._trace(sched, ran, finished, rows_before, {"schedule": t1 - t0, "update": t3 - t2})
             if self.config.record_traces:
                 self.traces.append(record)
         return (outputs, record) if trace else outputs
+
+    def abort(self, request_ids) -> list[RequestOutput]:
+        """Stop the named requests now (``str`` or an iterable of ids); their blocks are freed
+        at once. Returns their final outputs (``finish_reason="abort"``); ids that are
+        unknown or already finished are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        aborted = self.scheduler.abort(ids)
+        now = time.perf_counter()
+        for req in aborted:
+            req.finish_time = now
+            self._requests.pop(req.request_id, None)
+        return [self._output(r) for r in aborted]
 
     def _trace(self, sched, ran, finished, rows_before, timings) -> StepTrace:
         rows = []
@@ -208,7 +229,7 @@ class LLM:
             num_blocks=self.pool.num_blocks, num_batched_tokens=sched.total_num_scheduled_tokens,
             timings={**timings, **(ran.timings if ran else {})})
 
-    def _output(self, req: Request) -> RequestOutput:
+    def _output(self, req: Request, num_reported: int = 0) -> RequestOutput:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
@@ -216,7 +237,7 @@ class LLM:
                    "finish_time": req.finish_time, "num_preemptions": req.num_preemptions,
                    "token_times": list(req.token_times)}
         return RequestOutput(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), text,
-                             req.finish_reason, req.error, metrics)
+                             req.finish_reason, req.error, metrics, list(req.output_token_ids[num_reported:]))
 
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = True):
         """Run every prompt to completion; returns ``RequestOutput`` s in input order.

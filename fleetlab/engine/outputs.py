@@ -12,9 +12,12 @@ class RequestOutput:
     token_ids: the generated ids (a final EOS or stop token is included).
     text: ``token_ids`` decoded without special tokens, when the engine has a tokenizer.
     finish_reason: ``"stop"`` (EOS or a stop token), ``"length"`` (max_tokens or the
-      model's maximum length), ``"error"`` (see ``error``), or None while unfinished.
+      model's maximum length), ``"abort"`` (``LLM.abort``), ``"error"`` (see ``error``),
+      or None while unfinished.
     metrics: arrival / first-token / finish times and each output token's time
       (``token_times``; ``time.perf_counter`` seconds), and ``num_preemptions``.
+    new_token_ids: the ids this step added (what a stream sends); all of ``token_ids``
+      in the outputs ``generate`` returns.
     """
 
     request_id: str
@@ -24,6 +27,7 @@ class RequestOutput:
     finish_reason: str | None = None
     error: str | None = None
     metrics: dict = field(default_factory=dict)
+    new_token_ids: list[int] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

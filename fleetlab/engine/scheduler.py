@@ -76,6 +76,19 @@ class Scheduler:
         request.enqueue_step = self.step_count
         self.waiting.append(request)
 
+    def abort(self, request_ids) -> list[Request]:
+        """Finish the named waiting or running requests with reason ``"abort"`` and free
+        their blocks at once; ids of finished or unknown requests are skipped. Returns the
+        aborted requests."""
+        wanted = set(request_ids)
+        aborted = [r for r in self.running + self.waiting if r.request_id in wanted]
+        for req in aborted:
+            (self.running if req in self.running else self.waiting).remove(req)
+            self.kv.free(req)
+            req.status = RequestStatus.FINISHED
+            req.finish_reason = "abort"
+        return aborted
+
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs."""
         return bool(self.waiting or self.running)
