@@ -281,7 +281,8 @@ class LLM:
         return [(p, ids, sp) for (p, ids), sp in zip(items, sps)]
 
     def stats(self) -> dict:
-        """Pool and cache figures: blocks, free blocks, hit rate, preemptions, utilization."""
+        """Pool and cache figures: blocks, free blocks, hit rate, preemptions, utilization,
+        steps, generated tokens, and the requests running and waiting now."""
         s = self.pool.stats()
         used = s.num_blocks - s.num_free_blocks
         tokens_held = sum(r.num_computed_tokens for r in self.scheduler.running)
@@ -295,6 +296,8 @@ class LLM:
             "kv_token_fill": tokens_held / max(1, used * self.pool.block_size),
             "num_generated_tokens": self._num_generated,
             "num_steps": self.scheduler.step_count,
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
         }
 
 
