@@ -27,12 +27,12 @@ _LAZY = {
     "patch_model": "fleetlab.patching",
     "forward_context": "fleetlab.context",
     "AttentionMetadata": "fleetlab.attention.metadata",
-    "BlockPool": "fleetlab.block_pool",
-    "PagedKVCache": "fleetlab.kv_cache",
+    "BlockPool": "fleetlab.kv.block_pool",
+    "PagedKVCache": "fleetlab.kv.paged_cache",
     "register_attention_backend": "fleetlab.attention.backend",
     "get_attention_backend": "fleetlab.attention.backend",
 }
-_SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine"}
+_SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv"}
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 

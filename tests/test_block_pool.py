@@ -8,8 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import fleetlab.block_pool as block_pool_module
-from fleetlab.block_pool import BlockInfo, BlockPool, BlockPoolStats, NoFreeBlocksError
+import fleetlab.kv.block_pool as block_pool_module
+from fleetlab.kv.block_pool import BlockInfo, BlockPool, BlockPoolStats, NoFreeBlocksError
 
 
 def _run_request(pool: BlockPool, tokens: list[int]) -> list[int]:

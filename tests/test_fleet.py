@@ -10,7 +10,7 @@ import pytest
 
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
-from fleetlab.kv_cache import PagedKVCache
+from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.models import tiny
 from fleetlab.models.fleet import DotProductAttention, FleetConfig, apply_rotary, rope_cos_sin
 from fleetlab.patching import fleet as patch_fleet

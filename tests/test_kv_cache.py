@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetlab.kv_cache import PagedKVCache
+from fleetlab.kv.paged_cache import PagedKVCache
 
 
 def _cache(**kw):

@@ -16,7 +16,7 @@ import pytest
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.attention.reference import ReferenceBackend
 from fleetlab.context import forward_context, get_forward_context
-from fleetlab.kv_cache import PagedKVCache
+from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.models.small import TINY_FAMILIES, tiny_paddleformers
 from fleetlab.patching import patch_model
 from fleetlab.patching.families import experts_mix_tokens, library_fixes

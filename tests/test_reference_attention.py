@@ -12,7 +12,7 @@ from fleetlab.attention import reference
 from fleetlab.attention.backend import get_attention_backend
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.attention.reference import ReferenceBackend, paged_attention
-from fleetlab.kv_cache import PagedKVCache
+from fleetlab.kv.paged_cache import PagedKVCache
 
 HQ, D, SCALE = 8, 4, 0.37
 FAST = settings(max_examples=12, deadline=None)

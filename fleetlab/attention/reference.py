@@ -26,7 +26,7 @@ import paddle
 
 from fleetlab.attention.backend import AttentionBackend, current_device_kind, register_attention_backend
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.kv_cache import gather_rows
+from fleetlab.kv.paged_cache import gather_rows
 
 
 @dataclass(slots=True, frozen=True)

@@ -18,7 +18,7 @@ import paddle
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.attention.reference import paged_attention
 from fleetlab.cpu_tuning import tune_malloc
-from fleetlab.kv_cache import PagedKVCache
+from fleetlab.kv.paged_cache import PagedKVCache
 
 
 @dataclass(slots=True)

@@ -18,16 +18,16 @@ from collections.abc import Sequence
 import numpy as np
 
 from fleetlab.attention.backend import get_attention_backend
-from fleetlab.block_pool import BlockPool
+from fleetlab.kv.block_pool import BlockPool
 from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.input_batch import InputBatch
-from fleetlab.engine.kv_manager import KVCacheManager
+from fleetlab.kv.manager import KVCacheManager
 from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.outputs import RequestOutput, RowTrace, StepTrace
 from fleetlab.engine.request import Request
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
-from fleetlab.kv_cache import PagedKVCache
+from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.patching.handle import PatchHandle
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from fleetlab.engine.kv_manager import KVCacheManager
+from fleetlab.kv.manager import KVCacheManager
 from fleetlab.engine.policies import SchedulingPolicy, make_policy
 from fleetlab.engine.request import Request, RequestStatus
 

@@ -57,7 +57,7 @@ def paged_greedy(handle, prompts, max_new_tokens: int, block_size: int = 4, seed
     hide behind blocks that happen to be contiguous. Same return shape as
     :func:`reference_greedy`.
     """
-    from fleetlab.kv_cache import PagedKVCache
+    from fleetlab.kv.paged_cache import PagedKVCache
 
     lens = [len(p) + max_new_tokens for p in prompts]
     per_req = [-(-n // block_size) for n in lens]

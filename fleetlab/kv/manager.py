@@ -6,7 +6,7 @@ tokens a prefix-cache hit saves, and when its newly filled blocks can be shared.
 
 from __future__ import annotations
 
-from fleetlab.block_pool import BlockPool
+from fleetlab.kv.block_pool import BlockPool
 from fleetlab.engine.request import Request
 
 
