@@ -18,7 +18,7 @@ from fleetlab.bench.workloads import (
 )
 from fleetlab.engine.outputs import RowTrace, StepTrace
 
-STEP_PARTS = ("schedule", "batch_update", "metadata", "forward", "sample", "update", "other")
+STEP_PARTS = ("schedule", "batch_update", "metadata", "forward", "sample", "propose", "update", "other")
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ def test_stop_token_and_eos_and_min_tokens(oracle_seq, llm):
         max_tokens=8, stop_token_ids=(stop_at,), ignore_eos=True), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.token_ids == seq[: seq.index(stop_at) + 1]
 
-    llm.handle.eos_token_id = seq[2]  # make the model's third token its EOS
+    llm.processor.eos_token_id = seq[2]  # make the model's third token its EOS
     out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=8), use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.token_ids[-1] == seq[2]
     assert len(out.token_ids) == seq.index(seq[2]) + 1

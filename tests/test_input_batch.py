@@ -11,13 +11,15 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS, Field, FieldRegistry
-from fleetlab.engine.input_batch import (
-    InputBatch,
-    invert_permutation,
-    stable_partition,
-    two_pointer_swaps,
-    unpermute,
-)
+from fleetlab.engine.input_batch import InputBatch, invert_permutation, two_pointer_swaps, unpermute
+from fleetlab.lessons.reorder import decode_first_order, stable_partition, stable_reorder
+
+
+def reorder(batch, threshold=1, stable=False):
+    """The runtime's two-pointer reorder, or the lessons module's stable one."""
+    if stable:
+        return stable_reorder(batch, threshold)
+    return batch.reorder_split_prefill_and_decode(threshold)
 
 SIZES = {"max_num_seqs": 6, "max_model_len": 8, "max_blocks_per_seq": 3, "max_stop_ids": 2}
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -107,7 +109,7 @@ def check_reorder(batch: InputBatch, tags: dict, threshold: int, stable: bool) -
             batch.reorder_split_prefill_and_decode(threshold)
         return
     before = batch.req_ids
-    perm, num_decodes = batch.reorder_split_prefill_and_decode(threshold, stable=stable)
+    perm, num_decodes = reorder(batch, threshold, stable)
     after = batch.req_ids
     decodes = {r for r in before if tags[r] <= threshold}
     assert set(after[:num_decodes]) == decodes and num_decodes == len(decodes)
@@ -197,7 +199,7 @@ def test_reorder_by_scheduled_tokens_and_results_by_request():
     assert batch.by_request(sampled) == {f"r{i}": 100 + i for i in range(5)}
     _, num_decodes2 = batch.reorder_split_prefill_and_decode(decode_threshold=2)
     assert num_decodes2 == 3 and set(batch.req_ids[:3]) == {"r1", "r3", "r4"}
-    order, nd = batch.decode_first_order(decode_threshold=2)
+    order, nd = decode_first_order(batch, decode_threshold=2)
     assert nd == 3 and (order == np.arange(5)).all()  # already decode-first: the map is the identity
 
 
@@ -215,7 +217,7 @@ def test_gather_map_skips_holes_and_agrees_with_reorder():
         batch.add_request(f"r{i}", [1] * 4, num_computed_tokens=i % 2 * 3)
     batch.remove_request("r2")
     batch.set_num_scheduled({f"r{i}": (1 if i % 2 else 4) for i in range(6) if i != 2})
-    order, nd = batch.decode_first_order()
+    order, nd = decode_first_order(batch)
     ids = batch.req_ids
     assert [ids[r] for r in order] == ["r1", "r3", "r5", "r0", "r4"] and nd == 3
     batch.condense()
@@ -421,7 +423,7 @@ class BatchMachine(RuleBasedStateMachine):
     @rule(threshold=st.integers(1, 3), stable=st.booleans())
     def reorder(self, threshold, stable):
         before = self.batch.req_ids
-        perm, num_decodes = self.batch.reorder_split_prefill_and_decode(threshold, stable=stable)
+        perm, num_decodes = reorder(self.batch, threshold, stable)
         after = self.batch.req_ids
 
         def is_decode(s):
@@ -475,7 +477,7 @@ def test_stable_reorder_permutation_direction():
     for req_id, computed in [("p0", 0), ("p1", 0), ("d", 2)]:
         batch.add_request(req_id, [1, 2], output_token_ids=[3], num_computed_tokens=computed)
     batch.set_num_scheduled({"p0": 3, "p1": 3, "d": 1})
-    perm, num_decodes = batch.reorder_split_prefill_and_decode(stable=True)
+    perm, num_decodes = stable_reorder(batch)
     assert perm.tolist() == [2, 0, 1] and num_decodes == 1  # perm[new_row] = old_row: a 3-cycle
     assert batch.req_ids == ["d", "p0", "p1"]
     assert unpermute(batch.req_ids, perm).tolist() == ["p0", "p1", "d"]

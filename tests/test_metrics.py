@@ -19,7 +19,7 @@ def output(rid, n_tokens, arrival=None, first=None, finish=None):
 
 def trace(step, tokens):
     return StepTrace(step=step, rows=[], order_before=[], order_after=[], num_decodes=0, reordered=False,
-                     tokens={rid: 0 for rid in tokens}, preempted=[], finished=[], num_free_blocks=0,
+                     tokens={rid: [0] for rid in tokens}, preempted=[], finished=[], num_free_blocks=0,
                      num_blocks=1, num_batched_tokens=0)
 
 

@@ -202,7 +202,9 @@ def test_gather_map_moves_no_row_and_points_slots_at_rows():
     batch = make_batch()
     batch.condense()
     before = batch.req_ids
-    order, num_decodes = batch.decode_first_order()
+    from fleetlab.lessons.reorder import decode_first_order
+
+    order, num_decodes = decode_first_order(batch)
     fig = viz.draw_gather_map(batch.snapshot(), order, num_decodes)
     assert batch.req_ids == before
     expected = {f"gather:{k}" for k, i in enumerate(order) if k != i}

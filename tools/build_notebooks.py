@@ -162,7 +162,7 @@ TOUR = [
     number is their turn to be recycled.
     """),
     code("""
-    tables = {req.request_id: list(req.block_ids) for req in llm.scheduler.running}
+    tables = llm.block_tables()
     viz.draw_block_pool(llm.pool, tables, ncols=16)
     """),
     md("""
@@ -572,12 +572,13 @@ REORDER = [
     """),
     code("""
     from fleetlab.engine.input_batch import unpermute
+    from fleetlab.lessons.reorder import stable_reorder
 
     for stable in (False, True):
         b = make_batch()
         b.condense()
         before = b.req_ids
-        perm, num_decodes = b.reorder_split_prefill_and_decode(stable=stable)
+        perm, num_decodes = stable_reorder(b) if stable else b.reorder_split_prefill_and_decode()
         moved = int((perm != np.arange(len(perm))).sum())
         print(f"stable={stable!s:<5} rows {b.req_ids}  {moved} rows moved  "
               f"unpermute gives back {list(unpermute(b.req_ids, perm)) == before}")
@@ -591,8 +592,10 @@ REORDER = [
     the few fields it needs through that map; the persistent buffers never move.
     """),
     code("""
+    from fleetlab.lessons.reorder import decode_first_order
+
     batch = make_batch()
-    order, num_decodes = batch.decode_first_order()
+    order, num_decodes = decode_first_order(batch)
     print("order:", order.tolist(), "| decodes:", num_decodes)
     print("gathered block tables (first 3 columns):")
     print(batch.np("block_table")[order][:, :3])

@@ -25,6 +25,7 @@ import numpy as np
 import paddle
 
 from fleetlab.engine.input_batch import InputBatch
+from fleetlab.lessons.reorder import decode_first_order
 
 # Host fields the step reads besides the device fields (query lengths, context lengths).
 _HOST_STEP_READS = ("num_computed_tokens", "num_scheduled_tokens", "num_tokens")
@@ -119,7 +120,7 @@ def _time_moves(batch: InputBatch, threshold: int) -> tuple[float, float, int, l
 
 def _time_gather(batch: InputBatch, threshold: int, device_fields: list[str]) -> tuple[float, float, list]:
     t0 = time.perf_counter()
-    order, num_decodes = batch.decode_first_order(threshold)
+    order, num_decodes = decode_first_order(batch, threshold)
     gathered = {name: batch.buffer(name)[order] for name in (*device_fields, *_HOST_STEP_READS)}
     t1 = time.perf_counter()
     for name in device_fields:

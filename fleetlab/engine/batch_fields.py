@@ -134,6 +134,8 @@ DEFAULT_FIELDS = FieldRegistry(
         _f("num_prompt_tokens", (), "int32", "host", 0, "prompt length"),
         _f("num_computed_tokens", (), "int32", "host", 0, "tokens whose K/V is already in the cache"),
         _f("num_scheduled_tokens", (), "int32", "host", 0, "tokens this step computes (query length)"),
+        _f("num_spec_tokens", (), "int32", "host", 0,
+           "draft tokens verified this step, written in token_ids after num_tokens"),
         _f("block_table", ("max_blocks_per_seq",), "int32", "device", -1, "physical block ids, -1 unused"),
         _f("num_blocks", (), "int32", "host", 0, "valid entries of block_table"),
         _f("temperature", (), "float32", "device", 1.0, "sampling temperature; 0 = greedy"),
@@ -147,5 +149,7 @@ DEFAULT_FIELDS = FieldRegistry(
         _f("ignore_eos", (), "bool", "host", False, "keep going past eos"),
         _f("stop_token_ids", ("max_stop_ids",), "int64", "host", -1, "extra stop tokens, -1 unused"),
         _f("eos_token_id", (), "int64", "host", -1, "end-of-sequence token; -1 = none"),
+        _f("prompt_embeds", (), "object", "host", None,
+           "side data bound to the request: {prompt position: embedding} replacing token embeddings"),
     ]
 )

@@ -22,6 +22,8 @@ class EngineConfig:
     scheduling_policy: which waiting request runs next and who gets preempted.
     seed: seeds the per-request seeds of requests that do not set one.
     record_traces: keep a ``StepTrace`` of every step in ``LLM.traces``.
+    speculative_config: None, or ``{"method": "ngram" | "draft", "num_speculative_tokens": k,
+      ...}`` (see :class:`fleetlab.spec.config.SpeculativeConfig`).
     """
 
     block_size: int = 16
@@ -37,6 +39,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     seed: int = 0
     record_traces: bool = False
+    speculative_config: dict | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:

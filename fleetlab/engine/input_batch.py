@@ -11,11 +11,16 @@ and leaves with :meth:`InputBatch.remove_request`. Each step the runner then
 
 Every buffer is declared once in a :class:`~fleetlab.engine.batch_fields.FieldRegistry`;
 row moves (``swap``, ``condense``, ``reorder``) loop over the registry, so no field can be
-forgotten. Access: ``batch.np("token_ids")`` or ``batch.token_ids`` is the numpy view of
-rows ``[0, num_rows)`` (writable, the source of truth); ``batch.buffer(name)`` is the whole
+forgotten. Access: ``batch.token_ids`` (a typed accessor for each default field) or
+``batch.np("token_ids")`` (any field, extra ones too) is the numpy view of rows
+``[0, num_rows)`` (writable, the source of truth); ``batch.buffer(name)`` is the whole
 ``[max_num_seqs, ...]`` buffer; ``batch.dev(name)`` is the Paddle mirror of a device field
 as of the last ``sync_to_device()``. Row order is internal: results go back to request
 ids through ``by_request`` / ``unpermute``.
+
+Followers (a speculative proposer's ``ProposerInputBatch``) attach with ``add_follower``:
+every row move, clear and add of this batch is replayed on them, so their rows stay the
+same requests as this batch's rows by construction (the lockstep invariant).
 """
 
 from __future__ import annotations
@@ -86,14 +91,18 @@ def two_pointer_swaps(is_decode: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return lefts, rights
 
 
-def stable_partition(is_decode: np.ndarray) -> np.ndarray:
-    """``perm`` (``perm[new] = old``) putting decode rows first, keeping order within groups.
+class FieldView:
+    """Typed accessor of one default field: ``batch.token_ids`` is ``batch.np("token_ids")``.
 
-    Shown for teaching: it keeps the order a reader expects, but moves every row after the
-    first misplaced one, where the two-pointer scan moves only the misplaced rows.
-    """
-    is_decode = np.asarray(is_decode, dtype=bool)
-    return np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)]).astype(np.int64)
+    Declared on the class (not resolved by ``__getattr__``) so fields show in IDEs."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, batch, owner=None) -> np.ndarray:
+        if batch is None:
+            return self
+        return batch.np(self.name)
 
 
 class InputBatch:
@@ -114,6 +123,26 @@ class InputBatch:
     because moving rows of device tensors would launch one kernel per buffer per swap;
     ``sync_to_device()`` copies rows ``[0, num_reqs)`` of each device field once per step.
     """
+
+    token_ids = FieldView()
+    num_tokens = FieldView()
+    num_prompt_tokens = FieldView()
+    num_computed_tokens = FieldView()
+    num_scheduled_tokens = FieldView()
+    num_spec_tokens = FieldView()
+    block_table = FieldView()
+    num_blocks = FieldView()
+    temperature = FieldView()
+    top_k = FieldView()
+    top_p = FieldView()
+    seed = FieldView()
+    num_output_tokens = FieldView()
+    max_tokens = FieldView()
+    min_tokens = FieldView()
+    ignore_eos = FieldView()
+    stop_token_ids = FieldView()
+    eos_token_id = FieldView()
+    prompt_embeds = FieldView()
 
     def __init__(
         self,
@@ -146,6 +175,7 @@ class InputBatch:
         self._req_id_to_row: dict[object, int] = {}
         self._num_rows = 0
         self._synced_rows: int | None = None  # rows mirrored by the last sync; None = stale
+        self._followers: list = []
 
     def _check_registry(self) -> None:
         missing = [name for name in DEFAULT_FIELDS.names() if name not in self._fields]
@@ -154,7 +184,8 @@ class InputBatch:
         if self._fields["req_id"].dtype != "object":
             raise ValueError("field 'req_id' must have dtype 'object'")
         for field in self._fields:
-            if hasattr(type(self), field.name):
+            attr = getattr(type(self), field.name, None)
+            if attr is not None and not isinstance(attr, FieldView):
                 raise ValueError(f"field name {field.name!r} clashes with an InputBatch attribute")
 
     # ------------------------------------------------------------------ access
@@ -204,11 +235,12 @@ class InputBatch:
             raise RuntimeError(f"device mirror of {name!r} is stale: call sync_to_device() first")
         return self._dev[name][: self._synced_rows]
 
-    def __getattr__(self, name: str):
-        fields = self.__dict__.get("_fields")
-        if fields is not None and name in fields:
-            return self.np(name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+    def add_follower(self, follower) -> None:
+        """Replay every row move, clear and add of this batch on ``follower`` (anything with
+        ``move_rows(dst, src)``, ``clear_rows(rows)`` and ``on_add(batch, row, req_id)``)."""
+        if self._num_rows:
+            raise RuntimeError("attach followers to an empty batch, so that they start in step")
+        self._followers.append(follower)
 
     def row_of(self, req_id) -> int:
         """The row holding ``req_id``; ValueError if the request is not in the batch."""
@@ -260,6 +292,8 @@ class InputBatch:
             set_(row, name, value)
         self._req_id_to_row[req_id] = row
         self._num_rows = max(self._num_rows, row + 1)
+        for follower in self._followers:
+            follower.on_add(self, row, req_id)
         self._synced_rows = None
         return row
 
@@ -332,17 +366,64 @@ class InputBatch:
         return row
 
     def append_token(self, row: int, token: int) -> None:
-        """Append a sampled token to the row's ``token_ids`` (one more output token)."""
+        """Append one output token to the row's ``token_ids``."""
+        self.append_tokens(row, [token])
+
+    def append_tokens(self, row: int, tokens: Iterable[int]) -> None:
+        """Append output tokens to the row's ``token_ids`` (drafts written after the old end
+        are overwritten: a row's tokens past ``num_tokens`` are scratch)."""
         req_id = self._live_req(row)
+        tokens = np.asarray(list(tokens), dtype=np.int64)
         n = int(self._np["num_tokens"][row])
-        if n >= self.sizes["max_model_len"]:
+        if n + len(tokens) > self.sizes["max_model_len"]:
             raise ValueError(
                 f"request {req_id!r}: field 'token_ids' is full (max_model_len={self.sizes['max_model_len']})"
             )
-        self._np["token_ids"][row, n] = token
-        self._np["num_tokens"][row] = n + 1
-        self._np["num_output_tokens"][row] += 1
+        self._np["token_ids"][row, n : n + len(tokens)] = tokens
+        self._np["num_tokens"][row] = n + len(tokens)
+        self._np["num_output_tokens"][row] += len(tokens)
+        self._np["num_spec_tokens"][row] = 0
         self._synced_rows = None
+
+    def update_request(self, req_id, new_token_ids: Iterable[int], new_block_ids: Iterable[int],
+                       num_computed_tokens: int, num_blocks: int | None = None) -> int:
+        """Apply one step's diff to a request the batch holds; returns its row.
+
+        ``num_blocks``: the table's length after the diff; the table is first cut to
+        ``num_blocks - len(new_block_ids)`` entries (None: nothing is cut)."""
+        row = self.row_of(req_id)
+        new_token_ids = list(new_token_ids)
+        new_block_ids = list(new_block_ids)
+        if num_blocks is not None:
+            keep = num_blocks - len(new_block_ids)
+            if not 0 <= keep <= int(self._np["num_blocks"][row]):
+                raise ValueError(f"request {req_id!r}: field 'num_blocks'={num_blocks} with {len(new_block_ids)} "
+                                 f"new blocks does not fit its {int(self._np['num_blocks'][row])} held blocks")
+            self._np["block_table"][row, keep:] = -1
+            self._np["num_blocks"][row] = keep
+        num_tokens = int(self._np["num_tokens"][row]) + len(new_token_ids)
+        if not 0 <= num_computed_tokens <= num_tokens:
+            raise ValueError(f"request {req_id!r}: field 'num_computed_tokens'={num_computed_tokens} "
+                             f"must be in [0, {num_tokens}]")
+        if new_token_ids:
+            self.append_tokens(row, new_token_ids)
+        if new_block_ids:
+            self.append_block_ids(row, new_block_ids)
+        self._np["num_computed_tokens"][row] = num_computed_tokens
+        self._np["num_spec_tokens"][row] = 0
+        return row
+
+    def set_spec_tokens(self, req_id, draft_token_ids: Iterable[int]) -> None:
+        """Write the drafts a row verifies this step after its known tokens (``token_ids``
+        past ``num_tokens``; ``num_spec_tokens`` counts them)."""
+        row = self.row_of(req_id)
+        drafts = np.asarray(list(draft_token_ids), dtype=np.int64)
+        n = int(self._np["num_tokens"][row])
+        if n + len(drafts) > self.sizes["max_model_len"]:
+            raise ValueError(f"request {req_id!r}: {len(drafts)} draft tokens after {n} tokens exceed field "
+                             f"'token_ids' (max_model_len={self.sizes['max_model_len']})")
+        self._np["token_ids"][row, n : n + len(drafts)] = drafts
+        self._np["num_spec_tokens"][row] = len(drafts)
 
     def append_block_ids(self, row: int, block_ids: Iterable[int]) -> None:
         """Append newly allocated block ids to the row's ``block_table``."""
@@ -359,15 +440,17 @@ class InputBatch:
         self._synced_rows = None
 
     def set_num_scheduled(self, num_scheduled: Mapping[object, int]) -> None:
-        """Set this step's query length per request id; requests left out get 0."""
+        """Set this step's query length per request id (known tokens plus drafts); requests
+        left out get 0."""
         rows = {}
         for req_id, n in num_scheduled.items():  # check everything before writing anything
             row = self.row_of(req_id)
-            room = int(self._np["num_tokens"][row]) - int(self._np["num_computed_tokens"][row])
+            room = int(self._np["num_tokens"][row] + self._np["num_spec_tokens"][row]
+                       - self._np["num_computed_tokens"][row])
             if not 0 <= n <= room:
                 raise ValueError(
                     f"request {req_id!r}: field 'num_scheduled_tokens'={n} must be in [0, {room}] "
-                    "(num_tokens - num_computed_tokens)"
+                    "(num_tokens + num_spec_tokens - num_computed_tokens)"
                 )
             rows[row] = n
         sched = self._np["num_scheduled_tokens"]
@@ -396,11 +479,15 @@ class InputBatch:
             if req_ids[row] is not None:
                 self._req_id_to_row[req_ids[row]] = row
         self._synced_rows = None
+        for follower in self._followers:
+            follower.move_rows(dst, src)
 
     def _clear_rows(self, rows: np.ndarray) -> None:
         """Reset ``rows`` of every field to the field's fill (the map is the caller's job)."""
         for field in self._fields:
             self._np[field.name][rows] = field.fill
+        for follower in self._followers:
+            follower.clear_rows(rows)
 
     def _trim(self) -> None:
         """Drop trailing holes from ``num_rows``."""
@@ -442,44 +529,35 @@ class InputBatch:
         live = np.not_equal(self.np("req_id"), None) if self.has_holes else True
         return live & np.where(sched > 0, sched <= decode_threshold, past_prompt)
 
-    def reorder_split_prefill_and_decode(
-        self, decode_threshold: int = 1, *, stable: bool = False
-    ) -> tuple[np.ndarray, int]:
+    def reorder_split_prefill_and_decode(self, decode_threshold: int = 1) -> tuple[np.ndarray, int]:
         """Move decode rows to ``[0, num_decodes)``; return ``(perm, num_decodes)``.
 
         ``perm[new_row] = old_row`` over rows ``[0, num_reqs)``; undo with ``unpermute``.
-        Default: the two-pointer scan (:func:`two_pointer_swaps`), the fewest swaps, NOT
-        stable within the decode or prefill group. ``stable=True``: a stable partition that
-        keeps each group's order at the price of moving more rows (for teaching).
-        Call ``condense()`` first: a batch with holes is refused.
+        The two-pointer scan (:func:`two_pointer_swaps`): the fewest swaps, NOT stable
+        within the decode or prefill group (``fleetlab.lessons.reorder`` shows the stable
+        partition and the no-move gather map beside it). Call ``condense()`` first: a batch
+        with holes is refused.
         """
         if self.has_holes:
             raise RuntimeError("reorder needs a dense batch: call condense() first")
         mask = self.is_decode(decode_threshold)
-        n = self._num_rows
-        if stable:
-            perm = stable_partition(mask)
-            dst = np.flatnonzero(perm != np.arange(n))
-            src = perm[dst]
-        else:
-            lefts, rights = two_pointer_swaps(mask)
-            dst, src = np.concatenate([lefts, rights]), np.concatenate([rights, lefts])
-            perm = np.arange(n, dtype=np.int64)
-            perm[dst] = src
+        lefts, rights = two_pointer_swaps(mask)
+        dst, src = np.concatenate([lefts, rights]), np.concatenate([rights, lefts])
+        perm = np.arange(self._num_rows, dtype=np.int64)
+        perm[dst] = src
         self._move_rows(dst, src)
-        logger.debug("reorder: %d rows moved, %d decodes of %d", len(dst), int(mask.sum()), n)
+        logger.debug("reorder: %d rows moved, %d decodes of %d", len(dst), int(mask.sum()), self._num_rows)
         return perm, int(mask.sum())
 
-    def decode_first_order(self, decode_threshold: int = 1) -> tuple[np.ndarray, int]:
-        """The alternative to moving rows: a gather index map, decode rows first.
-
-        Returns ``(order, num_decodes)`` where ``order`` lists live rows (holes skipped),
-        decodes first, each group in row order. Nothing moves; the step's inputs are
-        gathered as ``batch.block_table[order]`` etc.
-        """
-        live = np.flatnonzero(np.not_equal(self.np("req_id"), None))
-        mask = self.is_decode(decode_threshold)[live]
-        return np.concatenate([live[mask], live[~mask]]), int(mask.sum())
+    def permute(self, perm) -> None:
+        """Reorder the rows of a dense batch: new row ``i`` takes old row ``perm[i]``."""
+        if self.has_holes:
+            raise RuntimeError("permute needs a dense batch: call condense() first")
+        perm = np.asarray(perm, dtype=np.int64)
+        if sorted(perm.tolist()) != list(range(self._num_rows)):
+            raise ValueError(f"perm must be a permutation of rows [0, {self._num_rows}); got {perm.tolist()}")
+        moved = np.flatnonzero(perm != np.arange(self._num_rows))
+        self._move_rows(moved, perm[moved])
 
     # ------------------------------------------------------------------ results and device
     def by_request(self, values) -> dict:
@@ -539,7 +617,7 @@ class InputBatch:
         empty = np.flatnonzero(np.equal(req_ids, None))
         for field in self._fields:
             rows = self._np[field.name][empty]
-            if rows.size and not np.all(rows == np.asarray(field.fill, dtype=rows.dtype)):
+            if rows.size and not _all_fill(rows, field.fill):
                 raise RuntimeError(f"field {field.name!r} holds data in an empty row")
 
     def __repr__(self) -> str:
@@ -547,6 +625,16 @@ class InputBatch:
             f"InputBatch(num_reqs={self.num_reqs}, num_rows={self._num_rows}, "
             f"max_num_seqs={self.max_num_seqs}, fields={len(self._fields)})"
         )
+
+
+def _all_fill(rows: np.ndarray, fill) -> bool:
+    """Every entry equals ``fill`` (NaN fills compare equal to NaN; objects by identity or ==)."""
+    if rows.dtype == object:
+        return all(x is fill or x == fill for x in rows.reshape(-1))
+    fill = np.asarray(fill, dtype=rows.dtype)
+    if np.issubdtype(rows.dtype, np.floating) and np.isnan(fill):
+        return bool(np.isnan(rows).all())
+    return bool(np.all(rows == fill))
 
 
 def _positive(name: str, value, minimum: int = 1) -> int:

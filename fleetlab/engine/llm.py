@@ -4,13 +4,14 @@
     outs = llm.generate(["12+7=", "3+4="], fleetlab.SamplingParams(max_tokens=8))
 
 Under the hood: the model is patched (``patch_model``), a paged KV cache and a block
-pool are sized, and every ``step()`` runs scheduler -> InputBatch -> metadata ->
-patched forward -> sampler -> scheduler update.
+pool are sized, and every ``step()`` is three moves: the scheduler plans
+(``SchedulerOutput``), the model runner executes (``ModelRunnerOutput``), the scheduler
+commits. A step applies entirely or not at all: if the runner raises, the scheduler rolls
+the plan back and the runner is reset.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -18,17 +19,22 @@ from collections.abc import Sequence
 import numpy as np
 
 from fleetlab.attention.backend import get_attention_backend
-from fleetlab.kv.block_pool import BlockPool
 from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.input_batch import InputBatch
-from fleetlab.kv.manager import KVCacheManager
+from fleetlab.engine.input_processor import InputProcessor
 from fleetlab.engine.model_runner import ModelRunner
-from fleetlab.engine.outputs import RequestOutput, RowTrace, StepTrace
+from fleetlab.engine.outputs import RequestOutput, StepTrace
 from fleetlab.engine.request import Request
+from fleetlab.engine.runner_output import ModelRunnerOutput
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
+from fleetlab.engine.tracing import build_step_trace, rows_before
+from fleetlab.kv.block_pool import BlockPool
+from fleetlab.kv.manager import KVCacheManager
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.patching.handle import PatchHandle
+from fleetlab.spec.config import SpeculativeConfig
+from fleetlab.spec.proposer import ProposerContext, get_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +45,14 @@ class LLM:
     Args:
       model: a PaddleFormers causal LM, a Fleet-style model, or an existing ``PatchHandle``.
       tokenizer: optional; anything with ``encode(text)`` and ``decode(ids)``.
-      **config: fields of :class:`~fleetlab.EngineConfig`.
+      **config: fields of :class:`~fleetlab.EngineConfig` (``speculative_config={...}``
+        turns speculative decoding on: see :class:`~fleetlab.spec.config.SpeculativeConfig`).
     """
 
     def __init__(self, model, tokenizer=None, **config):
         self.config = cfg = EngineConfig.from_kwargs(**config)
         self.tokenizer = tokenizer
+        self.spec_config = SpeculativeConfig.from_dict(cfg.speculative_config) if cfg.speculative_config else None
         if isinstance(model, PatchHandle):
             self.handle = model
         else:
@@ -52,9 +60,11 @@ class LLM:
 
             _check_backend_needs(get_attention_backend(cfg.backend), cfg)
             self.handle = patch_model(model, backend=cfg.backend)
+        self.proposer = None
         try:
             self._build(cfg)
         except Exception:
+            self._close_proposer()
             if self.handle is not model:  # a failed construction leaves the model as it was
                 self.handle.unpatch()
             raise
@@ -70,20 +80,28 @@ class LLM:
         num_blocks = self._num_blocks()
         self.kv_cache = PagedKVCache.for_handle(self.handle, num_blocks, cfg.block_size)
         self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+        # A verify row carries k + 1 query tokens: still a decode for the reorder and the kernels.
+        k = self.spec_config.num_speculative_tokens if self.spec_config else 0
+        decode_threshold = max(backend_cls.reorder_threshold, k + 1)
+        if self.spec_config:
+            context = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
+                                      self.handle.vocab_size, decode_threshold)
+            self.proposer = get_proposer(self.spec_config.method)(self.spec_config, context)
+        lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
         self.scheduler = Scheduler(
             KVCacheManager(self.pool), max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
-            enable_chunked_prefill=cfg.enable_chunked_prefill,
-            enable_prefix_caching=cfg.enable_prefix_caching, policy=cfg.scheduling_policy)
+            enable_chunked_prefill=cfg.enable_chunked_prefill, policy=cfg.scheduling_policy,
+            num_lookahead_tokens=lookahead)
         reorder = backend_cls.requires_reorder if cfg.reorder is None else cfg.reorder
         batch = InputBatch(max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                            max_blocks_per_seq=-(-self.max_model_len // cfg.block_size))
         self.runner = ModelRunner(self.handle, self.kv_cache, batch, reorder=reorder,
-                                  decode_threshold=backend_cls.reorder_threshold)
-        self._requests: dict[str, Request] = {}
-        self._ids = itertools.count()
-        self._arrivals = itertools.count()
-        self._rng = np.random.default_rng(cfg.seed)
+                                  decode_threshold=decode_threshold, proposer=self.proposer)
+        self.processor = InputProcessor(
+            self.tokenizer, vocab_size=self.handle.vocab_size, max_model_len=self.max_model_len,
+            eos_token_id=self.handle.eos_token_id, block_size=cfg.block_size, num_blocks=num_blocks,
+            max_stop_ids=batch.sizes["max_stop_ids"], num_lookahead_tokens=lookahead, seed=cfg.seed)
         self.traces: list[StepTrace] = []
         self._num_generated = 0
 
@@ -97,70 +115,20 @@ class LLM:
                                                       h.head_dim, cfg.block_size, h.dtype or "float32")
         return cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
 
+    def _close_proposer(self) -> None:
+        if self.proposer is not None and hasattr(self.proposer, "close"):
+            self.proposer.close()
+
     # ----- requests in -----
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: Sequence[int] | None = None, request_id: str | None = None,
                     priority: int = 0) -> str:
         """Queue one request; returns its id. Raises ``ValueError`` naming the request and
         the bad field before anything is queued."""
-        req = self._make_request(prompt, sampling_params, prompt_token_ids, request_id, priority)
-        self._requests[req.request_id] = req
+        req = self.processor.process(prompt, sampling_params, prompt_token_ids, request_id, priority,
+                                     self.scheduler.requests)
         self.scheduler.add_request(req)
         return req.request_id
-
-    def _make_request(self, prompt, sampling_params, prompt_token_ids, request_id, priority) -> Request:
-        rid = str(next(self._ids)) if request_id is None else str(request_id)
-        if rid in self._requests:
-            raise ValueError(f"request {rid!r}: request_id is already in use")
-        ids = self._tokenize(rid, prompt, prompt_token_ids)
-        sp = sampling_params or SamplingParams()
-        if not isinstance(sp, SamplingParams):
-            raise ValueError(f"request {rid!r}: sampling_params must be a fleetlab.SamplingParams")
-        sp.validate(rid)
-        self._check_stop_ids(rid, sp)
-        self._check_fits(rid, ids, sp)
-        seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**62))
-        return Request(rid, ids, sp, seed=seed, arrival_order=next(self._arrivals),
-                       eos_token_id=self.handle.eos_token_id, priority=priority)
-
-    def _tokenize(self, rid, prompt, prompt_token_ids) -> list[int]:
-        if (prompt is None) == (prompt_token_ids is None):
-            raise ValueError(f"request {rid!r}: give exactly one of prompt and prompt_token_ids")
-        if prompt is not None:
-            if self.tokenizer is None:
-                raise ValueError(f"request {rid!r}: prompt is text but the LLM has no tokenizer")
-            ids = self.tokenizer.encode(prompt)
-            ids = ids["input_ids"] if isinstance(ids, dict) else ids
-        else:
-            ids = prompt_token_ids
-        ids = [int(t) for t in np.asarray(ids).reshape(-1)]
-        if not ids:
-            raise ValueError(f"request {rid!r}: prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.handle.vocab_size]
-        if bad:
-            raise ValueError(f"request {rid!r}: prompt_token_ids {bad[:5]} outside the vocabulary "
-                             f"[0, {self.handle.vocab_size})")
-        return ids
-
-    def _check_stop_ids(self, rid, sp) -> None:
-        """Refuse now what would otherwise fail mid-step: the InputBatch row and the sampler's ban."""
-        cap = self.runner.batch.sizes["max_stop_ids"]
-        if len(sp.stop_token_ids) > cap:
-            raise ValueError(f"request {rid!r}: sampling field stop_token_ids holds {len(sp.stop_token_ids)} "
-                             f"ids; the engine keeps at most {cap}")
-        bad = [t for t in sp.stop_token_ids if t >= self.handle.vocab_size]
-        if bad:
-            raise ValueError(f"request {rid!r}: sampling field stop_token_ids {bad[:5]} outside the "
-                             f"vocabulary [0, {self.handle.vocab_size})")
-
-    def _check_fits(self, rid, ids, sp) -> None:
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"request {rid!r}: prompt has {len(ids)} tokens; max_model_len="
-                             f"{self.max_model_len} leaves no room to generate")
-        need = -(-min(len(ids) + sp.max_tokens, self.max_model_len) // self.pool.block_size)
-        if need > self.pool.num_blocks:
-            raise ValueError(f"request {rid!r}: needs {need} KV blocks but the pool has only "
-                             f"{self.pool.num_blocks} (num_blocks is too small for even this one request)")
 
     # ----- the loop -----
     def has_unfinished_requests(self) -> bool:
@@ -174,28 +142,41 @@ class LLM:
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
-        rows_before = {r.request_id: (r.num_computed_tokens, r.num_tokens, list(r.block_ids))
-                       for r in sched.scheduled} if tracing else {}  # copied only when a trace needs them
-        num_out_before = {r.request_id: len(r.output_token_ids) for r in sched.scheduled}
-        ran = self.runner.execute(sched) if sched.scheduled else None
+        before = rows_before(sched, self.scheduler) if tracing else {}
+        reqs = {rid: self.scheduler.requests[rid] for rid in sched.num_scheduled_tokens}
+        num_out_before = {rid: len(r.output_token_ids) for rid, r in reqs.items()}
+        result = self._execute(sched)
         t2 = time.perf_counter()
-        finished = self.scheduler.update(sched, ran.sampled if ran else {}, ran.errors if ran else {}, t2)
+        finished = self.scheduler.update(sched, result, t2)
         t3 = time.perf_counter()
-        self._num_generated += len(ran.sampled) if ran else 0
-        for req in finished:
-            self._requests.pop(req.request_id, None)
+        kept = {rid: r.output_token_ids[num_out_before[rid]:] for rid, r in reqs.items()
+                if len(r.output_token_ids) > num_out_before[rid]}
+        self._num_generated += sum(len(t) for t in kept.values())
         if stream:
-            changed = [r for r in sched.scheduled
-                       if r.is_finished or len(r.output_token_ids) > num_out_before[r.request_id]]
-            outputs = [self._output(r, num_out_before[r.request_id]) for r in changed]
+            outputs = [self._output(r, num_out_before[rid]) for rid, r in reqs.items()
+                       if rid in kept or r.is_finished]
         else:
             outputs = [self._output(r) for r in finished]
         record = None
         if tracing:
-            record = self._trace(sched, ran, finished, rows_before, {"schedule": t1 - t0, "update": t3 - t2})
+            record = build_step_trace(sched, result, before, kept, [r.request_id for r in finished],
+                                      self.pool.num_free_blocks, self.pool.num_blocks,
+                                      {"schedule": t1 - t0, "update": t3 - t2, **result.timings})
             if self.config.record_traces:
                 self.traces.append(record)
         return (outputs, record) if trace else outputs
+
+    def _execute(self, sched) -> ModelRunnerOutput:
+        """Run the plan; on any exception undo it (scheduler rollback, runner reset) and re-raise."""
+        if not sched.num_scheduled_tokens:
+            return ModelRunnerOutput()
+        try:
+            return self.runner.execute(sched)
+        except BaseException:
+            logger.debug("step %d failed: rolling it back", sched.step)
+            self.scheduler.rollback(sched)
+            self.runner.reset()
+            raise
 
     def abort(self, request_ids) -> list[RequestOutput]:
         """Stop the named requests now (``str`` or an iterable of ids); their blocks are freed
@@ -206,28 +187,7 @@ class LLM:
         now = time.perf_counter()
         for req in aborted:
             req.finish_time = now
-            self._requests.pop(req.request_id, None)
         return [self._output(r) for r in aborted]
-
-    def _trace(self, sched, ran, finished, rows_before, timings) -> StepTrace:
-        rows = []
-        order = ran.order_after if ran else []
-        by_id = {r.request_id: r for r in sched.scheduled}
-        for rid in order:
-            n = sched.num_scheduled_tokens[rid]
-            computed, num_tokens, blocks = rows_before[rid]
-            # A decode runs the last sampled token; anything else fills the cache with the prompt
-            # (even a single token after a prefix-cache hit) or recomputes after a preemption.
-            decode = computed == num_tokens - 1 and computed >= by_id[rid].num_prompt_tokens
-            phase = "decode" if decode else "prefill"
-            rows.append(RowTrace(rid, phase, n, computed, by_id[rid].num_prompt_tokens, blocks))
-        return StepTrace(
-            step=sched.step, rows=rows, order_before=ran.order_before if ran else [], order_after=order,
-            num_decodes=ran.num_decodes if ran else 0, reordered=bool(ran and ran.reordered),
-            tokens=dict(ran.sampled) if ran else {}, preempted=[r.request_id for r in sched.preempted],
-            finished=[r.request_id for r in finished], num_free_blocks=self.pool.num_free_blocks,
-            num_blocks=self.pool.num_blocks, num_batched_tokens=sched.total_num_scheduled_tokens,
-            timings={**timings, **(ran.timings if ran else {})})
 
     def _output(self, req: Request, num_reported: int = 0) -> RequestOutput:
         text = None
@@ -245,20 +205,29 @@ class LLM:
         ``prompts``: a string or a list of strings (needs a tokenizer); or
         ``prompt_token_ids``: a list of token-id lists. ``sampling_params``: one
         ``SamplingParams`` for all, or one per prompt. Every request is validated before
-        any runs, so a bad one raises ``ValueError`` and nothing is queued.
+        any runs, so a bad one raises ``ValueError`` and nothing is queued. If the loop is
+        interrupted (an exception, Ctrl-C), this call's requests are aborted first.
         """
         items = self._pair(prompts, prompt_token_ids, sampling_params)
-        reqs = [self._make_request(p, sp, ids, None, 0) for p, ids, sp in items]
+        live = dict(self.scheduler.requests)
+        reqs = []
+        for p, ids, sp in items:
+            reqs.append(self.processor.process(p, sp, ids, None, 0, live))
+            live[reqs[-1].request_id] = reqs[-1]
         for req in reqs:
-            self._requests[req.request_id] = req
             self.scheduler.add_request(req)
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(reqs), use_tqdm)
-        while self.has_unfinished_requests():
-            for out in self.step():
-                done[out.request_id] = out
-                bar.update(1)
-        bar.close()
+        try:
+            while self.has_unfinished_requests():
+                for out in self.step():
+                    done[out.request_id] = out
+                    bar.update(1)
+        except BaseException:
+            self.abort([r.request_id for r in reqs])
+            raise
+        finally:
+            bar.close()
         return [done[r.request_id] if r.request_id in done else self._output(r) for r in reqs]
 
     @staticmethod
@@ -280,13 +249,18 @@ class LLM:
             sps = [sampling_params] * len(items)
         return [(p, ids, sp) for (p, ids), sp in zip(items, sps)]
 
+    def block_tables(self) -> dict[str, list[int]]:
+        """``{request id: block ids}`` of every running request (for drawing the pool)."""
+        return {r.request_id: self.scheduler.kv.get_block_ids(r.request_id) for r in self.scheduler.running}
+
     def stats(self) -> dict:
         """Pool and cache figures: blocks, free blocks, hit rate, preemptions, utilization,
-        steps, generated tokens, and the requests running and waiting now."""
+        steps, generated tokens, the requests running and waiting now, and with speculation
+        the drafts proposed and accepted."""
         s = self.pool.stats()
         used = s.num_blocks - s.num_free_blocks
         tokens_held = sum(r.num_computed_tokens for r in self.scheduler.running)
-        return {
+        stats = {
             "num_blocks": s.num_blocks,
             "num_free_blocks": s.num_free_blocks,
             "prefix_cache_hit_rate": s.hit_rate,
@@ -299,6 +273,15 @@ class LLM:
             "num_requests_running": len(self.scheduler.running),
             "num_requests_waiting": len(self.scheduler.waiting),
         }
+        if self.spec_config:
+            spec = self.scheduler.spec_stats
+            stats.update(num_draft_tokens=spec.num_draft_tokens, num_accepted_tokens=spec.num_accepted_tokens,
+                         spec_acceptance_rate=spec.acceptance_rate,
+                         spec_mean_acceptance_length=(spec.num_accepted_tokens + spec.num_drafts)
+                         / max(1, spec.num_drafts),
+                         spec_acceptance_by_position=[a / d for a, d in zip(spec.accepted_per_position,
+                                                                            spec.drafted_per_position)])
+        return stats
 
 
 def _check_backend_needs(backend_cls, cfg: EngineConfig) -> None:

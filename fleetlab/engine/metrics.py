@@ -88,8 +88,8 @@ def token_steps(traces: Sequence) -> dict[str, list[int]]:
     """``{request id: [step of each output token]}`` from engine traces (``StepTrace.tokens``)."""
     steps: dict[str, list[int]] = {}
     for trace in traces:
-        for request_id in trace.tokens:
-            steps.setdefault(request_id, []).append(trace.step)
+        for request_id, tokens in trace.tokens.items():
+            steps.setdefault(request_id, []).extend([trace.step] * len(tokens))
     return steps
 
 

@@ -1,16 +1,22 @@
 """``ModelRunner``: one step of the patched model over the persistent InputBatch.
 
-It keeps the InputBatch equal to the step's scheduled set, condenses it, reorders it
-decode-first when the attention backend asks, builds the attention metadata, runs the
-model on the packed tokens under ``forward_context``, computes logits only at each
-row's last scheduled token, and samples. Results leave keyed by request id, so the
-row order never leaks out.
+It rebuilds its InputBatch from the step's :class:`SchedulerOutput` alone (new requests
+in full, the rest as diffs), condenses it, reorders it decode-first when the attention
+backend asks (a proposer's batch follows row for row), builds the attention metadata,
+runs the model on the packed tokens under ``forward_context``, computes logits only at the
+positions it scores (each row's last token; a verify row's last ``k + 1`` tokens), samples
+and verifies drafts, and lets the proposer draft the next ones. Results leave keyed by
+request id in a :class:`ModelRunnerOutput`, so the row order never leaks out.
+
+The runner never advances a request's progress: the next message tells it what the
+scheduler committed. If anything in a step raises, the engine calls :meth:`reset` and the
+scheduler resends every request in full, so no half-applied step survives.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import paddle
@@ -18,33 +24,41 @@ import paddle
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
 from fleetlab.engine.input_batch import InputBatch
-from fleetlab.engine.request import Request
+from fleetlab.engine.runner_output import ModelRunnerOutput
 from fleetlab.engine.sampler import Sampler, SamplingTensors
-from fleetlab.engine.scheduler import SchedulerOutput
+from fleetlab.engine.scheduler_output import SchedulerOutput
+from fleetlab.spec.proposer import ProposeInput, Proposer
 
 
 @dataclass(slots=True)
-class RunnerOutput:
-    """What one step produced, keyed by request id.
+class StepInputs:
+    """The packed step: attention metadata, input ids ``[1, T]``, and the scored positions.
 
-    sampled: request id -> new token (rows whose chunk reached their last known token).
-    errors: request id -> message (e.g. non-finite logits); those requests stop.
-    order_before / order_after: request ids by row before and after the reorder.
+    logits_indices: int64 ``[P]`` packed token index of each scored position;
+    pos_row: ``[P]`` its batch row; pos_offset: ``[P]`` its index among its row's scored
+    positions (0 = the last known token, ``i`` = after ``i`` drafts).
     """
 
-    sampled: dict[str, int]
-    errors: dict[str, str]
-    order_before: list[str]
-    order_after: list[str]
-    num_decodes: int
-    reordered: bool
-    timings: dict[str, float] = field(default_factory=dict)
+    metadata: AttentionMetadata
+    input_ids: paddle.Tensor
+    logits_indices: np.ndarray
+    pos_row: np.ndarray
+    pos_offset: np.ndarray
 
 
 class ModelRunner:
-    """Runs scheduled steps of a patched model (a ``PatchHandle``) on a paged KV cache."""
+    """Runs scheduled steps of a patched model (a ``PatchHandle``) on a paged KV cache.
 
-    def __init__(self, handle, kv_cache, input_batch: InputBatch, *, reorder: bool, decode_threshold: int = 1):
+    Args:
+      handle, kv_cache, input_batch: the patched model, its cache, the persistent batch.
+      reorder: put decode rows first each step (the backend's ``requires_reorder``).
+      decode_threshold: the most query tokens a decode row carries (1, or ``k + 1`` when
+        verifying ``k`` drafts).
+      proposer: a speculative-decoding :class:`~fleetlab.spec.proposer.Proposer`, or None.
+    """
+
+    def __init__(self, handle, kv_cache, input_batch: InputBatch, *, reorder: bool, decode_threshold: int = 1,
+                 proposer: Proposer | None = None):
         self.handle = handle
         self.kv_cache = kv_cache
         self.batch = input_batch
@@ -52,37 +66,54 @@ class ModelRunner:
         self.decode_threshold = decode_threshold
         self.block_size = kv_cache.block_size
         self.sampler = Sampler()
+        self.proposer = proposer
+        if proposer is not None:
+            proposer.bind(input_batch)
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        """Run the step ``out`` plans (at least one request): batch update, forward, sampling."""
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run the step ``so`` plans (at least one request)."""
         t0 = time.perf_counter()
-        order_before, order_after, num_decodes = self._update_batch(out)
+        out = ModelRunnerOutput(reordered=self.reorder)
+        out.order_before, out.order_after, out.num_decodes = self._update_batch(so)
         t1 = time.perf_counter()
-        md, input_ids, logits_rows = self._prepare_inputs()
+        inputs = self._prepare_inputs()
         t2 = time.perf_counter()
-        with paddle.no_grad(), forward_context(md, self.kv_cache):
-            logits = self.handle.compute_logits(input_ids, md.positions.reshape([1, -1]), logits_rows)
-        if logits.dtype != paddle.float32:
-            logits = logits.astype("float32")
+        logits = self._forward(inputs)
         t3 = time.perf_counter()
-        sampled, errors = self._sample(logits)
+        num_computed_after = self._sample(logits, inputs, out)
         t4 = time.perf_counter()
-        timings = {"batch_update": t1 - t0, "metadata": t2 - t1, "forward": t3 - t2, "sample": t4 - t3}
-        return RunnerOutput(sampled, errors, order_before, order_after, num_decodes, self.reorder, timings)
+        if self.proposer is not None and out.sampled_token_ids:
+            out.spec_token_ids = self.proposer.propose(self.batch, self._propose_input(out, num_computed_after))
+        t5 = time.perf_counter()
+        out.timings = {"batch_update": t1 - t0, "metadata": t2 - t1, "forward": t3 - t2, "sample": t4 - t3,
+                       "propose": t5 - t4}
+        return out
 
-    def _update_batch(self, out: SchedulerOutput):
+    def reset(self) -> None:
+        """Drop every row (and the proposer's state): the scheduler will resend them in full."""
+        for req_id in [r for r in self.batch.req_ids if r is not None]:
+            self.batch.remove_request(req_id)
+        self.batch.condense()
+        if self.proposer is not None:
+            self.proposer.reset()
+
+    # ------------------------------------------------------------------ batch update
+    def _update_batch(self, so: SchedulerOutput):
         b = self.batch
-        scheduled = out.num_scheduled_tokens
+        scheduled = so.num_scheduled_tokens
         for req_id in [r for r in b.req_ids if r is not None and r not in scheduled]:
             b.remove_request(req_id)  # finished, preempted or simply not scheduled this step
-        for req in out.scheduled:
-            row = b.req_id_to_row.get(req.request_id)
-            if row is None:
-                self._add(req)
-            else:
-                held = int(b.num_blocks[row])
-                if len(req.block_ids) > held:
-                    b.append_block_ids(row, req.block_ids[held:])
+        for new in so.scheduled_new_reqs:
+            extra = {"prompt_embeds": new.prompt_embeds} if new.prompt_embeds else None
+            b.add_request(new.req_id, new.prompt_token_ids, output_token_ids=new.output_token_ids,
+                          num_computed_tokens=new.num_computed_tokens, block_ids=new.block_ids,
+                          sampling=new.sampling, eos_token_id=new.sampling.eos_token_id, extra=extra)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            b.update_request(req_id, cached.new_token_ids[i], cached.new_block_ids[i], cached.num_computed_tokens[i],
+                             cached.num_blocks[i])
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            b.set_spec_tokens(req_id, drafts)
         b.condense()
         b.set_num_scheduled(scheduled)
         order_before = list(b.req_ids[: b.num_reqs])
@@ -92,75 +123,94 @@ class ModelRunner:
         b.sync_to_device()  # one copy per device field, after every row has moved
         return order_before, list(b.req_ids[: b.num_reqs]), num_decodes
 
-    def _add(self, req: Request) -> None:
-        sp = req.sampling_params
-        self.batch.add_request(
-            req.request_id, req.prompt_token_ids, output_token_ids=req.output_token_ids,
-            num_computed_tokens=req.num_computed_tokens, block_ids=req.block_ids,
-            sampling=_RowSampling(sp.temperature, sp.top_k, sp.top_p, req.seed, sp.max_tokens,
-                                  sp.min_tokens, sp.ignore_eos, tuple(sp.stop_token_ids)),
-            eos_token_id=req.eos_token_id)
-
-    def _prepare_inputs(self):
-        """Metadata, packed input ids ``[1, T]`` and the row index of each row's last token."""
+    # ------------------------------------------------------------------ inputs and forward
+    def _prepare_inputs(self) -> StepInputs:
         b, n = self.batch, self.batch.num_reqs
         q = b.num_scheduled_tokens[:n].astype(np.int64)
         c = b.num_computed_tokens[:n].astype(np.int64)
         max_blocks = max(1, int(b.num_blocks[:n].max()))
-        md = AttentionMetadata.build(q, c, b.block_table[:n, :max_blocks], self.block_size,
-                                     self.decode_threshold,
+        md = AttentionMetadata.build(q, c, b.block_table[:n, :max_blocks], self.block_size, self.decode_threshold,
                                      block_tables_device=b.dev("block_table")[:, :max_blocks])
         row_of_token = np.repeat(np.arange(n), q)
         pos = c[row_of_token] + np.arange(md.num_tokens) - md.cu_seqlens_q_host[:-1][row_of_token]
         input_ids = paddle.to_tensor(b.token_ids[row_of_token, pos].reshape(1, -1), dtype="int64")
-        logits_rows = paddle.to_tensor(md.cu_seqlens_q_host[1:].astype(np.int64) - 1)
-        return md, input_ids, logits_rows
+        # A row scores its last known token and each draft after it, once its chunk gets there.
+        num_scored = np.where(c + q >= b.num_tokens[:n], b.num_spec_tokens[:n] + 1, 0).astype(np.int64)
+        pos_row = np.repeat(np.arange(n), num_scored)
+        starts = np.concatenate([[0], np.cumsum(num_scored)[:-1]])
+        pos_offset = np.arange(len(pos_row)) - starts[pos_row]
+        logits_indices = md.cu_seqlens_q_host[1:][pos_row] - num_scored[pos_row] + pos_offset
+        return StepInputs(md, input_ids, logits_indices.astype(np.int64), pos_row, pos_offset)
 
-    def _sample(self, logits: paddle.Tensor):
+    def _forward(self, inputs: StepInputs) -> paddle.Tensor:
+        """Logits ``[P, vocab]`` (float32) at the scored positions; the K/V of every token is written."""
+        md = inputs.metadata
+        # With nothing to score (every row mid-prompt), still run the model for its K/V writes.
+        indices = inputs.logits_indices if len(inputs.logits_indices) else np.array([md.num_tokens - 1])
+        with paddle.no_grad(), forward_context(md, self.kv_cache):
+            logits = self.handle.compute_logits(inputs.input_ids, md.positions.reshape([1, -1]),
+                                                paddle.to_tensor(indices))
+        return logits.astype("float32") if logits.dtype != paddle.float32 else logits
+
+    # ------------------------------------------------------------------ sampling and verification
+    def _sample(self, logits: paddle.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> np.ndarray:
+        """Fill ``out.sampled_token_ids`` / ``out.errors``; returns each row's computed tokens
+        after the step (rejected drafts excluded). Accepted tokens are also written after each
+        row's known tokens (scratch: the next message appends them for real) for the proposer."""
         b, n = self.batch, self.batch.num_reqs
-        q = b.num_scheduled_tokens[:n]
-        b.num_computed_tokens[:n] += q
-        done = b.num_computed_tokens[:n] == b.num_tokens[:n]  # chunk reached the last known token
-        finite = paddle.isfinite(logits).all(axis=-1).numpy()
-        if not finite.all():  # rare: zero the bad rows so the sampler stays well defined
-            logits = paddle.where(paddle.isfinite(logits), logits, paddle.zeros_like(logits))
-        tokens = self.sampler(logits, self._sampling_tensors(n))
-        sampled, errors = {}, {}
-        req_ids = b.req_ids  # a fresh list per access: read it once, not once per row
-        for row in np.flatnonzero(done).tolist():
-            req_id = req_ids[row]
-            if not finite[row]:
-                errors[req_id] = "the model produced non-finite logits"
+        num_computed_after = (b.num_computed_tokens[:n] + b.num_scheduled_tokens[:n]).astype(np.int64)
+        if len(inputs.pos_row) == 0:
+            return num_computed_after
+        res = self.sampler.sample(logits, self._sampling_tensors(inputs))
+        req_ids = b.req_ids
+        starts = np.flatnonzero(inputs.pos_offset == 0)
+        for start in starts.tolist():
+            row = int(inputs.pos_row[start])
+            num_spec = int(b.num_spec_tokens[row])
+            span = slice(start, start + num_spec + 1)
+            if not res.finite[span].all():
+                out.errors[req_ids[row]] = "the model produced non-finite logits"
                 continue
-            token = int(tokens[row])
-            sampled[req_id] = token
-            b.append_token(row, token)
-        return sampled, errors
+            accepted = res.accepted[start : start + num_spec]
+            m = num_spec if accepted.all() else int(np.argmin(accepted))
+            end = int(b.num_tokens[row])
+            tokens = b.token_ids[row, end : end + m].tolist() + [int(res.tokens[start + m])]
+            b.token_ids[row, end : end + m + 1] = tokens
+            num_computed_after[row] -= num_spec - m
+            out.sampled_token_ids[req_ids[row]] = tokens
+        return num_computed_after
 
-    def _sampling_tensors(self, n: int) -> SamplingTensors:
+    def _sampling_tensors(self, inputs: StepInputs) -> SamplingTensors:
         b = self.batch
-        n_out = b.num_tokens[:n] - b.num_prompt_tokens[:n]
-        banned = [[] for _ in range(n)]
-        # Only rows short of min_tokens ban anything; find them in one vector op, not a row loop.
-        for row in np.flatnonzero(n_out < b.min_tokens[:n]).tolist():
+        rows, offset = inputs.pos_row, inputs.pos_offset
+        draw_index = (b.num_tokens[rows] - b.num_prompt_tokens[rows] + offset).astype(np.int64)
+        num_spec = b.num_spec_tokens[rows]
+        drafts = np.where(offset < num_spec, b.token_ids[rows, np.minimum(b.num_tokens[rows] + offset,
+                                                                          b.sizes["max_model_len"] - 1)], -1)
+        banned = [[] for _ in range(len(rows))]
+        # Only positions short of min_tokens ban anything; find them in one vector op, not a loop.
+        for p in np.flatnonzero(draw_index < b.min_tokens[rows]).tolist():
+            row = rows[p]
             ids = [int(t) for t in b.stop_token_ids[row] if t >= 0]
             if not b.ignore_eos[row] and b.eos_token_id[row] >= 0:
                 ids.append(int(b.eos_token_id[row]))
-            banned[row] = ids
+            banned[p] = ids
+        index = paddle.to_tensor(rows.astype(np.int64))
         return SamplingTensors(
-            greedy=b.temperature[:n] == 0, temperature=b.dev("temperature"), top_k=b.dev("top_k"),
-            top_p=b.dev("top_p"), seeds=b.seed[:n], draw_index=n_out, banned=banned)
+            greedy=b.temperature[rows] == 0, temperature=paddle.gather(b.dev("temperature"), index),
+            top_k=paddle.gather(b.dev("top_k"), index), top_p=paddle.gather(b.dev("top_p"), index),
+            seeds=b.seed[rows], draw_index=draw_index, banned=banned, draft_token_ids=drafts.astype(np.int64))
 
-
-@dataclass(slots=True)
-class _RowSampling:
-    """The per-row sampling fields the InputBatch stores (seed resolved by the engine)."""
-
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    max_tokens: int
-    min_tokens: int
-    ignore_eos: bool
-    stop_token_ids: tuple
+    def _propose_input(self, out: ModelRunnerOutput, num_computed_after: np.ndarray) -> ProposeInput:
+        """How far each row got, and how many drafts each row that sampled may take."""
+        b, n = self.batch, self.batch.num_reqs
+        gained = np.zeros(n, np.int64)
+        for req_id, tokens in out.sampled_token_ids.items():
+            gained[b.row_of(req_id)] = len(tokens)
+        num_tokens = b.num_tokens[:n].astype(np.int64) + gained
+        room = np.minimum(b.sizes["max_model_len"] - num_tokens,
+                          b.max_tokens[:n] - (num_tokens - b.num_prompt_tokens[:n]) - 1)
+        if self.proposer.num_lookahead_tokens:  # the draft writes K/V up to k - 1 slots past the end
+            room = np.minimum(room, b.num_blocks[:n].astype(np.int64) * self.block_size - num_tokens + 1)
+        max_drafts = np.where(gained > 0, np.clip(room, 0, self.proposer.num_speculative_tokens), 0)
+        return ProposeInput(num_tokens, num_computed_after, max_drafts.astype(np.int64))

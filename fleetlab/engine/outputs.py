@@ -36,7 +36,13 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class RowTrace:
-    """One batch row in one step: who it was and what it did."""
+    """One batch row in one step: who it was and what it did.
+
+    draft_token_ids: the drafts it verified (empty without speculation); of those, the
+    first ``num_accepted_tokens`` were accepted, the rest rejected. token_ids: the tokens
+    the request kept from this step (accepted drafts, then the bonus/sampled token; cut
+    at a stop).
+    """
 
     request_id: str
     phase: str  # "decode" or "prefill"
@@ -44,10 +50,17 @@ class RowTrace:
     num_computed_tokens: int  # before this step
     num_prompt_tokens: int
     block_ids: list[int]
+    draft_token_ids: list[int] = field(default_factory=list)
+    num_accepted_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_rejected_tokens(self) -> int:
+        return len(self.draft_token_ids) - self.num_accepted_tokens
 
 
 # The parts of a step that StepTrace.timings times, in the order they run.
-STEP_TIMING_PARTS = ("schedule", "batch_update", "metadata", "forward", "sample", "update")
+STEP_TIMING_PARTS = ("schedule", "batch_update", "metadata", "forward", "sample", "propose", "update")
 
 
 @dataclass(slots=True)
@@ -56,7 +69,8 @@ class StepTrace:
 
     order_before / order_after: request ids by batch row before and after the
     decode-first reorder (equal when the step did not reorder).
-    timings: seconds spent in schedule, batch_update, metadata, forward, sample, update.
+    tokens: request id -> the tokens it kept this step (one per step without speculation).
+    timings: seconds spent in each of ``STEP_TIMING_PARTS``.
     """
 
     step: int
@@ -65,7 +79,7 @@ class StepTrace:
     order_after: list[str]
     num_decodes: int
     reordered: bool
-    tokens: dict[str, int]
+    tokens: dict[str, list[int]]
     preempted: list[str]
     finished: list[str]
     num_free_blocks: int

@@ -20,11 +20,12 @@ class RequestStatus(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One request: its tokens, how far its KV cache is computed, and its blocks.
+    """One request: its tokens, how far its KV cache is computed, its drafts.
 
     ``num_computed_tokens`` counts the tokens whose K/V are in the paged cache; the
-    tokens still to run are ``all_token_ids[num_computed_tokens:]``. Preemption frees the
-    blocks and resets it to 0 (the request is recomputed from its prompt and outputs).
+    tokens still to run are ``all_token_ids[num_computed_tokens:]`` plus the drafts in
+    ``spec_token_ids``. Preemption frees the blocks (the ``KVCacheManager`` holds them)
+    and resets it to 0 (the request is recomputed from its prompt and outputs).
     """
 
     request_id: str
@@ -36,8 +37,8 @@ class Request:
     priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    prompt_embeds: dict | None = None  # prompt position -> embedding replacing the token's
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None

@@ -1,14 +1,19 @@
-"""``Scheduler``: continuous batching under a token budget.
+"""``Scheduler``: continuous batching under a token budget, the only owner of request progress.
 
-Each step it fills ``max_num_batched_tokens`` and at most ``max_num_seqs`` rows:
-running requests first (their decodes, or the next chunk of a long prompt), then
-waiting requests in the policy's order. Prefills and decodes share a step. When the
-block pool runs dry it preempts a running request (the policy picks: by default the
-most recently admitted), frees its blocks and puts it back in the waiting queue to be
+Each step it fills ``max_num_batched_tokens`` and at most ``max_num_seqs`` rows: running
+requests first (a decode, the drafts it verifies, or the next chunk of a long prompt),
+then waiting requests in the policy's order. Prefills and decodes share a step. When the
+block pool runs dry it preempts a running request (the policy picks: by default the most
+recently admitted), frees its blocks and puts it back in the waiting queue to be
 recomputed later. The engine rejects any request the whole pool could not hold, so the
 request the policy never preempts (the oldest, under the default first-come-first-served
-policy) can always finish: the loop cannot deadlock. Other policies bound waiting by
-their own rules (see ``PriorityPolicy``'s aging).
+policy) can always finish: the loop cannot deadlock.
+
+The step is a transaction: :meth:`Scheduler.schedule` plans it and sends the runner a
+:class:`~fleetlab.engine.scheduler_output.SchedulerOutput`; :meth:`Scheduler.update`
+commits the runner's :class:`~fleetlab.engine.runner_output.ModelRunnerOutput` (tokens
+advance here and nowhere else, rejected drafts roll ``num_computed_tokens`` back); if the
+runner fails instead, :meth:`Scheduler.rollback` undoes what planning changed.
 """
 
 from __future__ import annotations
@@ -16,91 +21,115 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from fleetlab.kv.manager import KVCacheManager
 from fleetlab.engine.policies import SchedulingPolicy, make_policy
 from fleetlab.engine.request import Request, RequestStatus
+from fleetlab.engine.runner_output import ModelRunnerOutput
+from fleetlab.engine.scheduler_output import NewRequestData, RowSampling, SchedulerOutput
+from fleetlab.kv.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
-class SchedulerOutput:
-    """One step's plan: which requests run and how many tokens each.
+class SpecDecodingStats:
+    """Draft tokens verified and accepted so far, in all and by draft position."""
 
-    scheduled: requests in the order they were scheduled (running first, then new).
-    num_scheduled_tokens: request id -> tokens to run this step.
-    preempted: requests preempted while making room in this step.
-    """
+    num_drafts: int = 0  # verify rows
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
 
-    step: int
-    scheduled: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    preempted: list[Request] = field(default_factory=list)
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for counts, n in ((self.drafted_per_position, num_draft_tokens), (self.accepted_per_position, num_accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
 
     @property
-    def total_num_scheduled_tokens(self) -> int:
-        """Tokens the step runs in all (the packed batch length ``T``)."""
-        return sum(self.num_scheduled_tokens.values())
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 class Scheduler:
     """Chooses, every step, which requests run and how many tokens each.
 
     Args:
-      kv_manager: the request-level view of the block pool.
+      kv_manager: the request-level view of the block pool (the scheduler's only way to it).
       max_num_batched_tokens, max_num_seqs, max_model_len: the step's budget and caps.
       enable_chunked_prefill: let a prompt take several steps; without it a prompt is
         admitted only when it fits whole in the step's remaining budget.
-      enable_prefix_caching: look up cached blocks when admitting a request.
       policy: a :class:`SchedulingPolicy` or its registered name.
+      num_lookahead_tokens: slots reserved past a request's last token when it samples
+        (a draft model writes its proposals there).
     """
 
     def __init__(self, kv_manager: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = True, policy: SchedulingPolicy | str = "fcfs"):
+                 policy: SchedulingPolicy | str = "fcfs", num_lookahead_tokens: int = 0):
         self.kv = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
-        self.enable_prefix_caching = enable_prefix_caching
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.policy = make_policy(policy)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodingStats()
+        # What the runner holds of each request: (tokens, blocks) as of the last message.
+        self._sent: dict[str, tuple[int, int]] = {}
+        self._finished_ids: set[str] = set()
+        self._admitted: list[Request] = []  # this step's admissions, for rollback
 
+    # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
         """Queue a new request (validated by the engine) at the back of the waiting list."""
         request.status = RequestStatus.WAITING
         request.enqueue_step = self.step_count
         self.waiting.append(request)
-
-    def abort(self, request_ids) -> list[Request]:
-        """Finish the named waiting or running requests with reason ``"abort"`` and free
-        their blocks at once; ids of finished or unknown requests are skipped. Returns the
-        aborted requests."""
-        wanted = set(request_ids)
-        aborted = [r for r in self.running + self.waiting if r.request_id in wanted]
-        for req in aborted:
-            (self.running if req in self.running else self.waiting).remove(req)
-            self.kv.free(req)
-            req.status = RequestStatus.FINISHED
-            req.finish_reason = "abort"
-        return aborted
+        self.requests[request.request_id] = request
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs."""
         return bool(self.waiting or self.running)
 
+    def abort(self, request_ids) -> list[Request]:
+        """Finish the named waiting or running requests with reason ``"abort"`` and free
+        their blocks at once; ids of finished or unknown requests are skipped."""
+        aborted = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
+        for req in aborted:
+            (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
+            self._retire(req, "abort")
+        return aborted
+
+    # ------------------------------------------------------------------ planning
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first (preempting on a dry pool), then admissions."""
         out = SchedulerOutput(step=self.step_count)
+        self._admitted = []
         budget = self._schedule_running(out, self.max_num_batched_tokens)
-        if not out.preempted:  # after a preemption the pool is tight: admit nobody new
+        if not out.preempted_req_ids:  # after a preemption the pool is tight: admit nobody new
             self._schedule_waiting(out, budget)
+        self._fill_request_data(out)
+        out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         self.step_count += 1
         return out
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        """Known tokens still to compute plus the drafts, within the budget and the model's length."""
+        n = req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
+        return min(n, budget, self.max_model_len - req.num_computed_tokens)
+
+    def _lookahead(self, req: Request, num_new_tokens: int) -> int:
+        """Lookahead slots only for a row that will sample (its chunk reaches its last token)."""
+        return self.num_lookahead_tokens if req.num_computed_tokens + num_new_tokens >= req.num_tokens else 0
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Give each running request its next tokens; returns the budget left.
@@ -113,78 +142,134 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            n = self._num_new_tokens(req, budget)
+            while self.kv.allocate_slots(req, n, self._lookahead(req, n), max_num_tokens=self.max_model_len) is None:
                 victim = self.policy.pick_victim(self.running)
                 budget += out.num_scheduled_tokens.pop(victim.request_id, 0)
-                if victim in out.scheduled:
-                    out.scheduled.remove(victim)
+                out.scheduled_spec_decode_tokens.pop(victim.request_id, None)
+                if self.running.index(victim) < i:
                     i -= 1
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.scheduled.append(req)
-                out.num_scheduled_tokens[req.request_id] = n
+                self._schedule(req, n, out)
                 budget -= n
                 i += 1
         return budget
 
+    def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        out.num_scheduled_tokens[req.request_id] = n
+        num_drafts = req.num_computed_tokens + n - req.num_tokens
+        if num_drafts > 0:
+            out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_drafts]
+
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = min(self.waiting, key=lambda r: self.policy.admission_key(r, self.step_count))
-            hits = self.kv.get_computed_blocks(req) if self.enable_prefix_caching else []
-            remaining = req.num_tokens - len(hits) * self.kv.block_size
+            hits, num_hit_tokens = self.kv.get_computed_blocks(req)
+            remaining = req.num_tokens - num_hit_tokens
             if remaining > budget and not self.enable_chunked_prefill:
                 break
             n = min(remaining, budget)
-            if not self.kv.allocate_slots(req, n, hits):
+            if self.kv.allocate_slots(req, n, self._lookahead(req, n + num_hit_tokens), hits,
+                                      max_num_tokens=self.max_model_len) is None:
                 break
-            if self.enable_prefix_caching:  # counted once per admission, not once per retry
-                self.kv.pool.record_lookup(req.num_tokens, len(hits))
+            if self.kv.enable_prefix_caching:  # counted once per admission, not once per retry
+                self.kv.record_lookup(req, num_hit_tokens)
+            req.num_computed_tokens = num_hit_tokens
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(req)
-            out.num_scheduled_tokens[req.request_id] = n
+            self._admitted.append(req)
+            self._schedule(req, n, out)
             budget -= n
+
+    def _fill_request_data(self, out: SchedulerOutput) -> None:
+        """Full data for requests the runner lacks; the diff for those it holds."""
+        sent = {}
+        for rid in out.num_scheduled_tokens:
+            req = self.requests[rid]
+            blocks = self.kv.get_block_ids(rid)
+            if rid in self._sent:
+                num_tokens, num_blocks = self._sent[rid]
+                out.scheduled_cached_reqs.add(rid, req.all_token_ids[num_tokens:], blocks[num_blocks:], len(blocks),
+                                              req.num_computed_tokens)
+            else:
+                out.scheduled_new_reqs.append(self._new_request_data(req, blocks))
+            sent[rid] = (req.num_tokens, len(blocks))
+        self._sent = sent  # the runner drops every row this step does not schedule
+
+    @staticmethod
+    def _new_request_data(req: Request, blocks: list[int]) -> NewRequestData:
+        sp = req.sampling_params
+        sampling = RowSampling(sp.temperature, sp.top_k, sp.top_p, req.seed, sp.max_tokens, sp.min_tokens,
+                               sp.ignore_eos, tuple(sp.stop_token_ids), req.eos_token_id)
+        return NewRequestData(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), sampling,
+                              blocks, req.num_computed_tokens, req.prompt_embeds)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         logger.debug("step %d: preempting %s", self.step_count, req.request_id)
         self.running.remove(req)
         self.kv.free(req)
+        self._sent.pop(req.request_id, None)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(req)
-        out.preempted.append(req)
+        out.preempted_req_ids.append(req.request_id)
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int], errors: dict[str, str],
-               now: float) -> list[Request]:
-        """Advance every scheduled request by its tokens and the token it sampled.
+    # ------------------------------------------------------------------ committing
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput, now: float) -> list[Request]:
+        """Commit the step: advance every scheduled request by what the runner returned.
 
-        ``sampled`` holds a token only for rows whose chunk reached the end of their
-        known tokens (a mid-prompt chunk samples nothing). ``errors`` maps request ids
-        to an error found while running them; those finish with reason ``"error"``.
-        Returns the requests that finished in this step (their blocks are freed).
+        A verify row's ``num_computed_tokens`` moves past its scheduled tokens, then back
+        over the drafts that were rejected (their K/V are dropped: later tokens overwrite
+        their slots, and blocks past the new end are freed). Accepted tokens are appended
+        one at a time, so a stop token, EOS, ``max_tokens`` or the model's length inside an
+        accepted run ends the request exactly where plain decoding would. Returns the
+        requests that finished in this step (their blocks are freed).
         """
+        self.kv.commit_step()
         finished = []
-        for req in out.scheduled:
-            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
-            self.kv.cache_full_blocks(req)
-            if req.request_id in errors:
-                req.error = errors[req.request_id]
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests[rid]
+            req.num_computed_tokens += n
+            if rid in result.errors:
+                req.error = result.errors[rid]
                 self._finish(req, "error", now, finished)
-            elif req.request_id in sampled:
-                req.output_token_ids.append(sampled[req.request_id])
-                req.token_times.append(now)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                reason = self._stop_reason(req)
-                if reason:
-                    self._finish(req, reason, now, finished)
+                continue
+            tokens = result.sampled_token_ids.get(rid)
+            if tokens is None:
+                continue  # a prefill chunk that did not reach the prompt's end
+            drafts = out.scheduled_spec_decode_tokens.get(rid, ())
+            if drafts:
+                req.num_computed_tokens -= len(drafts) + 1 - len(tokens)
+                self.spec_stats.observe(len(drafts), len(tokens) - 1)
+            if self._append_tokens(req, tokens, now, finished):
+                continue
+            req.spec_token_ids = list(result.spec_token_ids.get(rid, ()))
+            if drafts:
+                keep = min(req.num_tokens + self.num_lookahead_tokens, self.max_model_len)
+                if self.kv.free_blocks_beyond(req, keep) and rid in self._sent:
+                    num_tokens, num_blocks = self._sent[rid]  # the runner's table is cut back next step
+                    self._sent[rid] = (num_tokens, min(num_blocks, self.kv.num_held_blocks(rid)))
         return finished
+
+    def _append_tokens(self, req: Request, tokens: list[int], now: float, finished: list[Request]) -> bool:
+        """Append accepted tokens until one stops the request; True if it finished."""
+        for token in tokens:
+            req.output_token_ids.append(token)
+            req.token_times.append(now)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._stop_reason(req)
+            if reason:
+                self._finish(req, reason, now, finished)
+                return True
+        return False
 
     def _stop_reason(self, req: Request) -> str | None:
         sp = req.sampling_params
@@ -200,9 +285,37 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, reason: str, now: float, finished: list[Request]) -> None:
-        req.status = RequestStatus.FINISHED
-        req.finish_reason = reason
         req.finish_time = now
         self.running.remove(req)
-        self.kv.free(req)
+        self._retire(req, reason)
         finished.append(req)
+
+    def _retire(self, req: Request, reason: str) -> None:
+        """Free a finished request's blocks and forget it (the engine keeps no history)."""
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        req.spec_token_ids = []
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        self._sent.pop(req.request_id, None)
+        self._finished_ids.add(req.request_id)
+
+    def rollback(self, out: SchedulerOutput) -> None:
+        """The runner failed on ``out``: undo what planning changed, so the step never happened.
+
+        Prefix-cache entries registered for the step are dropped (their K/V may be unwritten),
+        requests admitted in it go back to the waiting queue with their blocks freed, and the
+        runner (reset by the engine) is sent every request's full data again. Running
+        requests keep the blocks planning gave them (they will need them); preemptions stand.
+        """
+        self.kv.rollback_step()
+        for req in reversed(self._admitted):
+            self.running.remove(req)
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
+            self.waiting.insert(0, req)
+        self._admitted = []
+        self._sent.clear()
+        self._finished_ids |= set(out.finished_req_ids)
+        self.step_count -= 1

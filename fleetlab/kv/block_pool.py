@@ -351,6 +351,19 @@ class BlockPool:
         self._block_key[block_id] = key
         return key
 
+    def is_cached(self, block_id: int) -> bool:
+        """Whether the block holds a cached prefix (live or free)."""
+        return self._block_key[self._check_id(block_id)] is not None
+
+    def uncache(self, block_ids: Sequence[int]) -> None:
+        """Drop the cached keys of these blocks (their content is not what the key says,
+        e.g. the step that was to write it failed). Blocks stay allocated or free."""
+        for block_id in block_ids:
+            key = self._block_key[self._check_id(block_id)]
+            if key is not None:
+                del self._cached[key]
+                self._block_key[block_id] = None
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (blocks stay allocated or free as they were).
 

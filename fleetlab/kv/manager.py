@@ -1,74 +1,227 @@
-"""``KVCacheManager``: the scheduler's view of the block pool, one request at a time.
+"""``KVCacheManager``: the scheduler's request-level view of the block pool.
 
-The pool knows blocks; this knows which blocks each request holds, how many of its
-tokens a prefix-cache hit saves, and when its newly filled blocks can be shared.
+The pool knows blocks; the manager knows which blocks each request holds, how many of a
+new request's tokens the prefix cache already holds, and which blocks become shareable.
+The scheduler never touches the pool: it asks the manager and gets :class:`KVCacheBlocks`
+back, an opaque list of block ids it forwards to the model runner.
+
+Same-step sharing: a full block of *known* tokens (prompt or accepted output, never a
+speculative draft) is registered in the prefix cache as soon as it is allocated for tokens
+scheduled in this step, so a request admitted later in the same step can hit it. That is
+safe because of the invariant the attention backends keep: **every layer writes the whole
+step's K/V into the cache before it attends**, so a row that reads a block another row of
+the same step fills sees the written values. If the step then fails, or the request is
+preempted before the step runs, :meth:`KVCacheManager.rollback_step` / :meth:`free` take
+those registrations back, so no cached block ever points at K/V that was never written.
 """
 
 from __future__ import annotations
 
-from fleetlab.kv.block_pool import BlockPool
-from fleetlab.engine.request import Request
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from fleetlab.kv.block_pool import BlockPool, BlockPoolStats
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheBlocks:
+    """Block ids handed to the scheduler: it forwards them, it never looks inside."""
+
+    block_ids: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(self.block_ids + other.block_ids)
+
+    def get_block_ids(self) -> list[int]:
+        return list(self.block_ids)
+
+
+@dataclass(slots=True)
+class _Registration:
+    """Blocks a request registered in the prefix cache during the current step (undo log)."""
+
+    num_cached_before: int
+    block_ids: list[int] = field(default_factory=list)
 
 
 class KVCacheManager:
-    """Allocates and frees a request's blocks in a :class:`~fleetlab.BlockPool`."""
+    """Allocates, shares and frees each request's blocks in a :class:`~fleetlab.BlockPool`.
+
+    Args:
+      pool: the block pool (``num_blocks`` blocks of ``block_size`` tokens).
+
+    A request is anything with ``request_id``, ``all_token_ids``, ``num_tokens`` and
+    ``num_computed_tokens`` (the scheduler's ``Request``).
+    """
 
     def __init__(self, pool: BlockPool):
         self.pool = pool
         self.block_size = pool.block_size
+        self._blocks: dict[str, list[int]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks already in the prefix cache
+        self._step_log: dict[str, _Registration] = {}
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by live requests (0.0 when idle)."""
+        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        return self.pool.enable_prefix_caching
+
+    def stats(self) -> BlockPoolStats:
+        return self.pool.stats()
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)
 
-    def get_computed_blocks(self, request: Request) -> list[int]:
-        """Cached blocks that already hold a prefix of the request (never all of it).
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (a copy)."""
+        return list(self._blocks.get(request_id, ()))
 
-        Counts nothing in the pool's hit rate: a request that cannot be admitted is looked
-        up again next step. The scheduler counts the query once, on admission
-        (``pool.record_lookup``).
+    def num_held_blocks(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ()))
+
+    # ------------------------------------------------------------------ allocation
+    def get_computed_blocks(self, request) -> tuple[KVCacheBlocks, int]:
+        """Cached blocks holding a prefix of a new request, and the tokens they cover.
+
+        Never the whole request: at least one token is always computed. Counts nothing in
+        the hit rate (a request that cannot be admitted is looked up again next step); the
+        scheduler counts the query once, on admission, with :meth:`record_lookup`.
         """
-        return self.pool.lookup(request.all_token_ids, record_stats=False)
+        hits = self.pool.lookup(request.all_token_ids, record_stats=False)
+        return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[int] | None = None) -> bool:
-        """Make room for ``num_new_tokens`` more tokens of ``request``.
+    def record_lookup(self, request, num_hit_tokens: int) -> None:
+        """Count one admission's prefix-cache query in the hit rate."""
+        self.pool.record_lookup(request.num_tokens, num_hit_tokens // self.block_size)
 
-        ``computed_blocks`` (first admission only) are prefix-cache hits: the request
-        takes a reference on them and starts computing after them. Returns False, with
-        nothing changed, when the pool cannot supply the blocks.
+    def allocate_slots(self, request, num_new_tokens: int, num_lookahead_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       max_num_tokens: int | None = None) -> KVCacheBlocks | None:
+        """Make room for the request's next ``num_new_tokens`` tokens; returns the new blocks.
+
+        ::
+
+            |<------------------------- tokens the request will hold --------------------->|
+            | computed | new_computed_blocks | num_new_tokens (this step) | num_lookahead |
+            |<- held ->|<- prefix-cache hits ->|<-------- allocated now, if not held ------>|
+                                        ^ full blocks of known tokens up to here are registered
+
+        ``new_computed_blocks`` (first admission only) are prefix-cache hits: the request
+        takes a reference on them and its ``num_computed_tokens`` moves past them (the
+        caller sets it). ``num_lookahead_tokens`` reserves slots past this step's tokens
+        (a draft model writes its proposals there). ``max_num_tokens`` caps the slots
+        (the model's length). Returns None, changing nothing, when the pool cannot supply
+        the blocks.
         """
-        computed_blocks = computed_blocks or []
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        held = len(request.block_ids) + len(computed_blocks)
-        num_new_blocks = max(0, self.blocks_needed(num_computed + num_new_tokens) - held)
-        # A hit on a block nobody holds takes it out of the free queue, so it costs a free block too.
-        revived = sum(1 for b in computed_blocks if self.pool.ref_count(b) == 0)
+        hits = new_computed_blocks.block_ids if new_computed_blocks else ()
+        rid = request.request_id
+        held = self._blocks.get(rid, [])
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        num_slots = num_computed + num_new_tokens + num_lookahead_tokens
+        if max_num_tokens is not None:
+            num_slots = min(num_slots, max_num_tokens)
+        num_new_blocks = max(0, self.blocks_needed(num_slots) - len(held) - len(hits))
+        # A hit on a block nobody holds takes it out of the free queue: it costs a free block too.
+        revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
         if num_new_blocks + revived > self.pool.num_free_blocks:
-            return False
-        if computed_blocks:
-            self.pool.touch(computed_blocks)
-            request.block_ids.extend(computed_blocks)
-            request.num_computed_tokens = num_computed
-            request.num_cached_blocks = len(request.block_ids)
-        if num_new_blocks:
-            request.block_ids.extend(self.pool.allocate(num_new_blocks))
-        return True
+            return None
+        if hits:
+            self.pool.touch(hits)
+        new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks else []
+        blocks = self._blocks.setdefault(rid, [])
+        blocks.extend(hits)
+        blocks.extend(new_blocks)
+        if hits:
+            self._num_cached[rid] = len(blocks) - len(new_blocks)
+        self._cache_known_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return KVCacheBlocks(tuple(hits) + tuple(new_blocks))
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Share the request's blocks that are now full of computed tokens.
+    def _cache_known_blocks(self, request, num_tokens: int) -> None:
+        """Register the request's blocks that are full of known tokens once this step runs."""
+        rid = request.request_id
+        num_full = num_tokens // self.block_size
+        num_cached = self._num_cached.get(rid, 0)
+        if num_full <= num_cached or not self.pool.enable_prefix_caching:
+            return
+        blocks = self._blocks[rid]
+        self._num_cached[rid] = self.pool.cache_blocks(request.all_token_ids, blocks, num_cached, num_full)
+        # Fresh blocks have no key, so the keyed ones are this call's (a block whose content is
+        # already cached under another block stays unkeyed).
+        log = self._step_log.setdefault(rid, _Registration(num_cached))
+        log.block_ids.extend(b for b in blocks[num_cached:num_full] if self.pool.is_cached(b))
 
-        Called after the step's forward pass, never at allocation: a block must hold
-        written K/V before another request may hit it, and a request preempted in the
-        same step would otherwise leave a cached block with nothing in it.
+    def free(self, request) -> None:
+        """Give back every block of the request (tail first, so its prefix lives longest).
+
+        Blocks it registered in this step lose their cache entry first: their K/V will
+        never be written (the request is preempted or aborted before its step runs).
         """
-        num_full = request.num_computed_tokens // self.block_size
-        if num_full > request.num_cached_blocks:
-            request.num_cached_blocks = self.pool.cache_blocks(
-                request.all_token_ids, request.block_ids, request.num_cached_blocks, num_full)
+        rid = request.request_id
+        log = self._step_log.pop(rid, None)
+        if log is not None:
+            self.pool.uncache(log.block_ids)
+        self.pool.free(self._blocks.pop(rid, []))
+        self._num_cached.pop(rid, None)
 
-    def free(self, request: Request) -> None:
-        """Give back every block of the request (tail first, so its prefix lives longest)."""
-        self.pool.free(request.block_ids)  # the pool releases them tail first
-        request.block_ids = []
-        request.num_cached_blocks = 0
+    def free_blocks_beyond(self, request, num_tokens: int) -> int:
+        """Free the request's blocks past the first ``num_tokens`` slots (after rejected
+        drafts rolled ``num_computed_tokens`` back); returns how many were freed."""
+        blocks = self._blocks.get(request.request_id, [])
+        keep = self.blocks_needed(num_tokens)
+        if len(blocks) <= keep:
+            return 0
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(tail)
+        return len(tail)
+
+    # ------------------------------------------------------------------ step transactions
+    def commit_step(self) -> None:
+        """The step ran: its registrations stand."""
+        self._step_log.clear()
+
+    def rollback_step(self) -> None:
+        """The step failed: drop every prefix-cache registration it made."""
+        for rid, log in self._step_log.items():
+            self.pool.uncache(log.block_ids)
+            if rid in self._num_cached:
+                self._num_cached[rid] = log.num_cached_before
+        self._step_log.clear()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns the number of keys dropped."""
+        self._num_cached = dict.fromkeys(self._num_cached, 0)
+        return self.pool.reset_prefix_cache()
+
+    def check_consistent(self, live_request_ids: Iterable[str]) -> None:
+        """Raise RuntimeError unless exactly the live requests hold blocks and the pool's
+        reference counts equal the holders (for tests and debugging)."""
+        live = set(live_request_ids)
+        if set(self._blocks) - live:
+            raise RuntimeError(f"finished requests still hold blocks: {sorted(set(self._blocks) - live)}")
+        counts: dict[int, int] = {}
+        for blocks in self._blocks.values():
+            for b in blocks:
+                counts[b] = counts.get(b, 0) + 1
+        for b in range(self.pool.num_blocks):
+            if self.pool.ref_count(b) != counts.get(b, 0):
+                raise RuntimeError(f"block {b}: reference count {self.pool.ref_count(b)}, "
+                                   f"held by {counts.get(b, 0)} request(s)")
+        self.pool.check_invariants()

@@ -174,7 +174,7 @@ def draw_gather_map(records: Sequence, order: Sequence[int], num_decodes: int):
 
     Args:
       records: the batch's rows (``InputBatch.snapshot()``), holes allowed.
-      order: ``InputBatch.decode_first_order()``'s index map: step slot ``k`` reads row ``order[k]``.
+      order: ``fleetlab.lessons.reorder.decode_first_order``'s index map: step slot ``k`` reads row ``order[k]``.
       num_decodes: slots ``[0, num_decodes)`` are decodes.
     Left: the rows as stored; right: the step's view. An arrow (gid ``"gather:<k>"``) joins
     row ``order[k]`` to slot ``k`` whenever they differ. Returns the Figure.

@@ -1,0 +1,110 @@
+"""``SchedulerOutput``: the message the scheduler sends the model runner each step.
+
+It carries only what the runner cannot know: a request's full data the first time the
+runner sees it (:class:`NewRequestData`), and for requests it already holds only what
+changed since their last step (:class:`CachedRequestData`). The runner rebuilds its
+``InputBatch`` from this message alone; no scheduler ``Request`` object crosses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RowSampling:
+    """A request's sampling and stopping settings, as a batch row stores them.
+
+    ``seed`` is resolved (the engine draws one for requests that set none);
+    ``eos_token_id`` is None when the model has no EOS token.
+    """
+
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    max_tokens: int
+    min_tokens: int
+    ignore_eos: bool
+    stop_token_ids: tuple[int, ...]
+    eos_token_id: int | None
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """Everything about a request the runner does not hold yet.
+
+    Sent on admission, after a preemption (``num_computed_tokens`` restarts from the
+    prefix-cache hits), and when a running request was left out of the previous step.
+    ``prompt_embeds`` (optional): ``{prompt position: float32 [hidden_size] array}``
+    replacing the token embedding at those positions.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: RowSampling
+    block_ids: list[int]
+    num_computed_tokens: int
+    prompt_embeds: dict | None = None
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """The diff of requests the runner already holds, one entry per request (columns).
+
+    new_token_ids: output tokens accepted since the runner last heard of the request.
+    new_block_ids: blocks appended to its block table, after the table is cut to
+      ``num_blocks - len(new_block_ids)`` entries (blocks past rejected drafts are freed,
+      so a table can shrink before it grows again).
+    num_blocks: the length of its block table after this diff.
+    num_computed_tokens: tokens whose K/V are in the cache before this step (the
+      scheduler's count: it rolls back past rejected drafts).
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    new_token_ids: list[list[int]] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_blocks: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def add(self, req_id: str, new_token_ids: list[int], new_block_ids: list[int], num_blocks: int,
+            num_computed: int) -> None:
+        self.req_ids.append(req_id)
+        self.new_token_ids.append(new_token_ids)
+        self.new_block_ids.append(new_block_ids)
+        self.num_blocks.append(num_blocks)
+        self.num_computed_tokens.append(num_computed)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """One step's plan.
+
+    num_scheduled_tokens: request id -> query tokens this step (its known tokens still to
+      compute, plus the drafts it verifies), in scheduling order: running, then admitted.
+    scheduled_spec_decode_tokens: request id -> draft tokens to verify (they are the last
+      ``len(drafts)`` of its scheduled tokens).
+    finished_req_ids: requests that finished or were aborted since the last step.
+    preempted_req_ids: requests preempted while this step was planned.
+    """
+
+    step: int
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        """Tokens the step runs in all (the packed batch length ``T``)."""
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def num_scheduled_reqs(self) -> int:
+        return len(self.num_scheduled_tokens)

@@ -1,0 +1,126 @@
+"""The ``"draft"`` proposer: a small model, patched by fleetlab, drafts ``k`` tokens per step.
+
+The draft model has its **own paged KV cache** (its own layers and heads) addressed by the
+**same block ids** as the target's: the scheduler allocates a request's blocks once and
+both caches use them, so a block shared through the prefix cache holds valid K/V in both.
+Its per-request state lives in a :class:`~fleetlab.spec.proposer_batch.ProposerInputBatch`
+that follows the main ``InputBatch`` row for row (condense, reorder decode-first).
+
+Each step, after the target verified the last drafts:
+
+1. roll back: the draft's cache is valid only up to the target's ``num_computed_tokens``
+   (drafts the target rejected were written by the draft model too);
+2. catch up, in one packed forward over every row: the tokens the target computed this
+   step that the draft has not, plus the new token of each row that will propose (its
+   logits give the first draft);
+3. ``k - 1`` more forwards of one token per proposing row, each feeding the previous draft
+   (kept on the device: the drafts come back to the host in one read at the end).
+
+The draft writes K/V up to ``k - 1`` positions past a row's last token: the scheduler
+reserves those slots (``num_lookahead_tokens = k``). Drafting is greedy (the argmax), so
+the draft distribution is a point mass and rejection sampling stays exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+
+from fleetlab.attention.metadata import AttentionMetadata
+from fleetlab.context import forward_context
+from fleetlab.kv.paged_cache import PagedKVCache
+from fleetlab.spec.proposer import ProposeInput, Proposer, register_proposer
+from fleetlab.spec.proposer_batch import ProposerInputBatch
+
+
+class DraftModelProposer(Proposer):
+    """Autoregressive drafting with a fleetlab-patched small model over its own paged cache."""
+
+    name = "draft"
+
+    def __init__(self, config, context) -> None:
+        super().__init__(config, context)
+        from fleetlab.patching import PatchHandle, patch_model
+
+        model = config.model
+        self.handle = model if isinstance(model, PatchHandle) else patch_model(model, backend=context.backend)
+        self._owns_patch = self.handle is not model
+        if self.handle.vocab_size != context.vocab_size:
+            self.close()
+            raise ValueError(f"speculative_config: field 'model' has vocabulary {self.handle.vocab_size}, "
+                             f"the target {context.vocab_size}: a draft must share the target's tokenizer")
+        self.kv_cache = PagedKVCache.for_handle(self.handle, context.num_blocks, context.block_size)
+        self.block_size = context.block_size
+        self.decode_threshold = context.decode_threshold
+        self.batch: ProposerInputBatch | None = None
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        return self.num_speculative_tokens
+
+    def bind(self, batch) -> None:
+        self.batch = ProposerInputBatch(batch.max_num_seqs, self.num_speculative_tokens)
+        batch.add_follower(self.batch)
+
+    def reset(self) -> None:
+        if self.batch is not None:
+            self.batch.reset()
+
+    def close(self) -> None:
+        """Undo the patch this proposer applied to the draft model."""
+        if self._owns_patch:
+            self.handle.unpatch()
+
+    def propose(self, batch, inputs: ProposeInput) -> dict[str, list[int]]:
+        n = batch.num_reqs
+        computed = self.batch.num_computed_tokens[:n]
+        np.minimum(computed, inputs.num_computed_tokens[:n], out=computed)
+        proposing = inputs.max_drafts[:n] > 0
+        upto = np.where(proposing, inputs.num_tokens[:n], inputs.num_computed_tokens[:n])
+        rows = np.flatnonzero(upto > computed)
+        if len(rows) == 0:
+            return {}
+        token_ids = batch.token_ids
+        q = (upto - computed)[rows]
+        ids = np.concatenate([token_ids[r, computed[r] : upto[r]] for r in rows.tolist()])
+        scored = np.flatnonzero(proposing[rows])  # catch-up rows that propose, in row order
+        logits = self._forward(batch, rows, q, computed[rows], paddle.to_tensor(ids.reshape(1, -1)), scored)
+        computed[rows] = upto[rows]
+        prop_rows = rows[scored]
+        if len(prop_rows) == 0:  # the catch-up alone keeps the draft's cache in step
+            return {}
+        drafts = [paddle.argmax(logits, axis=-1)]
+        for i in range(1, int(inputs.max_drafts[prop_rows].max())):
+            keep = np.flatnonzero(inputs.max_drafts[prop_rows] > i)
+            sub = prop_rows[keep]
+            prev = paddle.gather(drafts[-1], paddle.to_tensor(keep)) if len(keep) < len(prop_rows) else drafts[-1]
+            logits = self._forward(batch, sub, np.ones(len(sub), np.int64), computed[sub], prev.reshape([1, -1]),
+                                   np.arange(len(sub)))
+            computed[sub] += 1
+            step = paddle.full([len(prop_rows)], -1, dtype="int64")
+            drafts.append(paddle.scatter(step, paddle.to_tensor(keep), paddle.argmax(logits, axis=-1)))
+        host = paddle.stack(drafts, axis=1).numpy()  # [num proposing rows, max drafts]: one read
+        out = {}
+        req_ids = batch.req_ids
+        for j, row in enumerate(prop_rows.tolist()):
+            proposal = host[j, : inputs.max_drafts[row]].tolist()
+            self.batch.set_drafts(row, proposal)
+            out[req_ids[row]] = proposal
+        return out
+
+    def _forward(self, batch, rows: np.ndarray, query_lens: np.ndarray, num_computed: np.ndarray,
+                 input_ids: paddle.Tensor, scored: np.ndarray) -> paddle.Tensor:
+        """One packed draft forward over ``rows``; logits ``[len(scored), vocab]`` at the last
+        token of the rows ``rows[scored]``."""
+        tables = batch.block_table[rows]
+        all_rows = len(rows) == batch.num_reqs
+        device_tables = batch.dev("block_table") if all_rows else None
+        md = AttentionMetadata.build(query_lens, num_computed, tables, self.block_size, self.decode_threshold,
+                                     block_tables_device=device_tables)
+        last = md.cu_seqlens_q_host[1:][scored].astype(np.int64) - 1
+        last = paddle.to_tensor(last if len(last) else np.array([md.num_tokens - 1]))  # never an empty gather
+        with paddle.no_grad(), forward_context(md, self.kv_cache):
+            return self.handle.compute_logits(input_ids.astype("int64"), md.positions.reshape([1, -1]), last)
+
+
+register_proposer("draft", DraftModelProposer)

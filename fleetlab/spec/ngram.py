@@ -1,0 +1,47 @@
+"""The ``"ngram"`` proposer: prompt lookup, no model.
+
+For each row it takes the last ``n`` tokens (``n`` from ``prompt_lookup_max`` down to
+``prompt_lookup_min``), finds their most recent earlier occurrence in the request's own
+tokens, and proposes the tokens that followed it. Repetitive text (code edits, quoting
+the prompt, counting) drafts well; anything else simply drafts nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from fleetlab.spec.proposer import ProposeInput, Proposer, register_proposer
+
+
+def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to ``k`` tokens following the most recent earlier occurrence of the longest
+    suffix of ``tokens`` of length in ``[min_n, max_n]`` (``[]`` when none occurs)."""
+    num = len(tokens)
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        windows = sliding_window_view(tokens[: num - 1], n)  # starts 0..num-1-n: never the suffix itself
+        hits = np.flatnonzero((windows == tokens[num - n :]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start : start + k].tolist()
+    return []
+
+
+class NgramProposer(Proposer):
+    """Prompt-lookup drafting over each row's own tokens (``InputBatch.token_ids``)."""
+
+    name = "ngram"
+
+    def propose(self, batch, inputs: ProposeInput) -> dict[str, list[int]]:
+        cfg = self.config
+        token_ids, req_ids = batch.token_ids, batch.req_ids
+        drafts = {}
+        for row in np.flatnonzero(inputs.max_drafts > 0).tolist():
+            proposal = ngram_propose(token_ids[row, : inputs.num_tokens[row]], int(inputs.max_drafts[row]),
+                                     cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            if proposal:
+                drafts[req_ids[row]] = proposal
+        return drafts
+
+
+register_proposer("ngram", NgramProposer)
