@@ -259,14 +259,18 @@ def test_backend_class_is_accepted_like_a_name():
         assert _one_step(handle, paddle.to_tensor([[3, 4, 5]])).shape == [1, 128]
 
 
-def test_unknown_family_and_double_patch_are_refused():
+def test_unknown_family_is_refused_and_a_second_patch_shares_the_first():
     model = tiny_paddleformers("llama")
     model.config.model_type = "qwen2"
     with pytest.raises(NotImplementedError, match="model_type 'qwen2'.*supported"):
         patch_model(model)
     model.config.model_type = "llama"
-    with patch_model(model), pytest.raises(RuntimeError, match="already patched"):
-        patch_model(model)
+    with patch_model(model) as first:
+        second = patch_model(model)
+        assert second.backend is first.backend and second is not first
+        second.unpatch()
+        assert model.config._attn_implementation == "fleetlab"  # first still holds the patch
+    assert model.config._attn_implementation != "fleetlab"
 
 
 def test_core_attention_models_go_to_the_fleet_patcher(monkeypatch):

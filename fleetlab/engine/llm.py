@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,7 +54,8 @@ class LLM:
         self.config = cfg = EngineConfig.from_kwargs(**config)
         self.tokenizer = tokenizer
         self.spec_config = SpeculativeConfig.from_dict(cfg.speculative_config) if cfg.speculative_config else None
-        if isinstance(model, PatchHandle):
+        self._owns_handle = not isinstance(model, PatchHandle)
+        if not self._owns_handle:
             self.handle = model
         else:
             from fleetlab.patching import patch_model
@@ -61,12 +63,15 @@ class LLM:
             _check_backend_needs(get_attention_backend(cfg.backend), cfg)
             self.handle = patch_model(model, backend=cfg.backend)
         self.proposer = None
+        # Closing happens once, on close() or when the LLM is garbage-collected (a notebook
+        # cell re-run drops the old LLM): either way its share of the patch is released.
+        self._closables: list = []  # the proposer, once built
+        self._finalizer = weakref.finalize(self, _release, self.handle if self._owns_handle else None,
+                                           self._closables)
         try:
             self._build(cfg)
         except Exception:
-            self._close_proposer()
-            if self.handle is not model:  # a failed construction leaves the model as it was
-                self.handle.unpatch()
+            self.close()  # a failed construction leaves the models as they were
             raise
 
     def _build(self, cfg: EngineConfig) -> None:
@@ -87,6 +92,7 @@ class LLM:
             context = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
                                       self.handle.vocab_size, decode_threshold)
             self.proposer = get_proposer(self.spec_config.method)(self.spec_config, context)
+            self._closables.append(self.proposer)
         lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
         self.scheduler = Scheduler(
             KVCacheManager(self.pool), max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -115,9 +121,17 @@ class LLM:
                                                       h.head_dim, cfg.block_size, h.dtype or "float32")
         return cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
 
-    def _close_proposer(self) -> None:
-        if self.proposer is not None and hasattr(self.proposer, "close"):
-            self.proposer.close()
+    def close(self) -> None:
+        """Let go of the model's patch (and the draft model's): once every ``LLM`` on a model
+        is closed (or garbage-collected), the model is exactly as before. Also what
+        ``with LLM(...) as llm:`` does."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ----- requests in -----
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
@@ -139,6 +153,7 @@ class LLM:
         ``stream=True``: of every request that gained tokens or finished, each carrying the
         step's ``new_token_ids``), or ``(outputs, StepTrace)`` with ``trace=True``."""
         tracing = trace or self.config.record_traces
+        self.handle.check_live()  # before planning: a stale LLM must not touch its queues
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -282,6 +297,14 @@ class LLM:
                          spec_acceptance_by_position=[a / d for a, d in zip(spec.accepted_per_position,
                                                                             spec.drafted_per_position)])
         return stats
+
+
+def _release(handle, proposers) -> None:
+    """What closing an LLM undoes (kept apart from the LLM so a finalizer can run it)."""
+    for proposer in proposers:
+        proposer.close()
+    if handle is not None:
+        handle.unpatch()
 
 
 def _check_backend_needs(backend_cls, cfg: EngineConfig) -> None:

@@ -5,6 +5,7 @@ decoder, and the tiny Llama that fleetlab trains and ships.
   Families: ``"llama"``, ``"ernie4_5"``, ``"phi3"``, ``"gemma3"``, ``"gpt_oss"`` (PaddleFormers)
   and ``"fleet"`` (fleetlab's own Fleet-style decoder).
 - ``load_tiny()`` -> ``(model, tokenizer)``: the shipped trained tiny Llama.
+- ``load_tiny_draft()`` -> ``(model, tokenizer)``: its 2-layer draft for speculative decoding.
 - ``load_pretrained(path)``: a PaddleFormers checkpoint directory from disk.
 """
 
@@ -29,6 +30,15 @@ def load_tiny():
     from fleetlab.models.pretrained import load_tiny as _load
 
     return _load()
+
+
+def load_tiny_draft():
+    """The 2-layer draft trained by ``python -m fleetlab train-tiny --draft`` on the same corpus
+    and tokenizer as ``load_tiny()``: ``(model, tokenizer)``, for ``speculative_config``'s ``model``."""
+    from fleetlab.models.pretrained import DRAFT_WEIGHTS_DIR
+    from fleetlab.models.pretrained import load_tiny as _load
+
+    return _load(DRAFT_WEIGHTS_DIR)
 
 
 def load_pretrained(path):

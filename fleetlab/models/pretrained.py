@@ -31,6 +31,7 @@ from fleetlab.models.tokenizer import CharTokenizer
 logger = logging.getLogger(__name__)
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
+DRAFT_WEIGHTS_DIR = WEIGHTS_DIR / "draft"
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from fleetlab.models.corpus import CorpusMix, held_out_pairs, iter_lines
-from fleetlab.models.pretrained import WEIGHTS_DIR, addition_accuracy, save_tiny
+from fleetlab.models.pretrained import DRAFT_WEIGHTS_DIR, WEIGHTS_DIR, addition_accuracy, save_tiny
 from fleetlab.models.tokenizer import CharTokenizer
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,12 @@ TINY_OVERRIDES = dict(
     num_attention_heads=2, num_key_value_heads=1, log_every=1, monitor_pairs=4,
 )  # fmt: skip
 """``--tiny``: a seconds-long smoke run that exercises every part of the script."""
+
+DRAFT_OVERRIDES = dict(
+    out_dir=str(DRAFT_WEIGHTS_DIR), intermediate_size=256, num_hidden_layers=2,
+)  # fmt: skip
+"""``--draft``: the speculative-decoding draft shipped beside the tiny Llama (2 layers, a
+narrower MLP, the same tokenizer and corpus; about a third of the parameters)."""
 
 
 @dataclass(slots=True)
@@ -289,9 +295,14 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     parser.add_argument("--batch-size", type=int, default=None)
     parser.add_argument("--threads", type=int, default=defaults.num_threads, help="CPU threads (fixed for determinism)")
     parser.add_argument("--tiny", action="store_true", help="a seconds-long smoke run of a 1-layer model")
+    parser.add_argument("--draft", action="store_true",
+                        help=f"train the 2-layer speculative-decoding draft (default out: {DRAFT_WEIGHTS_DIR})")
     args = parser.parse_args(argv)
-    cfg = TrainConfig(**TINY_OVERRIDES) if args.tiny else TrainConfig()
-    cfg.out_dir, cfg.seed, cfg.lr, cfg.num_threads = args.out, args.seed, args.lr, args.threads
+    overrides = {**(DRAFT_OVERRIDES if args.draft else {}), **(TINY_OVERRIDES if args.tiny else {})}
+    cfg = TrainConfig(**overrides)
+    if args.out != defaults.out_dir or not args.draft:
+        cfg.out_dir = args.out
+    cfg.seed, cfg.lr, cfg.num_threads = args.seed, args.lr, args.threads
     if args.steps is not None:
         cfg.steps = args.steps
     if args.batch_size is not None:
@@ -300,7 +311,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m fleetlab train-tiny [--out DIR] [--steps N] [--seed S] [--tiny]``."""
+    """Command line: ``python -m fleetlab train-tiny [--draft] [--out DIR] [--steps N] [--seed S] [--tiny]``."""
     cfg = parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")

@@ -2,11 +2,47 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import paddle
 
 from fleetlab.context import get_forward_context
+
+PATCH_ATTR = "_fleetlab_patch"  # the live patch's root, kept on the patched model
+
+
+@dataclass(eq=False)
+class PatchRoot:
+    """One live patch of a model, shared by every handle on it.
+
+    undo: how to revert every change, in order; users: handles still holding it (the model
+    is restored when the last one unpatches); retired_by: set when a later ``patch_model``
+    with another backend replaced this patch (its handles then refuse to run); first: the
+    handle that made the patch (new sharers are copies of it).
+    """
+
+    undo: list[Callable[[], None]] = field(default_factory=list)
+    users: int = 1
+    retired_by: str | None = None
+    first: PatchHandle | None = None
+
+    def share(self) -> PatchHandle:
+        """Another handle on this live patch. The model is restored once every handle let go."""
+        if self.retired_by is not None or not self.undo:
+            raise RuntimeError("cannot share a patch that is no longer live")
+        other = copy.copy(self.first)
+        other.patched = True
+        self.users += 1
+        return other
+
+    def restore(self, model) -> None:
+        for undo in reversed(self.undo):
+            undo()
+        self.undo.clear()
+        if model.__dict__.get(PATCH_ATTR) is self:
+            del model.__dict__[PATCH_ATTR]
 
 
 class PatchHandle:
@@ -30,7 +66,8 @@ class PatchHandle:
         self.family = family
         self.backend = backend
         self.layer_ids = dict(layer_ids)
-        self._undo = list(undo)
+        self._root = PatchRoot(list(undo), first=self)
+        model.__dict__[PATCH_ATTR] = self._root
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -57,8 +94,7 @@ class PatchHandle:
         An unpatched model would still run -- on its own attention, over the whole packed
         batch, so requests would attend to each other: hence the error rather than logits.
         """
-        if not self.patched:
-            raise RuntimeError(f"{self.family}: compute_logits on an unpatched handle; patch the model again")
+        self.check_live()
         if input_ids.ndim != 2 or input_ids.shape[0] != 1:
             raise ValueError(f"{self.family}: input_ids must be one packed sequence [1, T] (batch > 1 is not "
                              f"supported); got {list(input_ids.shape)}")
@@ -72,14 +108,31 @@ class PatchHandle:
             raise ValueError(f"{self.family}: the forward context's metadata covers {metadata.num_tokens} tokens "
                              f"but input_ids has {input_ids.shape[1]}")
 
+    def check_live(self) -> None:
+        """Raise RuntimeError, saying why, unless this handle can run the model."""
+        if not self.patched:
+            raise RuntimeError(f"{self.family}: this handle (or the LLM holding it) was unpatched/closed; "
+                               "patch the model again")
+        if self._root.retired_by is not None:
+            raise RuntimeError(f"{self.family}: this model was re-patched with {self._root.retired_by} after this "
+                               "handle (or LLM) was made, so it no longer runs on this handle's backend; build a "
+                               "new LLM, or close the newer one and patch again")
+
+    def retire(self, reason: str) -> None:
+        """Restore the model now for every sharer (a new patch with another backend takes
+        over); handles of this patch then refuse to run, naming ``reason``."""
+        self._root.retired_by = reason
+        self._root.restore(self.model)
+
     def unpatch(self) -> None:
-        """Restore the model exactly as it was before ``patch_model``."""
+        """Let go of the patch; the model is exactly as before ``patch_model`` once every
+        handle sharing the patch has let go."""
         if not self.patched:
             return
-        for undo in reversed(self._undo):
-            undo()
-        self._undo.clear()
         self.patched = False
+        self._root.users -= 1
+        if self._root.users == 0 and self._root.retired_by is None:
+            self._root.restore(self.model)
 
     def __enter__(self):
         return self

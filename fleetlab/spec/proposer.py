@@ -57,6 +57,9 @@ class Proposer:
     def reset(self) -> None:
         """Forget per-request state (the runner was reset after a failed step)."""
 
+    def close(self) -> None:
+        """Release what the proposer holds (a draft model's patch)."""
+
 
 @dataclass(slots=True)
 class ProposerContext:
