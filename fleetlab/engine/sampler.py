@@ -124,10 +124,10 @@ class Sampler:
         has_draft = paddle.to_tensor(drafts >= 0)
         draft_col = paddle.to_tensor(np.maximum(drafts, 0)).unsqueeze(-1)
         p_draft = paddle.take_along_axis(probs, draft_col, axis=-1).squeeze(-1)
-        accepted = paddle.logical_and(has_draft, u[:, 1] < p_draft)
-        # The residual max(0, p - q) with q a point mass on the draft: p without the draft.
-        is_draft = paddle.arange(probs.shape[-1], dtype="int64").unsqueeze(0) == draft_col
-        residual = paddle.where(paddle.logical_and(is_draft, has_draft.unsqueeze(-1)), paddle.zeros_like(probs), probs)
+        accepted = paddle.logical_and(has_draft, self.accept(p_draft, u[:, 1]))
+        is_draft = paddle.logical_and(paddle.arange(probs.shape[-1], dtype="int64").unsqueeze(0) == draft_col,
+                                      has_draft.unsqueeze(-1))
+        residual = self.residual(probs, is_draft)
         cdf = paddle.cumsum(residual, axis=-1)
         threshold = u[:, :1] * cdf[:, -1:]
         drawn = paddle.sum((cdf <= threshold).astype("int64"), axis=-1)
@@ -135,6 +135,16 @@ class Sampler:
         # draw runs off the end. Clamp to the last drawable token, never a masked or banned one.
         drawable_ids = (residual > 0).astype("int64") * paddle.arange(residual.shape[-1], dtype="int64")
         return paddle.minimum(drawn, paddle.max(drawable_ids, axis=-1)), accepted
+
+    @staticmethod
+    def accept(p_draft: paddle.Tensor, u: paddle.Tensor) -> paddle.Tensor:
+        """Accept a point-mass draft with probability ``min(1, p / q) = p(draft)``."""
+        return u < p_draft
+
+    @staticmethod
+    def residual(probs: paddle.Tensor, is_draft: paddle.Tensor) -> paddle.Tensor:
+        """``max(0, p - q)`` (unnormalized) with ``q`` a point mass on the draft: ``p`` without it."""
+        return paddle.where(is_draft, paddle.zeros_like(probs), probs)
 
     @staticmethod
     def _ban(logits: paddle.Tensor, banned: list[list[int]]) -> paddle.Tensor:
