@@ -7,26 +7,17 @@
 # 1. the model on its own: the answers the engine must not change;
 # 2. `fleetlab.LLM`: the same prompts served together;
 # 3. what happened inside: who ran in which step, and where their keys and values lived;
-# 4. the pieces you can open next, one notebook each.
+# 4. two requests that share a prompt prefix, and the pieces you can open next.
 #
 # Everything runs on a CPU in seconds. The cells only *use* fleetlab: the engine's code
 # lives in the `fleetlab` package, one small file per idea.
 
 # %%
 # %matplotlib inline
-import logging
-import warnings
-
-warnings.filterwarnings("ignore", category=UserWarning)  # Paddle's import-time notices
 import numpy as np
-import paddle
 
 import fleetlab
 from fleetlab import viz
-
-logging.getLogger().setLevel(logging.WARNING)  # Paddle turns INFO logs on for every library
-paddle.seed(0)
-np.random.seed(0)
 
 # %% [markdown]
 # ## 1. The model on its own
@@ -83,12 +74,15 @@ for out, want in zip(outputs, expected):
 #
 # `llm.traces` holds one record per step. In the timeline below each lane is a request
 # and each box a step it ran in. **Orange boxes are prefill**: prompt tokens go through
-# the model (the number is how many). **Blue boxes are decode**: one new token. Look for
-# steps where both kinds share one batch, and for requests that wait for a free row
-# (`max_num_seqs=4`) and join the moment another finishes: that is **continuous batching**.
+# the model (the number is how many). **Blue boxes are decode**: one new token. In step 0
+# the four rows (`max_num_seqs=4`) are taken, so requests 4 and 5 wait. Request 4 joins
+# in step 2, right after request 2 finishes, and request 5 in step 3: a request takes a
+# row the step after one frees, and steps 2 and 3 run prefill and decode side by side.
+# That is **continuous batching**.
 
 # %%
-viz.draw_timeline(llm.traces)
+timeline = viz.draw_timeline(llm.traces)
+timeline
 
 # %%
 for trace in llm.traces[:4]:
@@ -97,51 +91,77 @@ print(llm.stats())
 
 # %% [markdown]
 # Each request's keys and values live in fixed-size **blocks** of the KV cache (here 4
-# tokens each). The bars count the blocks each running request holds: they grow by one
-# block every 4 tokens and disappear when the request finishes, so memory follows the
-# work instead of being reserved up front.
+# tokens each). The bars count the blocks each running request holds, in its colour: a
+# request's bar grows by one block every 4 tokens and is gone the step after it
+# finishes, so memory follows the work instead of being reserved up front. The pool has
+# 48 blocks; this small workload never needs more than a dozen.
 
 # %%
 viz.draw_kv_occupancy(llm.traces)
 
 # %% [markdown]
-# ## 4. Pause the engine mid-flight
+# ## 4. Pause the engine mid-flight: two prompts with one prefix
 #
 # `generate` runs to the end; `add_request` and `step` let you stop anywhere. Queue two
-# prompts that start with the same sentence and look after three steps.
+# prompts that start with the same sentence, and run two steps.
 
 # %%
 shared = "the red cat sat on the mat. "
 for text in [shared + "the dog", shared + "a cat"]:
     llm.add_request(text, fleetlab.SamplingParams(max_tokens=6))
-for _ in range(3):
+for _ in range(2):
     finished, trace = llm.step(trace=True)
     print(viz.describe_step(trace))
+for a in viz.admissions(llm.traces, block_size=4)[-2:]:
+    print(f"req {a.request_id} admitted in step {a.step}: {a.num_cached_tokens} tokens already in the cache "
+          f"(blocks {a.cached_block_ids})")
 
 # %% [markdown]
-# The **block pool**: one square per block of the cache, coloured by the request holding
-# it. The two requests' prompts share their first 29 tokens, so the second one found the
-# first one's full blocks already computed and *reused* them (**prefix caching**): those
-# blocks are hatched and marked `x2`. Grey dotted squares are free, but still remember
-# the tokens of a finished request, in case a later prompt starts the same way; their
-# number is their turn to be recycled.
+# Request 6 (37 tokens: `<bos>` and 36 characters) runs its prompt in two chunks, 24
+# tokens then the last 8 after the 4 it found cached (`<bos>the` is also how request 5,
+# `"the dog"`, began). Request 7 joins in the second step. Its first 29 tokens are the same
+# as request 6's, and 7 blocks of 4 of them (28 tokens) are already full and computed,
+# so it takes them instead of computing them again: **prefix caching**. It runs only its
+# last 6 tokens.
+#
+# The **block pool** after those two steps: one square per block of the cache, coloured by
+# the request holding it. The 7 blocks both requests hold are hatched and marked `x2`
+# (two owners). Grey dotted squares are free, but still remember the tokens of a finished
+# request, in case a later prompt starts the same way; their number is their turn to be
+# recycled.
 
 # %%
-tables = {req.request_id: list(req.block_ids) for req in llm.scheduler.running}
-viz.draw_block_pool(llm.pool, tables, ncols=16)
+frame = viz.pool_frame(llm)
+pool_figure = viz.draw_block_pool(frame, ncols=16)
+pool_figure
 
 # %% [markdown]
-# The **InputBatch** is the engine's persistent table of running requests, one row each.
-# Its rows survive from step to step; only what changed is updated.
+# The **InputBatch** is the engine's persistent table of running requests, one row each,
+# here as the last step left it: requests 6 and 7 each ran a prefill chunk (8 and 6
+# tokens) and now hold one freshly sampled token that is not in the cache yet (36 of 37):
+# next step both decode. The rows survive from step to step; only what changed is updated.
 
 # %%
-viz.draw_batch(llm.runner.batch.snapshot())
+batch_rows = llm.runner.batch.snapshot()
+viz.draw_batch(batch_rows)
 
 # %%
 while llm.has_unfinished_requests():
     for out in llm.step():
         print(f"req {out.request_id} finished: {out.text!r} ({out.finish_reason})")
 print(f"prefix cache hit rate: {llm.stats()['prefix_cache_hit_rate']:.0%}")
+
+# %% [markdown]
+# > **In vLLM / FastDeploy** the same parts have these names (the notebooks that follow
+# > open one each):
+# >
+# > | fleetlab | vLLM (v1 engine) | FastDeploy |
+# > | --- | --- | --- |
+# > | `LLM`, `SamplingParams` | `LLM`, `SamplingParams` | `LLM`, `SamplingParams` |
+# > | `Scheduler` (token budget, chunked prefill, preemption) | `Scheduler` → `SchedulerOutput` | `ResourceManagerV1` |
+# > | `BlockPool`, prefix caching | `BlockPool`, `KVCacheManager` | `PrefixCacheManager` |
+# > | `InputBatch` | `InputBatch` (in the `GPUModelRunner`) | `InputBatch` (in its `GPUModelRunner`) |
+# > | `patch_model` on a PaddleFormers model | the Transformers modeling backend | the PaddleFormers backend (`PaddleFormersModelBase`) |
 
 # %% [markdown]
 # ## Try next
@@ -151,6 +171,7 @@ print(f"prefix cache hit rate: {llm.stats()['prefix_cache_hit_rate']:.0%}")
 # - **03_input_batch_reorder**: why and how the batch puts decode rows first.
 # - **04_decode_loop**: the scheduler step by step, with preemption and a play button.
 # - **05_performance**: continuous batching against static batches, measured.
+# - **06_prototyping**: your own attention backend and scheduling policy.
 #
 # Or change the engine above: `max_num_seqs=1` (one request at a time: watch the timeline
 # stretch), `block_size=16`, or `max_num_batched_tokens=8` (long prompts get split over
