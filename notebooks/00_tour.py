@@ -158,10 +158,10 @@ print(f"prefix cache hit rate: {llm.stats()['prefix_cache_hit_rate']:.0%}")
 # > | fleetlab | vLLM (v1 engine) | FastDeploy |
 # > | --- | --- | --- |
 # > | `LLM`, `SamplingParams` | `LLM`, `SamplingParams` | `LLM`, `SamplingParams` |
-# > | `Scheduler` (token budget, chunked prefill, preemption) | `Scheduler` → `SchedulerOutput` | `ResourceManagerV1` |
+# > | `Scheduler` | `Scheduler` (emits a `SchedulerOutput`) | `ResourceManagerV1` |
 # > | `BlockPool`, prefix caching | `BlockPool`, `KVCacheManager` | `PrefixCacheManager` |
-# > | `InputBatch` | `InputBatch` (in the `GPUModelRunner`) | `InputBatch` (in its `GPUModelRunner`) |
-# > | `patch_model` on a PaddleFormers model | the Transformers modeling backend | the PaddleFormers backend (`PaddleFormersModelBase`) |
+# > | `InputBatch` | `InputBatch` in the `GPUModelRunner` | `InputBatch` in its `GPUModelRunner` |
+# > | `patch_model` | the Transformers modeling backend | the PaddleFormers backend |
 
 # %% [markdown]
 # ## Try next

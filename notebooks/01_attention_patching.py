@@ -15,20 +15,10 @@
 
 # %%
 # %matplotlib inline
-import logging
-import warnings
-
-warnings.filterwarnings("ignore", category=UserWarning)  # Paddle's import-time notices
 import numpy as np
-import paddle
 
 import fleetlab
 from fleetlab import viz
-
-logging.getLogger().setLevel(logging.WARNING)  # Paddle turns INFO logs on for every library
-paddle.seed(0)
-np.random.seed(0)
-
 from fleetlab.patching.parity import paged_greedy, reference_greedy
 
 # %% [markdown]
@@ -77,6 +67,8 @@ viz.draw_layer_map(handle)
 # each forward pass. Without one, it refuses to guess:
 
 # %%
+import paddle
+
 try:
     model(input_ids=paddle.to_tensor([prompts[0]]))
 except RuntimeError as err:
@@ -86,14 +78,27 @@ except RuntimeError as err:
 # What the context holds for one step that prefills our three prompts together, packed
 # into one sequence of 24 tokens: each token's position *within its own request*, where
 # its K/V go (`slot_mapping`), and where each request's tokens start (`cu_seqlens_q`).
+# The three requests' blocks are scattered over a cache of 8 blocks, as they are in a
+# pool that has been serving for a while: request 0 holds blocks 7 and 2, request 1
+# blocks 4, 0 and 5, request 2 blocks 6 and 1.
 
 # %%
-md = fleetlab.AttentionMetadata.build(
-    query_lens=[5, 11, 8], num_computed_tokens=[0, 0, 0],
-    block_tables=[[0, 1, -1], [2, 3, 4], [5, 6, -1]], block_size=4)
+block_tables = [[7, 2, -1], [4, 0, 5], [6, 1, -1]]  # -1: no block
+md = fleetlab.AttentionMetadata.build(query_lens=[5, 11, 8], num_computed_tokens=[0, 0, 0],
+                                      block_tables=block_tables, block_size=4)
 print("positions   ", md.positions.numpy())
 print("slot_mapping", md.slot_mapping.numpy())
 print("cu_seqlens_q", md.cu_seqlens_q_host)
+
+# %% [markdown]
+# Read `slot_mapping` with the picture below: token `p` of a request goes to slot
+# `block_table[p // 4] * 4 + p % 4`. Request 0's first four tokens land in block 7
+# (slots 28-31) and its fifth in block 2 (slot 8), so the slots jump wherever the block
+# table jumps; within a block they count up.
+
+# %%
+tables = {req: [b for b in row if b >= 0] for req, row in enumerate(block_tables)}
+viz.draw_block_mapping(tables, 8, num_tokens={0: 5, 1: 11, 2: 8}, block_size=4)
 
 # %% [markdown]
 # ## 3. Parity: oracle against paged
@@ -159,6 +164,22 @@ fleet_tokens, fleet_logits = paged_greedy(fleet_handle, prompts, max_new_tokens=
 print(viz.greedy_table(fleet_ref_tokens, fleet_tokens))
 fleet_handle.unpatch()
 viz.draw_logits_parity(fleet_ref_logits, fleet_logits)
+
+# %% [markdown]
+# > **In vLLM / FastDeploy** this is the *third-party model backend*.
+# >
+# > - vLLM's Transformers modeling backend (`TransformersForCausalLM`) registers its own
+# >   function in Hugging Face Transformers' attention interface, as
+# >   `ALL_ATTENTION_FUNCTIONS["vllm"]`, and finds the layer's vLLM `Attention` by the
+# >   module's `layer_idx`. The step's metadata reaches it through `set_forward_context` /
+# >   `get_forward_context` (our `forward_context`); the metadata holds `slot_mapping` and
+# >   `query_start_loc` (our `cu_seqlens_q`).
+# > - FastDeploy's PaddleFormers backend (`PaddleFormersModelBase`) does the same in
+# >   PaddleFormers: it registers `fastdeploy_append_attention_forward` under the name
+# >   `"fastdeploy"`, sets `_attn_implementation = "fastdeploy"`, picks the layer's attention
+# >   by `layer_idx` and reads the step's `ForwardMeta`. Its PaddleFleet variant
+# >   (`PaddleFleetModelBase`) does section 4's surgery: each layer's `DotProductAttention`
+# >   becomes a `FastDeployAttention` that carries its own layer id.
 
 # %% [markdown]
 # ## Try next
