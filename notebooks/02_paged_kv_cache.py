@@ -11,60 +11,58 @@
 
 # %%
 # %matplotlib inline
-import logging
-import warnings
+import random
 
-warnings.filterwarnings("ignore", category=UserWarning)  # Paddle's import-time notices
 import numpy as np
-import paddle
+from matplotlib.figure import Figure
 
 import fleetlab
 from fleetlab import viz
 
-logging.getLogger().setLevel(logging.WARNING)  # Paddle turns INFO logs on for every library
-paddle.seed(0)
-np.random.seed(0)
-
-from matplotlib.figure import Figure
-
 # %% [markdown]
 # ## 1. Blocks, block tables, slots
 #
-# The cache is cut into blocks of `block_size` token slots. A request owns a list of block
-# ids, its **block table**; the blocks need not be contiguous. Token `p` of the request
-# lives in slot `block_table[p // block_size] * block_size + p % block_size`.
-
-# %%
-block_size = 4
-block_table = np.array([5, 2, 9])
-positions = np.arange(10)
-slots = block_table[positions // block_size] * block_size + positions % block_size
-print("positions:", positions)
-print("slots:    ", slots)
-viz.draw_block_tables({"a": block_table.tolist()}, {"a": 10}, block_size)
-
-# %% [markdown]
-# The shaded part of each cell is how full the block is. Only a request's *last* block can
-# be partly empty: that is all the memory paging wastes.
+# The cache is cut into blocks of `block_size` token slots. A `BlockPool` hands out block
+# ids and counts their owners. A request owns a list of block ids, its **block table**:
+# logical block `j` of the request (its tokens `j * block_size` onwards) lives in physical
+# block `block_table[j]`. So token `p` lives in slot
+# `block_table[p // block_size] * block_size + p % block_size`.
 #
-# ## 2. Sharing a prefix
-#
-# A `BlockPool` hands out block ids and counts their owners. A request's life:
-# `lookup` (which of my prompt's full blocks are already cached?), `touch` (take a
-# reference on those), `allocate` the rest, and once the model has written a block full,
-# `cache_blocks` so later requests can find it. Request **a** starts with a 10-token
-# "system prompt":
+# A pool that has been serving for a while hands out blocks in whatever order they were
+# freed. We imitate that history: take every block once and give them back in a random
+# order. Then request **a**, 13 tokens long, gets its 4 blocks.
 
 # %%
 pool = fleetlab.BlockPool(num_blocks=16, block_size=4)
-system = list(range(100, 110))  # 10 tokens that every request starts with
+history = pool.allocate(16)
+random.Random(0).shuffle(history)
+pool.free(history)  # the free queue is now in a random order
 
+system = list(range(100, 110))  # a 10-token "system prompt" that every request starts with
 a = system + [1, 2, 3]
-a_blocks = pool.lookup(a)  # nothing cached yet
-a_blocks += pool.allocate(-(-len(a) // 4) - len(a_blocks))
-# ... the model runs and writes a's K/V; its 3 full blocks can now be shared:
+a_blocks = pool.allocate(-(-len(a) // 4))  # ceil(13 / 4) = 4 blocks
+positions = np.arange(len(a))
+slots = np.array(a_blocks)[positions // 4] * 4 + positions % 4
+print("a's block table:", a_blocks)
+print("positions:", positions)
+print("slots:    ", slots)
+viz.draw_block_mapping({"a": a_blocks}, pool, num_tokens={"a": len(a)}, block_size=4)
+
+# %% [markdown]
+# Each arrow is one entry of the block table. Consecutive tokens share a block, so the
+# slots count up by one inside a block and jump wherever the table jumps. The shaded part
+# of each logical block is how full it is: only a request's *last* block can be partly
+# empty, and that is all the memory paging wastes.
+#
+# ## 2. Sharing a prefix
+#
+# A request's life in the pool: `lookup` (which of my prompt's full blocks are already
+# cached?), `touch` (take a reference on those), `allocate` the rest, and once the model
+# has written a block full, `cache_blocks` so later requests can find it. The model has
+# now written **a**'s K/V: its 3 full blocks become shareable.
+
+# %%
 pool.cache_blocks(a, a_blocks, num_cached_blocks=0, num_full_blocks=len(a) // 4)
-print("a holds blocks", a_blocks)
 
 # %% [markdown]
 # Request **b** has the same system prompt. Blocks are matched by a key that chains the
@@ -79,6 +77,17 @@ pool.touch(hits)
 b_blocks = hits + pool.allocate(-(-len(b) // 4) - len(hits))
 print("b reuses", hits, "and holds", b_blocks)
 print(pool.stats())
+shared_mapping = viz.draw_block_mapping({"a": a_blocks, "b": b_blocks}, pool, num_tokens={"a": len(a), "b": len(b)},
+                                        block_size=4)
+shared_mapping
+
+# %% [markdown]
+# Two arrows end in each of the two shared blocks (hatched): a's and b's logical blocks 0
+# and 1 are the same physical memory, computed once. The pool as a grid, one square per
+# block, shows the same thing from the pool's side: the shared blocks are marked `x2`,
+# their reference count.
+
+# %%
 viz.draw_block_pool(pool, {"a": a_blocks, "b": b_blocks})
 
 # %% [markdown]
@@ -95,6 +104,12 @@ pool.free(a_blocks)
 pool.free(b_blocks)
 viz.draw_block_pool(pool, title="a and b finished: free, but still cached")
 
+# %% [markdown]
+# Request **c** starts with the same system prompt, after a and b have left. Its lookup
+# still finds the two cached blocks and *revives* them (outlined in green below). Then a
+# big request takes every free block: the other cached blocks are evicted, their content
+# forgotten.
+
 # %%
 c = system + [4, 4]
 hits = pool.lookup(c)
@@ -103,7 +118,8 @@ c_blocks = hits + pool.allocate(-(-len(c) // 4) - len(hits))
 print("c found", hits, "still cached after a and b left")
 big = pool.allocate(pool.num_free_blocks)  # someone needs every free block
 print(pool.stats())
-viz.draw_block_pool(pool, {"c": c_blocks, "big": big}, title="a big request takes every free block: cached ones are evicted")
+viz.draw_block_pool(pool, {"c": c_blocks, "big": big}, revived=hits,
+                    title="c revived 2 cached blocks (green);\na big request took every other block: cached ones evicted")
 
 # %% [markdown]
 # ## 4. Memory: paging against padding
@@ -130,24 +146,52 @@ for name, (layers, kv_heads, head_dim, dtype) in {
 # %% [markdown]
 # ## 5. Explore
 #
-# Move the sliders: block size and three prompt lengths. The pool has room for 192 token
-# slots whatever the block size. Small blocks waste almost nothing but mean longer block
-# tables (more ids to store and look up); large blocks waste more in each request's last
-# block. Real engines settle around 16.
+# Move the sliders: block size and three prompt lengths. The pool gets
+# `ceil(192 / block_size)` blocks: 192 token slots when the block size divides 192, a few
+# more otherwise (the title says how many). Three prompts of at most 64 tokens never hold
+# more than 192 tokens, yet with large blocks they may not fit: each one rounds up to
+# whole blocks. Try block size 25 with three 64-token prompts: they need 9 blocks (225
+# slots) and the pool has 8 (200); the picture says so. Small blocks waste almost nothing
+# but mean longer block tables (more ids to store and look up); large blocks waste more in
+# each request's last block. Real engines settle around 16.
 
 # %%
 def paging_picture(block_size, prompt_a, prompt_b, prompt_c):
     lengths = {"a": prompt_a, "b": prompt_b, "c": prompt_c}
-    pool = fleetlab.BlockPool(num_blocks=192 // block_size, block_size=block_size)
-    tables = {req: pool.allocate(-(-n // block_size)) for req, n in lengths.items()}
+    pool = fleetlab.BlockPool(num_blocks=-(-192 // block_size), block_size=block_size)
+    need = {req: -(-n // block_size) for req, n in lengths.items()}
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     ax_pool, ax_waste = fig.subplots(1, 2, width_ratios=[2.2, 1])
-    viz.draw_block_pool(pool, tables, ncols=16, ax=ax_pool)
+    title = f"pool: {pool.num_blocks} blocks x {block_size} = {pool.num_blocks * block_size} token slots"
+    if pool.can_allocate(sum(need.values())):
+        tables = {req: pool.allocate(n) for req, n in need.items()}
+        viz.draw_block_pool(pool, tables, ncols=16, ax=ax_pool, title=title)
+    else:
+        ax_pool.axis("off")
+        ax_pool.set_title(title, fontsize=9)
+        ax_pool.text(0.5, 0.5, f"does not fit: the prompts need {sum(need.values())} blocks of {block_size}\n"
+                     f"({sum(need.values()) * block_size} slots), the pool has {pool.num_blocks}",
+                     ha="center", va="center", color="#c0392b", fontsize=11, transform=ax_pool.transAxes)
     viz.draw_memory_waste(list(lengths.values()), block_size, max_model_len=64, ax=ax_waste)
     return fig
 
-viz.LiveFigure(paging_picture, viz.int_sliders(
+
+explore = viz.LiveFigure(paging_picture, viz.int_sliders(
     block_size=(1, 32, 1, 8), prompt_a=(1, 64, 1, 23), prompt_b=(1, 64, 1, 41), prompt_c=(1, 64, 1, 7)))
+explore
+
+# %% [markdown]
+# > **In vLLM / FastDeploy** this is the KV cache manager.
+# >
+# > - vLLM v1: `BlockPool` holds `KVCacheBlock`s (each with a reference count and, once full,
+# >   a block hash chained to its parent's) and a free queue, `FreeKVCacheBlockQueue`, in
+# >   LRU order with lazy eviction, as here. `KVCacheManager` is the scheduler's view:
+# >   `get_computed_blocks` (prefix-cache hits), `allocate_slots`, `free`, handing back
+# >   `KVCacheBlocks`. The runner turns block tables into a per-token `slot_mapping` each
+# >   step. Its default block size is 16.
+# > - FastDeploy: `PrefixCacheManager` owns the GPU blocks and the prefix tree over them
+# >   (and can swap blocks to CPU); the scheduler, `ResourceManagerV1`, asks it for blocks.
+# >   Its default block size is 64.
 
 # %% [markdown]
 # ## Try next

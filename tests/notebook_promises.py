@@ -39,3 +39,37 @@ assert pool_texts.count("x2") == 7
 assert [(r.req_id, r.phase, r.num_scheduled_tokens) for r in batch_rows] == [("6", "prefill", 8), ("7", "prefill", 6)]
 assert (batch_rows[0].num_computed_tokens, batch_rows[0].num_tokens) == (36, 37)
 '''
+
+PROMISES["02_paged_kv_cache"] = '''
+# "logical block j ... lives in physical block block_table[j]"; the shuffled pool hands out
+# scattered ids, and "the slots ... jump wherever the table jumps"
+assert any(b - a != 1 for a, b in zip(a_blocks, a_blocks[1:]))
+assert [int(s) for s in slots] == [a_blocks[p // 4] * 4 + p % 4 for p in range(len(a))]
+# "b's first two blocks match; the third ... does not"
+assert b_blocks[:2] == a_blocks[:2] and b_blocks[2] not in a_blocks
+# "Two arrows end in each of the two shared blocks (hatched)"
+physical = {p.get_gid(): p for p in shared_mapping.axes[0].patches if (p.get_gid() or "").startswith("physical:")}
+hatched = {int(g.split(":")[1]) for g, p in physical.items() if p.get_hatch()}
+assert hatched == set(a_blocks[:2])
+arrows = [p for p in shared_mapping.axes[0].patches if (p.get_gid() or "").startswith("map:")]
+assert len(arrows) == len(a_blocks) + len(b_blocks)
+# Section 3: c "still finds the two cached blocks and revives them"
+assert c_blocks[:2] == a_blocks[:2]
+# Section 5: "ceil(192 / block_size) blocks: 192 token slots when the block size divides 192, a few more otherwise"
+# and "block size 25 with three 64-token prompts ... need 9 blocks (225 slots) and the pool has 8 (200); the
+# picture says so". The sliders never leave a stale or broken picture.
+sliders = explore.controls
+for name in ("prompt_a", "prompt_b", "prompt_c"):
+    sliders[name].value = 64
+for size in (1, 5, 7, 16, 25, 32):
+    sliders["block_size"].value = size
+    assert explore.error is None, (size, explore.error)
+    title = explore.figure.axes[0].get_title()
+    slots = int(title.split("= ")[1].split()[0])
+    assert 192 <= slots < 192 + size and (slots == 192) == (192 % size == 0), title
+    texts = " ".join(t.get_text() for t in explore.figure.axes[0].texts)
+    assert ("does not fit" in texts) == (3 * -(-64 // size) > -(-192 // size)), (size, texts)
+sliders["block_size"].value = 25
+assert "need 9 blocks of 25" in explore.figure.axes[0].texts[-1].get_text()
+assert "8 blocks x 25 = 200 token slots" in explore.figure.axes[0].get_title()
+'''

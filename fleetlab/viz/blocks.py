@@ -330,8 +330,8 @@ def draw_memory_waste(lengths: Sequence[int], block_size: int, max_model_len: in
         ax.text(x, total, f"{100 * waste.wasted_fraction(layout):.0f}% empty", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(layouts)), list(layouts.values()), fontsize=8)
     ax.set_ylabel("KV slots (tokens)")
-    ax.set_ylim(0, max(waste.reserved, 1) * 1.18)
+    ax.set_ylim(0, max(waste.reserved, waste.paged, waste.padded, 1) * 1.4)  # room above for labels and legend
     ax.legend(handles=[Patch(color="#4e79a7", label="holds a token"), Patch(color="#f4c7c3", label="empty")],
-              fontsize=7, loc="upper left", frameon=False)
+              fontsize=7, loc="upper left", frameon=False, ncols=2)
     ax.set_title(f"{len(lengths)} requests, {waste.tokens} tokens", fontsize=9)
     return fig
