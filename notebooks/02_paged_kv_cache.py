@@ -119,7 +119,8 @@ print("c found", hits, "still cached after a and b left")
 big = pool.allocate(pool.num_free_blocks)  # someone needs every free block
 print(pool.stats())
 viz.draw_block_pool(pool, {"c": c_blocks, "big": big}, revived=hits,
-                    title="c revived 2 cached blocks (green);\na big request took every other block: cached ones evicted")
+                    title="c revived 2 cached blocks (green);\n"
+                          "a big request took every other block: cached ones evicted")
 
 # %% [markdown]
 # ## 4. Memory: paging against padding

@@ -5,31 +5,17 @@
 # steps, and why it rearranges that state every step:
 #
 # - the InputBatch: one row per request, every per-request buffer declared once;
-# - holes left by finished requests, and `condense()`;
-# - the decode-first reorder: a two-pointer scan that swaps rows, stepped with a slider;
+# - why the rows are reordered: what the attention kernels see on the step's packed tokens;
+# - holes left by finished requests, `condense()`, and the decode-first reorder: a
+#   two-pointer scan that swaps rows, stepped with a slider;
 # - the alternative that moves no row at all: a gather index map.
-#
-# **Why reorder?** Attention kernels for decode (one query token per request, reading a
-# long cache) and for prefill (many query tokens) are different. With all decode rows
-# first, a backend can run its decode kernel on tokens `[0, num_decode_tokens)` and its
-# prefill kernel on the rest, with no per-row branching.
 
 # %%
 # %matplotlib inline
-import logging
-import warnings
-
-warnings.filterwarnings("ignore", category=UserWarning)  # Paddle's import-time notices
 import numpy as np
-import paddle
 
 import fleetlab
 from fleetlab import viz
-
-logging.getLogger().setLevel(logging.WARNING)  # Paddle turns INFO logs on for every library
-paddle.seed(0)
-np.random.seed(0)
-
 
 # %% [markdown]
 # ## 1. A batch with decodes, prefills and a hole
@@ -65,7 +51,44 @@ viz.draw_batch(batch.snapshot())
 # buffer can be forgotten: in a production engine, buffers missing from a hand-written
 # swap list were a real source of bugs.
 #
-# ## 2. Condense, then reorder, one move at a time
+# ## 2. Why reorder: the step's packed tokens
+#
+# One step runs every scheduled token of every row as one packed sequence, row after row:
+# the model's `[1, T]` input, here T = 37 tokens. Attention kernels for decode (one query
+# token per row, reading a long cache) and for prefill (a chunk of query tokens) are
+# different programs. A backend with one of each gives the decode kernel the tokens
+# `[0, num_decode_tokens)`, the run of one-token rows at the start, and the prefill kernel
+# all the rest: no per-row branching inside a kernel.
+#
+# Below, the step's tokens before and after the reorder, each row as wide as the tokens it
+# runs. Before, only row `a` is in the decode kernel's range: the five other decodes
+# (`d`, `f`, `g`, `h`, `j`) sit between or after prefill chunks, inside the prefill
+# kernel's range (hatched), where a decode kernel never sees them. After the reorder the
+# six decodes come first (tokens 0-5) and the prefill kernel takes tokens 6-36.
+
+# %%
+packed = make_batch()
+packed.condense()
+rows_before = packed.snapshot()
+packed.reorder_split_prefill_and_decode()
+rows_after = packed.snapshot()
+token_axis = viz.draw_token_axis(rows_before, rows_after)
+token_axis
+
+# %% [markdown]
+# That cut is what the step's `AttentionMetadata` computes from the rows' token counts:
+# `num_decodes`, the leading run of one-token rows, and `num_decode_tokens`.
+
+# %%
+for name, rows in (("before", rows_before), ("after", rows_after)):
+    md = fleetlab.AttentionMetadata.build(
+        query_lens=[r.num_scheduled_tokens for r in rows], num_computed_tokens=[r.num_computed_tokens for r in rows],
+        block_tables=[r.block_table + [-1] * (8 - len(r.block_table)) for r in rows], block_size=4)
+    print(f"{name:>6} the reorder: num_decodes={md.num_decodes}, num_decode_tokens={md.num_decode_tokens} "
+          f"of {md.num_tokens} tokens")
+
+# %% [markdown]
+# ## 3. Condense, then reorder, one move at a time
 #
 # `reorder_frames` runs exactly what the engine runs each step: `condense()` (live rows
 # slide up into the holes, keeping their order), then the two-pointer scan: a left pointer
@@ -106,7 +129,7 @@ for stable in (False, True):
 print("tokens run per request:", b.by_request(b.np("num_scheduled_tokens")))
 
 # %% [markdown]
-# ## 3. The alternative: move nothing, gather through an index map
+# ## 4. The alternative: move nothing, gather through an index map
 #
 # A newer design leaves every row where it is (holes included) and builds, each step, an
 # index map: step slot `k` reads batch row `order[k]`, decodes first. The step gathers
@@ -124,7 +147,7 @@ viz.draw_gather_map(batch.snapshot(), order, num_decodes)
 # Which is faster depends on how many fields the step reads against how many the batch
 # carries; `python -m fleetlab bench reorder` measures both.
 #
-# ## 4. In the engine
+# ## 5. In the engine
 #
 # With `reorder=True`, every `LLM` step records the row order before and after the
 # reorder. A tiny random model is enough to watch it:
@@ -142,9 +165,34 @@ for trace in llm.traces:
 
 # %% [markdown]
 # Notice step 0: request 2's prompt got only the last token of the step's budget, a
-# prefill chunk of **1** token, and the reorder counted it as a decode. That is on
+# prefill chunk of **1** token (`2:p1`), and the reorder counted it as a decode. That is on
 # purpose: the reorder serves the attention kernels, and to a kernel a row with one query
-# token *is* a decode, whatever the request's history.
+# token *is* a decode, whatever the request's history. Step 0's packed tokens, as the
+# kernels see them:
+
+# %%
+step0 = llm.traces[0]
+rows_by_id = {row.request_id: row for row in step0.rows}
+step0_axis = viz.draw_token_axis([rows_by_id[r] for r in step0.order_before], step0.rows)
+step0_axis
+
+# %% [markdown]
+# > **In vLLM / FastDeploy** both engines keep an `InputBatch` and reorder it decode-first.
+# >
+# > - vLLM v1: `InputBatch` keeps rows `[0, num_reqs)` dense (`remove_request`, then
+# >   `condense()`); `swap_states(i, j)` moves a row. Each attention metadata builder
+# >   declares a `reorder_batch_threshold`, and the runner calls
+# >   `reorder_batch_to_split_decodes_and_prefills(input_batch, scheduler_output,
+# >   decode_threshold)`: rows with at most that many tokens go first, with the fewest
+# >   swaps. `split_decodes_and_prefills` then gives `num_decodes`, `num_prefills`,
+# >   `num_decode_tokens`, `num_prefill_tokens`: the cut in the picture above. vLLM's newer
+# >   model runner (`vllm/v1/worker/gpu/`) moves no rows and gathers through an index
+# >   instead, as in section 4.
+# > - FastDeploy: `reorder_split_prefill_and_decode(input_batch)` runs the two-pointer scan
+# >   (a row is a decode when its `seq_lens_encoder` is 0) and `InputBatch.swap_states`
+# >   swaps a hand-written list of buffers; `recover_batch_index_for_output` puts the
+# >   outputs back in the original order. For speculative decoding the MTP proposer's
+# >   `ProposerInputBatch` must make the same swaps, row for row.
 
 # %% [markdown]
 # ## Try next

@@ -73,3 +73,37 @@ sliders["block_size"].value = 25
 assert "need 9 blocks of 25" in explore.figure.axes[0].texts[-1].get_text()
 assert "8 blocks x 25 = 200 token slots" in explore.figure.axes[0].get_title()
 '''
+
+PROMISES["03_input_batch_reorder"] = '''
+from fleetlab.engine.input_batch import unpermute as _unpermute  # noqa: F401  (the notebook's import)
+
+split_before, split_after = viz.token_split(rows_before), viz.token_split(rows_after)
+# "here T = 37 tokens"; "Before, only row a is in the decode kernel's range: the five other decodes
+# (d, f, g, h, j) sit ... inside the prefill kernel's range (hatched)"
+assert split_before.num_tokens == split_after.num_tokens == 37
+assert split_before.num_decode_tokens == 1 and sorted(split_before.stranded) == list("dfghj")
+hatched = {p.get_gid().split(":")[2] for p in token_axis.axes[0].patches
+           if (p.get_gid() or "").startswith("token:before:") and p.get_hatch()}
+assert hatched == set("dfghj")
+# "After the reorder the six decodes come first (tokens 0-5) and the prefill kernel takes tokens 6-36."
+assert split_after.num_decodes == 6 and split_after.num_decode_tokens == 6 and not split_after.stranded
+# "That cut is what the step's AttentionMetadata computes"
+for rows, split in ((rows_before, split_before), (rows_after, split_after)):
+    md = fleetlab.AttentionMetadata.build([r.num_scheduled_tokens for r in rows], [r.num_computed_tokens for r in rows],
+                                          [r.block_table + [-1] * (8 - len(r.block_table)) for r in rows], 4)
+    assert (md.num_decodes, md.num_decode_tokens) == (split.num_decodes, split.num_decode_tokens)
+# Section 3: "not stable ... (j jumped ahead of d)"; "A stable partition ... moves more rows (twice as many)"
+order = [r.req_id for r in frames[-1].records]
+assert order.index("j") < order.index("d")
+moved = {}
+for stable in (False, True):
+    b = make_batch()
+    b.condense()
+    perm, _ = b.reorder_split_prefill_and_decode(stable=stable)
+    moved[stable] = int((perm != np.arange(len(perm))).sum())
+assert moved[True] == 2 * moved[False], moved
+# Section 5: "request 2's prompt got only the last token of the step's budget, a prefill chunk of 1 token,
+# and the reorder counted it as a decode"
+assert rows_by_id["2"].num_scheduled_tokens == 1 and rows_by_id["2"].phase == "prefill"
+assert step0.order_after[0] == "2" and step0.num_decodes == 1 and step0.num_batched_tokens == 16
+'''

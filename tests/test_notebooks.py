@@ -16,11 +16,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from queue import Empty
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 from notebook_promises import PROMISES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,39 +31,14 @@ CELL_TIMEOUT_S = 180
 NOISE = re.compile(r"warning|\bINFO\b|\x1b\[|PyTorch was not found|ccache|distutils|OMP_NUM_THREADS", re.I)
 
 
-class SlicedPollClient(NotebookClient):
-    """A ``NotebookClient`` that waits for each execute reply in slices of one second.
-
-    pyzmq's asyncio poller can miss the wake-up for a reply that is already waiting (seen
-    here under load, in about one notebook run in ten): the client then sleeps for the
-    whole cell timeout although the cell finished long before, and the run still passes,
-    minutes late. Polling in slices bounds that stall to a second; a real timeout still
-    raises after ``timeout`` seconds.
-    """
-
-    async def async_start_new_kernel_client(self):
-        kc = await super().async_start_new_kernel_client()
-        wait_once = kc.shell_channel.get_msg
-
-        async def get_msg(timeout=None):
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while True:
-                left = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    return await wait_once(timeout=min(1.0, left))
-                except Empty:
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise
-
-        kc.shell_channel.get_msg = get_msg
-        return kc
-
-
 def load_tool():
     spec = importlib.util.spec_from_file_location("notebooks_tool", ROOT / "tools" / "notebooks.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+SlicedPollClient = load_tool().SlicedPollClient
 
 
 def test_every_notebook_of_the_course_is_there_and_named_in_order():

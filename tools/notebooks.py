@@ -25,8 +25,10 @@ import base64
 import sys
 import time
 from pathlib import Path
+from queue import Empty
 
 import nbformat
+from nbclient import NotebookClient
 
 NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
 CELL_METADATA_DROPPED = ("execution", "collapsed", "scrolled")
@@ -120,20 +122,49 @@ def sync(stem: str, folder: Path = NOTEBOOK_DIR) -> None:
 
 
 # ----------------------------------------------------------------- running
+class SlicedPollClient(NotebookClient):
+    """A ``NotebookClient`` that waits for each execute reply in slices of one second.
+
+    pyzmq's asyncio poller can miss the wake-up for a reply that is already waiting (seen
+    here under load, in about one notebook run in ten): the client then sleeps for the
+    whole cell timeout although the cell finished long before, and the run still passes,
+    minutes late. Polling in slices bounds that stall to a second; a real timeout still
+    raises after ``timeout`` seconds.
+    """
+
+    async def async_start_new_kernel_client(self):
+        kc = await super().async_start_new_kernel_client()
+        wait_once = kc.shell_channel.get_msg
+
+        async def get_msg(timeout=None):
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    return await wait_once(timeout=min(1.0, left))
+                except Empty:
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise
+
+        kc.shell_channel.get_msg = get_msg
+        return kc
+
+
 def run(stem: str, figures: Path | None, folder: Path = NOTEBOOK_DIR, timeout: int = 180) -> float:
     """Run a notebook headless from ``folder``; print its time and stderr; save its figures."""
-    from nbclient import NotebookClient
-
     nb = nbformat.read(folder / f"{stem}.ipynb", as_version=4)
     start = time.perf_counter()
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(folder)}}).execute()
+    client = SlicedPollClient(nb, timeout=timeout, kernel_name="python3",
+                              resources={"metadata": {"path": str(folder)}})
+    client.execute()
     elapsed = time.perf_counter() - start
     print(f"{stem}: {elapsed:.1f} s")
     for i, cell in enumerate(nb.cells):
         for k, out in enumerate(cell.get("outputs", [])):
             if out.output_type == "stream" and out.name == "stderr":
                 print(f"  cell {i} stderr: {out.text.strip()[:300]}")
-            png = out.get("data", {}).get("image/png") if out.output_type in ("display_data", "execute_result") else None
+            shown = out.output_type in ("display_data", "execute_result")
+            png = out.get("data", {}).get("image/png") if shown else None
             if png and figures is not None:
                 figures.mkdir(parents=True, exist_ok=True)
                 path = figures / f"{stem}-cell{i:02d}-{k}.png"

@@ -265,6 +265,9 @@ def _draw_token_strip(ax, split: TokenSplit, y: float, label: str) -> None:
               ("prefill kernel", split.num_decode_tokens, total, "#c05621")]
     for name, lo, hi, color in ranges:
         if hi <= lo:
+            if name == "decode kernel":
+                ax.text(lo, y - 0.55, "decode kernel: nothing (no one-token row leads)", ha="left", va="top",
+                        fontsize=8, color=color, gid=f"range:{label}:decode")
             continue
         ax.annotate("", xy=(lo, y - 0.25), xytext=(hi, y - 0.25),
                     arrowprops={"arrowstyle": "|-|", "color": color, "linewidth": 1.5, "shrinkA": 0, "shrinkB": 0})
@@ -292,7 +295,8 @@ def draw_token_axis(before: Sequence, after: Sequence, *, decode_threshold: int 
     ax = fig.add_subplot()
     for (label, split), y, title in zip(splits.items(), (2.2, 0.0), titles):
         _draw_token_strip(ax, split, y, label)
-        note = (f"{len(split.stranded)} decode rows stranded in the prefill range" if split.stranded
+        count = len(split.stranded)
+        note = (f"{count} decode row{'s' if count > 1 else ''} stranded in the prefill range" if count
                 else "every decode in the decode range")
         ax.text(0, y + 0.95, f"{title}: {note}", fontsize=9, va="bottom")
     ax.set_xlim(-0.5, total + 0.5)
