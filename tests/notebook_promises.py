@@ -107,3 +107,32 @@ assert moved[True] == 2 * moved[False], moved
 assert rows_by_id["2"].num_scheduled_tokens == 1 and rows_by_id["2"].phase == "prefill"
 assert step0.order_after[0] == "2" and step0.num_decodes == 1 and step0.num_batched_tokens == 16
 '''
+
+PROMISES["04_decode_loop"] = '''
+# "the long prompt of request 1 split over steps 0-2 (chunked prefill)"
+assert [t.step for t in traces for r in t.rows if r.request_id == "1" and r.phase == "prefill"] == [0, 1, 2]
+# "preempts the newest running request (request 2 in step 7, request 5 in step 16, request 6 in steps 18 and 21)"
+assert [(r, t.step) for t in traces for r in t.preempted] == [("2", 7), ("5", 16), ("6", 18), ("6", 21)]
+# Section 3: "Request 2 ... had generated 5 tokens when it was preempted in step 7. It comes back in step 10,
+# finds its first block (4 tokens) cached and recomputes the other 6 of its 10 tokens. Request 6 ... comes
+# back with 8, then 20 of its tokens cached, and runs 20 + 16 + 11 = 47."
+back = [a for a in viz.admissions(traces, block_size=4) if a.resumed]
+two = next(a for a in back if a.request_id == "2")
+assert (two.step, two.num_cached_tokens, len(two.cached_block_ids), two.chunks) == (10, 4, 1, [6])
+assert sum(r.request_id == "2" and r.phase == "decode" for t in traces if t.step < 7 for r in t.rows) == 4
+six = [a for a in back if a.request_id == "6"]
+assert [a.num_cached_tokens for a in six] == [8, 20] and six[-1].chunks == [16, 11] and six[-1].rebuilt
+assert len(outputs[6].prompt_token_ids) == 47
+# Section 4: "the blocks a returning request takes back from the cache outlined in green (steps 10, 17, 20, 23)"
+assert sorted({a.step for a in viz.admissions(traces, block_size=4) if a.cached_block_ids}) == [10, 17, 20, 23]
+replay.slider.value = [t.step for t in traces].index(10)
+assert replay.error is None
+outlined = {p.get_gid() for ax in replay.figure.axes for p in ax.patches if (p.get_gid() or "").startswith("revived:")}
+assert outlined == {f"revived:{b}" for b in two.cached_block_ids}
+# "empty on a preemption (the freed blocks turn grey, still cached)": after step 7 request 2 holds nothing
+frame7 = next(f for f in pool_frames if f.step == 7)
+assert "2" not in frame7.block_tables and any(i.is_cached and i.ref_count == 0 for i in frame7.blocks)
+# Section 5: every text the same as the roomy run's, which never preempts
+assert all(t.token_ids == f.token_ids for t, f in zip(outputs, roomy_outputs))
+assert roomy.stats()["num_preemptions"] == 0 and len(roomy.traces) < len(traces)
+'''

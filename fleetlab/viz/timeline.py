@@ -22,7 +22,7 @@ player's frames do not jump around.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
@@ -69,6 +69,10 @@ class Admission:
     num_cached_tokens: tokens it found already computed in the prefix cache (its first
     ``num_cached_tokens // block_size`` blocks, ``cached_block_ids``), so it computes only
     the rest. After a preemption these are its own earlier blocks, if nobody evicted them.
+    chunks: the prefill chunks it then ran, step by step, until it decoded, was preempted
+    again or the traces ended: once ``rebuilt``, ``num_cached_tokens + sum(chunks)`` is the
+    length it had to rebuild (its prompt, plus after a preemption the tokens it had generated).
+    rebuilt: it went on to decode or finished (False: preempted again first, or the traces end).
     """
 
     step: int
@@ -76,6 +80,8 @@ class Admission:
     num_cached_tokens: int
     cached_block_ids: list[int]
     resumed: bool
+    chunks: list[int] = field(default_factory=list)
+    rebuilt: bool = False
 
 
 def admissions(traces: Sequence, block_size: int | None = None) -> list[Admission]:
@@ -83,15 +89,26 @@ def admissions(traces: Sequence, block_size: int | None = None) -> list[Admissio
 
     ``block_size``: the pool's block size, to name the cached blocks (``cached_block_ids``
     stays empty without it)."""
-    out, admitted, preempted = [], set(), set()
+    out, admitted, preempted, filling = [], set(), set(), {}
     for trace in traces:
         for row in trace.rows:
             if row.request_id not in admitted:
                 admitted.add(row.request_id)
                 cached = row.num_computed_tokens
                 blocks = list(row.block_ids[: cached // block_size]) if block_size else []
-                out.append(Admission(trace.step, row.request_id, cached, blocks,
-                                     resumed=row.request_id in preempted))
+                filling[row.request_id] = Admission(trace.step, row.request_id, cached, blocks,
+                                                    resumed=row.request_id in preempted)
+                out.append(filling[row.request_id])
+            if row.request_id in filling:
+                if row.phase == "prefill":
+                    filling[row.request_id].chunks.append(row.num_scheduled_tokens)
+                else:
+                    filling.pop(row.request_id).rebuilt = True
+        for req_id in trace.finished:  # finished on its last prefill chunk: rebuilt all the same
+            if req_id in filling:
+                filling.pop(req_id).rebuilt = True
+        for req_id in trace.preempted:
+            filling.pop(req_id, None)
         admitted.difference_update(trace.preempted)
         preempted.update(trace.preempted)
     return out
