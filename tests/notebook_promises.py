@@ -136,3 +136,31 @@ assert "2" not in frame7.block_tables and any(i.is_cached and i.ref_count == 0 f
 assert all(t.token_ids == f.token_ids for t, f in zip(outputs, roomy_outputs))
 assert roomy.stats()["num_preemptions"] == 0 and len(roomy.traces) < len(traces)
 '''
+
+PROMISES["05_performance"] = '''
+from pathlib import Path as _Path
+
+# "viz.results_dir() finds that folder from the installed package, wherever the notebook runs"
+assert _Path(viz.results_dir()).resolve() == (_Path(fleetlab.__file__).resolve().parents[1] / "benchmarks" / "results")
+assert "bench" in results and ("bench", "summary") in result_figures
+# "for the two model sizes README lists (Llama 1.0M and 3.4M parameters)"
+labels = [t.get_text() for t in result_figures["bench", "summary"].axes[0].get_xticklabels()]
+assert labels == ["Llama 1.0M params", "Llama 3.4M params"], labels
+readme = (_Path(fleetlab.__file__).resolve().parents[1] / "README.md").read_text()
+assert all(label.replace(" params", "").replace("Llama ", "Llama ") in readme for label in labels)
+# Bandwidth: "reads a little faster than the dashed line" at long contexts, batch >= 64; nothing crosses 4.8
+if "h200_triton" in results:
+    h200 = results["h200_triton"]
+    ceiling = h200["ceilings"]["read_sum_tbps"]
+    big = [r["triton_tbps"] for r in h200["decode_bandwidth"] if r["batch"] >= 64 and r["context"] >= 8192]
+    assert big and all(v > ceiling for v in big)
+    assert max(v for r in h200["decode_bandwidth"] for k, v in r.items() if k.endswith("_tbps")) < 4.8
+# Rows: "the rows of the short ones go idle"; continuous rows "stay busy until the queue runs dry at the end"
+static_idle = viz.idle_row_steps(static_llm.traces, 4)
+continuous_idle = viz.idle_row_steps(continuous_llm.traces, 4)
+assert static_idle > 2 * continuous_idle
+last_admission = max(a.step for a in viz.admissions(continuous_llm.traces))
+assert all(len(t.rows) == 4 for t in continuous_llm.traces if t.step <= last_admission)
+# "continuous batching needs about a third fewer steps"
+assert 0.25 <= 1 - continuous.num_steps / static.num_steps <= 0.4, (static.num_steps, continuous.num_steps)
+'''
