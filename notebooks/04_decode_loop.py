@@ -102,10 +102,7 @@ for trace in traces[:10]:
 # %%
 for a in viz.admissions(traces, block_size=engine_config["block_size"]):
     if a.resumed:
-        rebuilt = (f"{a.num_cached_tokens} + {sum(a.chunks)} = {a.num_cached_tokens + sum(a.chunks)} tokens"
-                   if a.rebuilt else "preempted again before it was done")
-        print(f"req {a.request_id} came back in step {a.step}: {a.num_cached_tokens} tokens still cached "
-              f"(blocks {a.cached_block_ids}), then prefill chunks {a.chunks}: {rebuilt}")
+        print(a.describe())
 
 # %% [markdown]
 # Request 2 (a 5-token prompt) had generated 5 tokens when it was preempted in step 7. It

@@ -13,24 +13,13 @@
 
 # %%
 # %matplotlib inline
-import logging
-import warnings
+import collections
 
-warnings.filterwarnings("ignore", category=UserWarning)  # Paddle's import-time notices
 import numpy as np
-import paddle
+from matplotlib.figure import Figure
 
 import fleetlab
 from fleetlab import viz
-
-logging.getLogger().setLevel(logging.WARNING)  # Paddle turns INFO logs on for every library
-paddle.seed(0)
-np.random.seed(0)
-
-import collections
-
-from matplotlib.figure import Figure
-
 from fleetlab.attention.backend import AttentionBackend
 from fleetlab.attention.reference import paged_attention
 from fleetlab.engine.metrics import latency_stats, latency_table
@@ -98,6 +87,9 @@ def serve(llm, arrivals):
 # of a step builds it and the others reuse it.
 
 # %%
+import paddle
+
+
 class SplitBackend(AttentionBackend):
     """Decodes on our own path (recording attention entropy), prefills on the reference kernel."""
 
@@ -227,18 +219,38 @@ print(latency_table(stats))
 
 # %% [markdown]
 # The two timelines, one above the other (a red `x` is a preemption: the cache holds 16
-# blocks of 4 tokens, not enough for two long sentences at once). Under `fcfs` request 0's
-# long prompt fills most of the cache; request 1, next in line, does not fit beside it,
-# and `fcfs` lets nobody pass it, so the short sums queue behind both: **head-of-line
-# blocking**. Under `spf` the short sums go first and the long sentences wait.
+# blocks of 4 tokens, not enough for two long sentences at once; a green number counts
+# the tokens a request found in the prefix cache when it was admitted).
+#
+# Under `fcfs` request 0's long prompt runs first. Request 1, the other long sentence,
+# starts beside it in step 2, but as both grow the cache runs out, and in step 4 the
+# scheduler preempts request 1, the newest. Request 1 then waits at the head of the
+# queue, too big to fit beside request 0, and `fcfs` lets nobody pass it: the short sums
+# queue behind both until request 0 finishes. That is **head-of-line blocking**. Under
+# `spf` the short sums go first and the long sentences wait.
 
 # %%
-fig = Figure(figsize=(12, 8), layout="constrained")
-axes = fig.subplots(2, 1, sharex=True)
+policy_figure = Figure(figsize=(12, 8), layout="constrained")
+axes = policy_figure.subplots(2, 1, sharex=True)
 for ax, (policy, llm) in zip(axes, policy_runs.items()):
     viz.draw_timeline(llm.traces, ax=ax, title=f"scheduling_policy={policy!r}")
 axes[0].set_xlim(-0.6, max(llm.traces[-1].step for llm in policy_runs.values()) + 0.6)  # the longer run
-fig
+policy_figure
+
+# %% [markdown]
+# A preempted request does not always start from scratch: its full blocks stay in the
+# prefix cache until someone needs the space (notebooks 02 and 04), so when it comes back
+# it takes back what is left and computes only the rest. Its chunks after a preemption
+# therefore add up to less than its length. Under `fcfs`, request 1 (36 tokens) comes back
+# in step 10 with 12 of them cached and runs chunks of 16 and 8; a request preempted while
+# decoding may find all but its newest token cached and decode at once.
+
+# %%
+for policy, llm in policy_runs.items():
+    for a in viz.admissions(llm.traces, block_size=engine_config["block_size"]):
+        if a.resumed:
+            print(f"{policy:>4}: {a.describe()}")
+
 
 # %% [markdown]
 # Who gained and who paid, request by request:
@@ -308,7 +320,22 @@ handle.unpatch()
 # Under `fcfs` Alice and Bob wait for the whole burst; under `round-robin` they are
 # admitted as soon as a row frees up, and `bulk` pays for it: its later requests start
 # about 8 steps later.
-#
+
+# %% [markdown]
+# > **In vLLM / FastDeploy** the same two extension points exist.
+# >
+# > - Attention: a vLLM backend is an `AttentionBackend` class naming its implementation
+# >   (an `AttentionImpl`) and its `AttentionMetadataBuilder`; the builder's
+# >   `reorder_batch_threshold` asks for decode-first rows, as `requires_reorder` and
+# >   `reorder_threshold` do here, and `split_decodes_and_prefills` hands it the two
+# >   ranges. FastDeploy's backends (`AppendAttentionBackend` and others) subclass its own
+# >   `AttentionBackend` and read the step's `ForwardMeta`.
+# > - Scheduling: vLLM's scheduler takes `--scheduling-policy fcfs` or `priority` (with a
+# >   `priority` per request); another policy means changing the scheduler itself.
+# >   FastDeploy's `ResourceManagerV1` decides admission and preemption order in its own
+# >   code.
+
+# %% [markdown]
 # ## Try next
 #
 # - Set `reorder_threshold = 4` on `SplitBackend` so short chunks count as decodes too, and

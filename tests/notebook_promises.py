@@ -164,3 +164,27 @@ assert all(len(t.rows) == 4 for t in continuous_llm.traces if t.step <= last_adm
 # "continuous batching needs about a third fewer steps"
 assert 0.25 <= 1 - continuous.num_steps / static.num_steps <= 0.4, (static.num_steps, continuous.num_steps)
 '''
+
+PROMISES["06_prototyping"] = '''
+# "Same tokens"; "both paths run in the same step"
+assert split_tokens == reference_tokens and both > 0
+fcfs_traces = policy_runs["fcfs"].traces
+first = {}
+for t in fcfs_traces:
+    for r in t.rows:
+        first.setdefault(r.request_id, t.step)
+zero_done = next(t.step for t in fcfs_traces if "0" in t.finished)
+# "Request 1 ... starts beside it in step 2 ... in step 4 the scheduler preempts request 1, the newest"
+assert first["1"] == 2 and ("1", 4) in [(r, t.step) for t in fcfs_traces for r in t.preempted]
+# "the short sums queue behind both until request 0 finishes"
+assert all(first[r] > zero_done for r in ("2", "3", "4"))
+# "request 1 (36 tokens) comes back in step 10 with 12 of them cached and runs chunks of 16 and 8"
+back = next(a for a in viz.admissions(fcfs_traces, block_size=4) if a.resumed and a.request_id == "1")
+assert (back.step, back.num_cached_tokens, back.chunks) == (10, 12, [16, 8]) and prompt_lens["1"] == 36
+# "a request preempted while decoding may find all but its newest token cached and decode at once"
+assert any(a.resumed and a.rebuilt and not a.chunks for a in viz.admissions(fcfs_traces, block_size=4))
+# "the long sentences (requests 0 and 7 above) wait longer than under fcfs"
+ttft = {p: {r.request_id: r.ttft_steps for r in s.requests} for p, s in stats.items()}
+assert all(ttft["spf"][r] > ttft["fcfs"][r] for r in ("0", "7"))
+assert ttft["spf"]["2"] < ttft["fcfs"]["2"]
+'''

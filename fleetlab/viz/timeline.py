@@ -83,6 +83,22 @@ class Admission:
     chunks: list[int] = field(default_factory=list)
     rebuilt: bool = False
 
+    def describe(self) -> str:
+        """One sentence: when it came, what it found cached, and how it rebuilt the rest."""
+        came = "came back" if self.resumed else "was admitted"
+        text = f"req {self.request_id} {came} in step {self.step} with {self.num_cached_tokens} tokens in the cache"
+        if self.cached_block_ids:
+            text += f" (blocks {self.cached_block_ids})"
+        done = sum(self.chunks)
+        if self.chunks and self.rebuilt:
+            return f"{text}, then ran prefill chunks {self.chunks}: {self.num_cached_tokens} + {done} = " \
+                   f"{self.num_cached_tokens + done}"
+        if self.chunks:
+            return text + f", ran prefill chunks {self.chunks} and was preempted again"
+        if self.rebuilt:
+            return text + " and decoded at once: only its newest token was left to compute"
+        return text + " and was preempted again"
+
 
 def admissions(traces: Sequence, block_size: int | None = None) -> list[Admission]:
     """Every admission and re-admission in ``traces``, in step order (see :class:`Admission`).
