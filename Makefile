@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 export OMP_NUM_THREADS ?= 2
 
-.PHONY: test test-kernels lab demo bench lint clean venv
+.PHONY: test test-kernels lab demo bench lint notebooks clean venv
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -44,7 +44,12 @@ bench: $(VENV)/.stamp-dev
 	OMP_NUM_THREADS=1 $(PY) -m fleetlab bench
 
 lint: $(VENV)/.stamp-dev
-	$(VENV)/bin/ruff check fleetlab tests
+	$(VENV)/bin/ruff check fleetlab tests tools notebooks
+	$(PY) tools/notebooks.py check
+
+# After editing a notebook (in JupyterLab or as its .py): bring each .ipynb/.py pair in step, strip outputs.
+notebooks: $(VENV)/.stamp-dev
+	$(PY) tools/notebooks.py sync
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -8,14 +8,18 @@ Four composable pieces, each driven by a notebook:
 4. a decode loop (:class:`Scheduler`, :class:`LLM`).
 
 Names are imported lazily so that ``import fleetlab`` stays cheap and the
-pieces that need Paddle only load it when used.
+pieces that need Paddle only load it when used. Importing fleetlab first also keeps
+Paddle's and PaddleFormers' import-time notices out of sight (:mod:`fleetlab.quiet`).
 """
 
 from __future__ import annotations
 
 import importlib
 
+from fleetlab import quiet as _quiet
+
 __version__ = "0.1.0"
+_quiet.install()
 
 _LAZY = {
     "LLM": "fleetlab.engine.llm",

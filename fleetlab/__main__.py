@@ -28,13 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fleetlab", description=__doc__)
     parser.add_argument("command", choices=sorted(COMMANDS),
                         help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("-v", "--verbose", action="store_true", help="show fleetlab's own INFO log messages")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0
     command = parser.parse_args(argv[:1]).command
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if verbose:
+        from fleetlab.quiet import verbose as show_fleetlab_info
+
+        show_fleetlab_info()
     from fleetlab.cpu_tuning import tune_malloc
 
     tune_malloc()  # a program, not a library: keep Paddle's freed CPU buffers (see cpu_tuning)

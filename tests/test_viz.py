@@ -438,3 +438,155 @@ def test_decode_bandwidth_lines_per_batch_and_implementation():
     assert set(lines) == {"bandwidth:16:triton", "bandwidth:16:sdpa"}
     assert list(lines["bandwidth:16:triton"].get_ydata()) == pytest.approx([16 * 512 / 1e4, 16 * 2048 / 1e4])
     assert viz.draw_decode_bandwidth({"decode_bandwidth": []}) is None
+
+
+# ----------------------------------------------------------------- the pictures issue #18 asked for
+def test_block_mapping_draws_one_arrow_per_table_entry_and_hatches_shared_blocks(shared_pool):
+    pool, tables, freed = shared_pool
+    fig = viz.draw_block_mapping(tables, pool, num_tokens={"a": 12, "b": 10}, block_size=4)
+    ax = fig.axes[0]
+    arrows = by_gid(ax.patches, "map:")
+    assert set(arrows) == {f"map:{r}:{j}" for r, blocks in tables.items() for j in range(len(blocks))}
+    physical = by_gid(ax.patches, "physical:")
+    assert len(physical) == pool.num_blocks
+    shared = set(tables["a"]) & set(tables["b"])
+    assert {int(g.split(":")[1]) for g, p in physical.items() if p.get_hatch() == "xx"} == shared
+    assert {face(physical[f"physical:{b}"]) for b in freed} == {CACHED_FREE_COLOR}
+    assert "block 3  slots 12-15" in [t.get_text() for t in ax.texts]
+    with pytest.raises(ValueError, match="outside the pool"):
+        viz.draw_block_mapping({"a": [99]}, 8)
+
+
+def test_pool_frame_captures_the_running_requests_and_revived_blocks_are_outlined(fleet_model):
+    llm = LLM(fleet_model, block_size=4, num_blocks=16, max_num_batched_tokens=32, max_num_seqs=4,
+              max_model_len=40, record_traces=True)
+    try:
+        llm.add_request(prompt_token_ids=list(range(3, 15)), sampling_params=SamplingParams(max_tokens=6,
+                                                                                            ignore_eos=True))
+        llm.step()
+        llm.add_request(prompt_token_ids=list(range(3, 15)) + [40], sampling_params=SamplingParams(max_tokens=6,
+                                                                                                   ignore_eos=True))
+        llm.step()
+        frame = viz.pool_frame(llm)
+    finally:
+        llm.handle.unpatch()
+    assert frame.step == llm.traces[-1].step and frame.block_size == 4 and set(frame.block_tables) == {"0", "1"}
+    hit = viz.admissions(llm.traces, block_size=4)[-1]
+    assert hit.request_id == "1" and hit.num_cached_tokens == 12
+    assert hit.cached_block_ids == frame.block_tables["0"][:3] == frame.block_tables["1"][:3]
+    fig = viz.draw_engine_step(llm.traces, frame.step, pool_frames=[frame])
+    outlined = {g for ax in fig.axes for g in by_gid(ax.patches, "revived:")}
+    assert outlined == {f"revived:{b}" for b in hit.cached_block_ids}
+    assert "took blocks" in fig.axes[-1].get_title()
+    texts = [t for t in fig.axes[0].texts if t.get_gid() == f"cached:1:{frame.step}"]
+    assert [t.get_text() for t in texts] == ["12"]
+
+
+def test_admissions_follow_a_preempted_request_back(engine_traces):
+    traces, stats = engine_traces
+    back = [a for a in viz.admissions(traces) if a.resumed]
+    assert len(back) >= 1 and all(a.request_id in {r for t in traces for r in t.preempted} for a in back)
+    for a in back:
+        assert a.num_cached_tokens >= 0
+        assert a.describe().startswith(f"req {a.request_id} came back in step {a.step}")
+
+
+def test_token_split_matches_attention_metadata_before_and_after_reorder():
+    from fleetlab import AttentionMetadata
+
+    batch = make_batch()
+    batch.condense()
+    rows = batch.snapshot()
+    batch.reorder_split_prefill_and_decode()
+    for records in (rows, batch.snapshot()):
+        split = viz.token_split(records)
+        md = AttentionMetadata.build([r.num_scheduled_tokens for r in records],
+                                     [r.num_computed_tokens for r in records],
+                                     [list(range(16))] * len(records), 4)  # any allocated blocks will do
+        assert (split.num_decodes, split.num_decode_tokens, split.num_tokens) == (
+            md.num_decodes, md.num_decode_tokens, md.num_tokens)
+    assert not viz.token_split(batch.snapshot()).stranded
+    fig = viz.draw_token_axis(rows, batch.snapshot())
+    hatched = {g.split(":")[2] for g, p in by_gid(fig.axes[0].patches, "token:before:").items() if p.get_hatch()}
+    assert hatched == set(viz.token_split(rows).stranded) and hatched
+
+
+def test_reorder_arrows_start_and_end_clear_of_the_row_labels():
+    frames = viz.reorder_frames(make_batch())
+    fig = viz.draw_reorder(frames[1].records, frames[-1].records)
+    right = fig.axes[1]
+    assert right.yaxis.get_ticks_position() == "right"  # labels stand on the far side of the arrows
+
+
+def test_row_usage_counts_idle_rows_and_keeps_a_request_in_its_row(traces):
+    lanes = viz.row_lanes(traces, 3)
+    assert lanes[0] == {0: "a", 1: "b"} and lanes[1] == {0: "a", 1: "b", 2: "c"} and lanes[2] == {0: "a"}
+    assert viz.idle_row_steps(traces, 3) == 1 + 0 + 2
+    fig = viz.draw_row_usage(traces, 3)
+    assert len(by_gid(fig.axes[0].patches, "idle:")) == 3 and len(by_gid(fig.axes[0].patches, "busy:")) == 6
+    both = viz.draw_batching_comparison({"x": traces, "y": traces[:2]}, 3)
+    assert len(both.axes) == 2 and both.axes[0].get_xlim() == both.axes[1].get_xlim()
+
+
+def test_kv_occupancy_fits_the_peak_and_names_each_request(traces):
+    ax = viz.draw_kv_occupancy(traces).axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"req a", "req b", "req c"} <= set(labels)
+    roomy = [trace(t.step, [(r.request_id, r.phase, r.num_scheduled_tokens, r.block_ids) for r in t.rows])
+             for t in traces]
+    for t in roomy:
+        t.num_blocks, t.num_free_blocks = 100, 96
+    ax = viz.draw_kv_occupancy(roomy).axes[0]
+    assert ax.get_ylim()[1] < 20 and "pool: 100 blocks" in ax.get_title()
+    assert all(float(x).is_integer() for x in ax.get_xticks())
+
+
+def test_live_figure_draws_the_error_instead_of_a_stale_picture():
+    def draw(n):
+        if n == 3:
+            raise RuntimeError("no room for 3")
+        fig = Figure()
+        fig.add_subplot().set_title(f"n={n}")
+        return fig
+
+    live = viz.LiveFigure(draw, viz.int_sliders(n=(1, 5, 1, 1)))
+    live.controls["n"].value = 3
+    assert isinstance(live.error, RuntimeError)
+    message = live.figure.axes[0].texts[0].get_text()
+    assert "no room for 3" in message and "n=3" in message
+    live.controls["n"].value = 4
+    assert live.error is None and live.figure.axes[0].get_title() == "n=4"
+
+
+def test_results_are_found_from_the_package_and_models_named_as_in_readme(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    import fleetlab
+
+    repo = Path(fleetlab.__file__).resolve().parents[1]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FLEETLAB_RESULTS", raising=False)
+    assert viz.results_dir() == repo / "benchmarks" / "results"
+    assert "bench" in viz.load_results()
+    monkeypatch.setenv("FLEETLAB_RESULTS", str(tmp_path))
+    assert viz.load_results() == {}
+    assert viz.model_label({"size": "small", "num_params": 1049728}, "0") == "Llama 1.0M params"
+    bench = json.loads((repo / "benchmarks" / "results" / "bench.json").read_text())
+    fig = viz.draw_bench_summary(bench)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["Llama 1.0M params", "Llama 3.4M params"]
+    assert by_gid(fig.axes[2].patches, "prefix_caching:")["prefix_caching:on"].get_height() == pytest.approx(
+        bench["prefix_caching"]["on"]["tokens_per_s"])
+
+
+def test_bandwidth_legend_names_implementations_in_words_and_explains_reference_lines():
+    rows = [{"batch": b, "context": c, "triton_tbps": 4.4, "gather_sdpa_tbps": 1.3} for b in (1, 16, 64, 256)
+            for c in (512, 2048)]
+    fig = viz.draw_decode_bandwidth({"decode_bandwidth": rows, "ceilings": {"read_sum_tbps": 4.2},
+                                     "environment": {"device": "NVIDIA H200"}})
+    assert sum(ax.get_visible() for ax in fig.axes) == 4 and len(fig.axes) == 6  # two rows of three
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    from fleetlab.viz.results import IMPLEMENTATION_NAMES
+
+    assert IMPLEMENTATION_NAMES["triton"] in labels
+    assert any("spec-sheet peak, 4.8 TB/s" in t for t in labels)
+    assert any("not a limit" in t for t in labels)

@@ -264,6 +264,11 @@ class LLM:
             sps = [sampling_params] * len(items)
         return [(p, ids, sp) for (p, ids), sp in zip(items, sps)]
 
+    def batch_snapshot(self) -> list:
+        """The model runner's persistent batch, one ``RowRecord`` per row, as the last step left
+        it (rows of requests that finished in it leave at the next step)."""
+        return self.runner.batch.snapshot(self.runner.decode_threshold)
+
     def block_tables(self) -> dict[str, list[int]]:
         """``{request id: block ids}`` of every running request (for drawing the pool)."""
         return {r.request_id: self.scheduler.kv.get_block_ids(r.request_id) for r in self.scheduler.running}

@@ -11,6 +11,7 @@ import zlib
 
 from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 # Twelve saturated request colours, distinct on white; the phase colours below are pastel
 # so the two never clash.
@@ -24,6 +25,7 @@ CACHED_FREE_COLOR = "#d9d9d9"
 UNKNOWN_OWNER_COLOR = "#7f7f7f"
 EDGE_COLOR = "#555555"
 ALERT_COLOR = "#c0392b"
+REVIVED_COLOR = "#1a9850"  # a block taken back from the prefix cache
 
 
 def request_color(request_id) -> str:
@@ -76,3 +78,8 @@ def labelled_bars(ax, names, values, gid: str, fmt: str) -> None:
         ax.bar(x, value, color=PALETTE[x % len(PALETTE)])[0].set_gid(f"{gid}:{name}")
         ax.text(x, value, fmt.format(value), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(names)), names, fontsize=8)
+
+
+def integer_steps(ax, axis: str = "x") -> None:
+    """Tick only whole numbers on ``axis`` (engine steps, rows and blocks come in units)."""
+    (ax.xaxis if axis == "x" else ax.yaxis).set_major_locator(MaxNLocator(integer=True))

@@ -11,6 +11,12 @@ request id, phase, token counts, block table). A row's box is coloured by its ph
 - :func:`reorder_frames` + :func:`draw_reorder_frame`: condense and the two-pointer reorder
   one swap at a time, for a slider (see :func:`fleetlab.viz.widgets.player`).
 - :func:`draw_gather_map`: the rows stay put; the step reads them through an index map.
+- :func:`token_split` / :func:`draw_token_axis`: the step's packed token axis, and which
+  part of it a decode kernel and a prefill kernel would each take, before and after the
+  reorder: the reason the reorder exists.
+
+In two-panel drawings the right panel's row labels stand on its right, so the arrows
+between the panels never cross a label.
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from matplotlib.figure import Figure
-from matplotlib.patches import ConnectionPatch, Rectangle
+from matplotlib.patches import ConnectionPatch, Patch, Rectangle
 
-from fleetlab.viz._style import ALERT_COLOR, EDGE_COLOR, phase_color, request_color
+from fleetlab.viz._style import ALERT_COLOR, EDGE_COLOR, integer_steps, phase_color, request_color
 
 _ROW_WIDTH = 10.0
 
@@ -34,8 +40,10 @@ def _row_text(rec) -> str:
             f"({rec.num_computed_tokens}/{rec.num_tokens} in KV cache)")
 
 
-def _draw_rows(ax, records, *, labels=None, highlight=(), num_decodes=None, gid_prefix="row") -> None:
-    """Draw ``records`` top to bottom into ``ax``; ``labels`` replace the ``row i`` tick labels."""
+def _draw_rows(ax, records, *, labels=None, highlight=(), num_decodes=None, gid_prefix="row",
+               labels_right: bool = False) -> None:
+    """Draw ``records`` top to bottom into ``ax``; ``labels`` replace the ``row i`` tick labels
+    (drawn on the right with ``labels_right``)."""
     highlight = set(highlight)
     for y, rec in enumerate(records):
         moved = y in highlight
@@ -53,12 +61,17 @@ def _draw_rows(ax, records, *, labels=None, highlight=(), num_decodes=None, gid_
     ax.set_xticks([])
     ax.set_xlim(0, _ROW_WIDTH)
     ax.set_ylim(-max(len(records), 1) + 0.9, 0.9)
-    for side in ("top", "right", "bottom"):
+    if labels_right:
+        ax.yaxis.tick_right()
+    for side in ("top", "bottom", "left" if labels_right else "right"):
         ax.spines[side].set_visible(False)
 
 
 def _rows_figure(num_rows: int, ncols: int = 1) -> Figure:
-    return Figure(figsize=(5.2 * ncols, 0.42 * max(num_rows, 1) + 0.9), layout="constrained")
+    fig = Figure(figsize=(5.6 * ncols, 0.42 * max(num_rows, 1) + 0.9), layout="constrained")
+    if ncols > 1:
+        fig.get_layout_engine().set(wspace=0.12)  # room for the arrows between the panels
+    return fig
 
 
 def draw_batch(records: Sequence, *, ax=None, title: str | None = None, highlight: Sequence[int] = (),
@@ -100,7 +113,7 @@ def draw_reorder(before: Sequence, after: Sequence, *, titles=("before", "after"
     row_before = {r.req_id: y for y, r in enumerate(before) if r.phase != "empty"}
     moved = [y for y, r in enumerate(after) if r.phase != "empty" and row_before.get(r.req_id, y) != y]
     _draw_rows(ax_left, before)
-    _draw_rows(ax_right, after, highlight=moved, num_decodes=num_decodes)
+    _draw_rows(ax_right, after, highlight=moved, num_decodes=num_decodes, labels_right=True)
     ax_left.set_title(titles[0], fontsize=9)
     ax_right.set_title(f"{titles[1]}: {len(moved)} rows moved", fontsize=9)
     for y in moved:
@@ -163,7 +176,7 @@ def draw_reorder_frame(frames: Sequence[ReorderFrame], index: int):
     fig = _rows_figure(max(len(frames[0].records), len(frame.records)), ncols=2)
     ax_left, ax_right = fig.subplots(1, 2)
     _draw_rows(ax_left, frames[0].records)
-    _draw_rows(ax_right, frame.records, highlight=frame.moved, num_decodes=frame.num_decodes)
+    _draw_rows(ax_right, frame.records, highlight=frame.moved, num_decodes=frame.num_decodes, labels_right=True)
     ax_left.set_title("as the step began", fontsize=9)
     ax_right.set_title(f"frame {index}: {frame.label}", fontsize=9)
     return fig
@@ -185,10 +198,117 @@ def draw_gather_map(records: Sequence, order: Sequence[int], num_decodes: int):
     ax_left, ax_right = fig.subplots(1, 2)
     _draw_rows(ax_left, records)
     _draw_rows(ax_right, gathered, labels=[f"slot {k} <- row {i}" for k, i in enumerate(order)],
-               num_decodes=num_decodes, gid_prefix="slot")
+               num_decodes=num_decodes, gid_prefix="slot", labels_right=True)
     ax_left.set_title("batch rows (never move)", fontsize=9)
     ax_right.set_title(f"step view: gather index map {order}", fontsize=9)
     for k, i in enumerate(order):
         if k != i:
             _connect(fig, ax_left, ax_right, i, k, f"gather:{k}", request_color(records[i].req_id))
+    return fig
+
+
+# ---------------------------------------------------------------- the packed token axis
+@dataclass(slots=True)
+class TokenSplit:
+    """One step's packed token axis, row after row, and how two attention kernels split it.
+
+    segments: ``(request id, phase, first token, num tokens)`` per row, in row order.
+    num_decodes / num_decode_tokens: the leading run of decode rows and their tokens, which
+      is all a decode kernel can take (``AttentionMetadata.num_decodes`` counts the same run);
+      every token after it goes to the prefill kernel.
+    stranded: request ids of decode rows that fall after that run, so into the prefill
+      kernel's range (none once the batch is reordered decode-first).
+    """
+
+    segments: list[tuple[object, str, int, int]]
+    num_decodes: int
+    num_decode_tokens: int
+    stranded: list
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for *_, n in self.segments)
+
+
+def token_split(records: Sequence, decode_threshold: int = 1) -> TokenSplit:
+    """The :class:`TokenSplit` of rows ``records`` (``InputBatch.snapshot()`` rows, or anything
+    with ``req_id``/``request_id`` and ``num_scheduled_tokens``); empty rows are skipped.
+
+    A row is a decode when it runs ``1..decode_threshold`` tokens, as the metadata counts it.
+    """
+    segments, start = [], 0
+    for rec in records:
+        n = int(rec.num_scheduled_tokens)
+        if getattr(rec, "phase", None) == "empty" or n == 0:
+            continue
+        req_id = getattr(rec, "req_id", None)
+        req_id = rec.request_id if req_id is None else req_id
+        phase = "decode" if n <= decode_threshold else "prefill"
+        segments.append((req_id, phase, start, n))
+        start += n
+    num_decodes = next((i for i, seg in enumerate(segments) if seg[1] != "decode"), len(segments))
+    num_decode_tokens = sum(n for *_, n in segments[:num_decodes])
+    stranded = [seg[0] for seg in segments[num_decodes:] if seg[1] == "decode"]
+    return TokenSplit(segments, num_decodes, num_decode_tokens, stranded)
+
+
+def _draw_token_strip(ax, split: TokenSplit, y: float, label: str) -> None:
+    """One packed step at height ``y``: a box per row (width = its tokens), the kernels' ranges below."""
+    stranded = set(split.stranded)
+    for req_id, phase, start, n in split.segments:
+        lost = phase == "decode" and req_id in stranded
+        ax.add_patch(Rectangle((start, y), n, 0.8, facecolor=phase_color(phase), edgecolor=request_color(req_id),
+                               linewidth=1.6, hatch="xx" if lost else None, gid=f"token:{label}:{req_id}"))
+        ax.text(start + n / 2, y + 0.4, str(req_id), ha="center", va="center", fontsize=8)
+    total = split.num_tokens
+    ranges = [("decode kernel", 0, split.num_decode_tokens, "#2b6cb0"),
+              ("prefill kernel", split.num_decode_tokens, total, "#c05621")]
+    for name, lo, hi, color in ranges:
+        if hi <= lo:
+            if name == "decode kernel":
+                ax.text(lo, y - 0.55, "decode kernel: nothing (no one-token row leads)", ha="left", va="top",
+                        fontsize=8, color=color, gid=f"range:{label}:decode")
+            continue
+        ax.annotate("", xy=(lo, y - 0.25), xytext=(hi, y - 0.25),
+                    arrowprops={"arrowstyle": "|-|", "color": color, "linewidth": 1.5, "shrinkA": 0, "shrinkB": 0})
+        span = f"token {lo}" if hi - lo == 1 else f"tokens {lo}-{hi - 1}"
+        narrow = (hi - lo) < 0.3 * max(total, 1)
+        ax.text(lo if narrow else (lo + hi) / 2, y - 0.55, f"{name}: {span}", ha="left" if narrow else "center",
+                va="top", fontsize=8, color=color, gid=f"range:{label}:{name.split()[0]}")
+
+
+def draw_token_axis(before: Sequence, after: Sequence, *, decode_threshold: int = 1,
+                    titles=("before the reorder", "after the decode-first reorder")):
+    """The step's packed tokens before and after the reorder, and what each kernel gets.
+
+    Each row of the batch is one box on the token axis, as wide as the tokens it runs this
+    step (blue decode, orange prefill, outlined in the request's colour). Under each strip,
+    the ranges a two-kernel backend hands out: ``[0, num_decode_tokens)`` to the decode
+    kernel, the rest to the prefill kernel. Before the reorder, decode rows that come after
+    a prefill row are hatched: they land in the prefill kernel's range. ``before`` and
+    ``after``: rows (see :func:`token_split`). Boxes have gid ``"token:<before|after>:<req>"``.
+    Returns the Figure.
+    """
+    splits = {"before": token_split(before, decode_threshold), "after": token_split(after, decode_threshold)}
+    total = max(s.num_tokens for s in splits.values())
+    fig = Figure(figsize=(min(14.0, max(8.0, 0.3 * total + 2.0)), 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    for (label, split), y, title in zip(splits.items(), (2.2, 0.0), titles):
+        _draw_token_strip(ax, split, y, label)
+        count = len(split.stranded)
+        note = (f"{count} decode row{'s' if count > 1 else ''} stranded in the prefill range" if count
+                else "every decode in the decode range")
+        ax.text(0, y + 0.95, f"{title}: {note}", fontsize=9, va="bottom")
+    ax.set_xlim(-0.5, total + 0.5)
+    ax.set_ylim(-1.2, 3.6)
+    ax.set_yticks([])
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
+    ax.set_xlabel("packed token index in the step's [1, T] input")
+    integer_steps(ax)
+    ax.legend(handles=[Patch(color=phase_color("decode"), label="decode row (1 token)"),
+                       Patch(color=phase_color("prefill"), label="prefill row (a chunk)"),
+                       Patch(facecolor=phase_color("decode"), hatch="xx", edgecolor=EDGE_COLOR,
+                             label="decode in the prefill range")],
+              fontsize=7, loc="upper right", bbox_to_anchor=(1.0, 1.12), ncols=3, frameon=False)
     return fig

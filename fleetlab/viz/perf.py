@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 from matplotlib.figure import Figure
 
-from fleetlab.viz._style import PALETTE, labelled_bars
+from fleetlab.viz._style import PALETTE, integer_steps, labelled_bars
 
 
 @dataclass(slots=True)
@@ -72,6 +72,7 @@ def draw_run_comparison(runs: Sequence[RunRecord]):
                      gid=f"completed:{run.name}")
     ax_done.set_xlabel("seconds since start")
     ax_done.set_ylabel("requests finished")
+    integer_steps(ax_done, "y")
     ax_done.set_title("completions over time (left is better)", fontsize=9)
     ax_done.legend(fontsize=8, frameon=False)
     return fig

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -27,14 +28,31 @@ logger = logging.getLogger(__name__)
 _NAME_KEYS = ("name", "system", "engine", "label", "benchmark", "config")
 
 
-def load_results(folder="benchmarks/results") -> dict[str, object]:
-    """``{file stem: parsed JSON}`` for each ``*.json`` in ``folder``; empty if there is none.
+RESULTS_ENV = "FLEETLAB_RESULTS"
+
+
+def results_dir() -> Path:
+    """Where benchmark results are read from, whatever the working directory:
+
+    ``$FLEETLAB_RESULTS`` if set; else ``benchmarks/results`` of the source tree fleetlab is
+    imported from (``make`` installs it editable, and ``python -m fleetlab bench`` writes
+    there); else ``benchmarks/results`` under the working directory.
+    """
+    if os.environ.get(RESULTS_ENV):
+        return Path(os.environ[RESULTS_ENV])
+    beside_package = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    return beside_package if beside_package.is_dir() else Path("benchmarks") / "results"
+
+
+def load_results(folder=None) -> dict[str, object]:
+    """``{file stem: parsed JSON}`` for each ``*.json`` in ``folder`` (default
+    :func:`results_dir`); empty if there is none.
 
     A file that is not valid JSON is skipped with a warning (a half-written result should
     not stop a notebook).
     """
     results = {}
-    for path in sorted(Path(folder).glob("*.json")):
+    for path in sorted(Path(results_dir() if folder is None else folder).glob("*.json")):
         try:
             results[path.stem] = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as err:
@@ -114,8 +132,17 @@ def _num(value) -> float | None:
     return float(value) if _is_number(value) else None
 
 
+def model_label(model: Mapping, default: str) -> str:
+    """A benchmark model's name as README gives it: ``"Llama 1.0M params"`` from its
+    ``num_params``, else its ``size`` field, else ``default``."""
+    num_params = _num(model.get("num_params"))
+    if num_params:
+        return f"Llama {num_params / 1e6:.1f}M params"
+    return str(model.get("size", default))
+
+
 def _throughput_data(bench: Mapping) -> dict | None:
-    """``{model size: {system: tokens/s}}`` from ``bench["throughput"]["models"]``."""
+    """``{model label: {system: tokens/s}}`` from ``bench["throughput"]["models"]``."""
     models = (bench.get("throughput") or {}).get("models")
     if not isinstance(models, list):
         return None
@@ -125,7 +152,7 @@ def _throughput_data(bench: Mapping) -> dict | None:
                    for key, name in (("paddleformers", "PaddleFormers generate"), ("fleetlab", "fleetlab LLM"))}
         systems = {k: v for k, v in systems.items() if v is not None}
         if systems:
-            data[str(model.get("size", i))] = systems
+            data[model_label(model, str(i))] = systems
     return data or None
 
 
@@ -137,12 +164,16 @@ def _kv_memory_data(bench: Mapping) -> dict | None:
     return data or None
 
 
-def _prefix_data(bench: Mapping) -> dict | None:
-    """``{"off"/"on": seconds}`` from ``bench["prefix_caching"]``."""
+def _prefix_data(bench: Mapping) -> tuple[str, dict] | None:
+    """``("tokens_per_s" or "seconds", {"off"/"on": value})`` from ``bench["prefix_caching"]``:
+    output tokens per second when both runs have it (as README reports it), else seconds."""
     prefix = bench.get("prefix_caching") or {}
-    data = {key: _num((prefix.get(key) or {}).get("seconds")) for key in ("off", "on")}
-    data = {k: v for k, v in data.items() if v is not None}
-    return data or None
+    for metric in ("tokens_per_s", "seconds"):
+        data = {key: _num((prefix.get(key) or {}).get(metric)) for key in ("off", "on")}
+        data = {k: v for k, v in data.items() if v is not None}
+        if data:
+            return metric, data
+    return None
 
 
 def _breakdown_data(bench: Mapping) -> dict | None:
@@ -158,18 +189,24 @@ def _breakdown_data(bench: Mapping) -> dict | None:
     return data or None
 
 
-def _draw_grouped(ax, data: Mapping[str, Mapping[str, float]], gid: str) -> None:
-    """Bars grouped by outer key, one colour per inner key (gid ``"<gid>:<outer>:<inner>"``)."""
+def _draw_grouped(ax, data: Mapping[str, Mapping[str, float]], gid: str, fmt: str = "{:.0f}") -> None:
+    """Bars grouped by outer key, one colour per inner key (gid ``"<gid>:<outer>:<inner>"``),
+    each with its value on top."""
     inner = list(dict.fromkeys(k for group in data.values() for k in group))
     width = 0.8 / max(len(inner), 1)
+    top = 0.0
     for x, (outer, group) in enumerate(data.items()):
         for j, key in enumerate(inner):
             if key in group:
-                bar = ax.bar(x + (j - (len(inner) - 1) / 2) * width, group[key], width=width,
-                             color=PALETTE[j % len(PALETTE)], label=key if x == 0 else None)[0]
+                xj = x + (j - (len(inner) - 1) / 2) * width
+                bar = ax.bar(xj, group[key], width=width, color=PALETTE[j % len(PALETTE)],
+                             label=key if x == 0 else None)[0]
                 bar.set_gid(f"{gid}:{outer}:{key}")
+                ax.text(xj, group[key], fmt.format(group[key]), ha="center", va="bottom", fontsize=7)
+                top = max(top, group[key])
     ax.set_xticks(range(len(data)), list(data), fontsize=8)
-    ax.legend(fontsize=7, frameon=False)
+    ax.set_ylim(0, top * 1.2 if top > 0 else 1.0)
+    ax.legend(fontsize=7, frameon=False, loc="upper right")
 
 
 def draw_bench_summary(bench: Mapping):
@@ -177,31 +214,52 @@ def draw_bench_summary(bench: Mapping):
 
     - throughput: output tokens/s of fleetlab's ``LLM`` and PaddleFormers' ``generate`` per model size;
     - kv_memory: share of held KV slots that hold a token, paged vs padded vs reserved;
-    - prefix_caching: seconds for a shared-prefix workload with the prefix cache off and on;
+    - prefix_caching: a shared-prefix workload with the prefix cache off and on, in output
+      tokens per second (seconds in older files);
     - step_breakdown: milliseconds per step by part, per batch size (stacked).
-    Bars have gid ``"<section>:..."``. Returns the Figure, or None if no section is recognized.
+    Panels sit two by two; models are named by their parameter count, as in README. Bars
+    have gid ``"<section>:..."``. Returns the Figure, or None if no section is recognized.
     """
     panels = [(name, data) for name, data in (
         ("throughput", _throughput_data(bench)), ("kv_memory", _kv_memory_data(bench)),
         ("prefix_caching", _prefix_data(bench)), ("step_breakdown", _breakdown_data(bench))) if data]
     if not panels:
         return None
-    fig = Figure(figsize=(3.6 * len(panels), 3.2), layout="constrained")
-    axes = np.atleast_1d(fig.subplots(1, len(panels)))
+    ncols = min(2, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig = Figure(figsize=(5.2 * ncols, 3.4 * nrows), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(nrows, ncols)).ravel()
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
     for ax, (name, data) in zip(axes, panels):
         if name == "throughput":
             _draw_grouped(ax, data, "throughput")
-            ax.set_title("output tokens / s (higher is better)", fontsize=9)
-            ax.set_xlabel("model size", fontsize=8)
+            ax.set_ylabel("output tokens / s", fontsize=8)
+            ax.set_title("engine vs static batches of generate (higher is better)", fontsize=9)
         elif name == "step_breakdown":
             _draw_stacked(ax, data, "step_breakdown")
-            ax.set_title("ms per engine step, by part", fontsize=9)
+            ax.set_ylabel("ms per step", fontsize=8)
+            ax.set_title("where an engine step's time goes", fontsize=9)
         elif name == "kv_memory":
             labelled_bars(ax, data, [100 * v for v in data.values()], "kv_memory", "{:.0f}%")
-            ax.set_title("KV slots holding a token (%)", fontsize=9)
+            ax.set_ylim(0, 118)
+            ax.set_ylabel("% of allocated KV slots", fontsize=8)
+            ax.set_title("KV memory that holds a real token (higher is better)", fontsize=9)
         else:
-            labelled_bars(ax, data, data.values(), "prefix_caching", "{:.2f} s")
-            ax.set_title("prefix cache: seconds (lower is better)", fontsize=9)
+            metric, values = data
+            names = {"off": "prefix cache off", "on": "prefix cache on"}
+            shown = {names[k]: v for k, v in values.items()}
+            if metric == "tokens_per_s":
+                labelled_bars(ax, shown, shown.values(), "prefix_caching", "{:.0f}")
+                ax.set_ylabel("output tokens / s", fontsize=8)
+                ax.set_title("shared-prefix workload (higher is better)", fontsize=9)
+            else:
+                labelled_bars(ax, shown, shown.values(), "prefix_caching", "{:.2f} s")
+                ax.set_ylabel("seconds", fontsize=8)
+                ax.set_title("shared-prefix workload (lower is better)", fontsize=9)
+            for bar, key in zip(ax.patches, values):
+                bar.set_gid(f"prefix_caching:{key}")
+            ax.set_ylim(0, max(values.values()) * 1.2)
     return fig
 
 
@@ -215,17 +273,33 @@ def _draw_stacked(ax, data: Mapping[str, Mapping[str, float]], gid: str) -> None
             ax.bar(x, value, bottom=bottom, color=PALETTE[j % len(PALETTE)],
                    label=part if x == 0 else None)[0].set_gid(f"{gid}:{label}:{part}")
             bottom += value
+        ax.text(x, bottom, f"{bottom:.1f}", ha="center", va="bottom", fontsize=7)
     ax.set_xticks(range(len(data)), list(data), fontsize=8)
-    ax.legend(fontsize=6, frameon=False)
+    ax.legend(fontsize=7, frameon=False, loc="upper left")
 
 
-def draw_decode_bandwidth(kernel_results: Mapping):
+# What each implementation of the decode-bandwidth benchmark is, in words (legend labels).
+IMPLEMENTATION_NAMES = {
+    "triton": "paged Triton kernel: reads K/V through the block table",
+    "triton_eager": "the same kernel launched eagerly (no CUDA graph): launch cost shows",
+    "sdpa": "SDPA on contiguous K/V (no paging: the target)",
+    "gather_sdpa": "gather the blocks into a contiguous copy, then SDPA",
+}
+# Peak memory bandwidth on the vendor's spec sheet, by device name (TB/s).
+SPEC_BANDWIDTH_TBPS = {"NVIDIA H200": 4.8}
+
+
+def draw_decode_bandwidth(kernel_results: Mapping, *, ncols: int = 3):
     """Decode-attention bandwidth against context length, from a kernel benchmark's
     ``decode_bandwidth`` list (entries with ``batch``, ``context`` and ``<impl>_tbps``).
 
-    One panel per batch size, one line per implementation (gid ``"bandwidth:<batch>:<impl>"``),
-    and the device's read ceiling (``ceilings.read_sum_tbps``) dashed when given. Returns the
-    Figure, or None when there is no such list.
+    One panel per batch size (``ncols`` to a row), one line per implementation named in
+    words (:data:`IMPLEMENTATION_NAMES`; gid ``"bandwidth:<batch>:<impl>"``). Two reference
+    lines, when known: the device's spec-sheet peak (:data:`SPEC_BANDWIDTH_TBPS`, by
+    ``environment.device``), the true upper bound; and a plain ``torch.sum`` over 2 GiB
+    measured on the same card (``ceilings.read_sum_tbps``), a simple kernel to compare with,
+    not a limit: a well-tuned kernel can read faster than it. Returns the Figure, or None
+    when there is no such list.
     """
     rows = [r for r in kernel_results.get("decode_bandwidth") or [] if isinstance(r, Mapping)
             and _is_number(r.get("batch")) and _is_number(r.get("context"))]
@@ -233,25 +307,40 @@ def draw_decode_bandwidth(kernel_results: Mapping):
         return None
     batches = sorted({int(r["batch"]) for r in rows})
     impls = sorted({k[: -len("_tbps")] for r in rows for k in r if k.endswith("_tbps") and _is_number(r[k])})
-    ceiling = _num((kernel_results.get("ceilings") or {}).get("read_sum_tbps"))
-    fig = Figure(figsize=(3.4 * len(batches), 3.0), layout="constrained")
-    axes = np.atleast_1d(fig.subplots(1, len(batches), sharey=True))
+    measured = _num((kernel_results.get("ceilings") or {}).get("read_sum_tbps"))
+    device = str((kernel_results.get("environment") or {}).get("device", ""))
+    spec = SPEC_BANDWIDTH_TBPS.get(device)
+    ncols = max(1, min(ncols, len(batches)))
+    nrows = -(-len(batches) // ncols)
+    fig = Figure(figsize=(3.8 * ncols, 2.9 * nrows + 1.3), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(nrows, ncols, sharey=True, squeeze=False)).ravel()
     for ax, batch in zip(axes, batches):
         mine = sorted((r for r in rows if int(r["batch"]) == batch), key=lambda r: r["context"])
         for j, impl in enumerate(impls):
             points = [(r["context"], r[f"{impl}_tbps"]) for r in mine if _is_number(r.get(f"{impl}_tbps"))]
             if points:
                 xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o", color=PALETTE[j % len(PALETTE)], label=impl,
-                        gid=f"bandwidth:{batch}:{impl}")
-        if ceiling is not None:
-            ax.axhline(ceiling, color="black", linestyle="--", linewidth=0.8, label="device read ceiling")
+                ax.plot(xs, ys, marker="o", color=PALETTE[j % len(PALETTE)],
+                        label=IMPLEMENTATION_NAMES.get(impl, impl), gid=f"bandwidth:{batch}:{impl}")
+        if spec is not None:
+            ax.axhline(spec, color="black", linestyle="-", linewidth=0.9,
+                       label=f"{device} spec-sheet peak, {spec:g} TB/s (the upper bound)")
+        if measured is not None:
+            ax.axhline(measured, color="black", linestyle="--", linewidth=0.8,
+                       label=f"torch.sum over 2 GiB on the same card, {measured:.2f} TB/s (a reference, not a limit)")
         ax.set_xscale("log", base=2)
         contexts = sorted({int(r["context"]) for r in mine})
         ax.set_xticks(contexts, [f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts], fontsize=7)
         ax.minorticks_off()
         ax.set_xlabel("context length (tokens)", fontsize=8)
         ax.set_title(f"batch {batch}", fontsize=9)
-    axes[0].set_ylabel("KV read bandwidth (TB/s)")
-    axes[-1].legend(fontsize=7, frameon=False)
+        ax.set_ylim(0, max(spec or 0, measured or 0, max(r.get(f"{i}_tbps") or 0 for r in rows for i in impls)) * 1.1)
+    for ax in axes[len(batches):]:
+        ax.set_visible(False)
+    for ax in axes[::ncols]:
+        ax.set_ylabel("K/V bytes read per second (TB/s)", fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=7.5, frameon=False)
+    where = f" on {device}" if device else ""
+    fig.suptitle(f"decode attention: how fast each implementation reads the KV cache{where}", fontsize=9)
     return fig

@@ -5,9 +5,14 @@ value of ``llm.step(trace=True)``): one ``StepTrace`` per step with its rows (re
 phase, tokens run, blocks held), preemptions, finished requests and free blocks.
 
 - :func:`draw_timeline`: which request ran prefill or decode in which step.
+- :func:`admissions`: when each request was admitted (or re-admitted after a preemption) and
+  how many of its tokens it found already in the prefix cache.
 - :func:`draw_kv_occupancy`: KV blocks held per request, step by step, against capacity.
 - :func:`draw_step_tokens`: decode and prefill tokens batched per step, against the budget.
-- :func:`draw_engine_step`: the three together, up to one step (for a play control).
+- :func:`draw_engine_step`: those three (and the block pool, given ``pool_frames``) up to one
+  step, for a play control.
+- :func:`draw_row_usage` / :func:`draw_batching_comparison`: the batch's rows step by step,
+  busy or idle (static against continuous batching).
 - :func:`draw_step_timings`: where each step's time went (schedule, forward, sample...).
 
 All take ``upto``: draw steps ``<= upto`` only, on axes sized for the whole run so a
@@ -16,13 +21,24 @@ player's frames do not jump around.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from fleetlab.engine.outputs import STEP_TIMING_PARTS
-from fleetlab.viz._style import ALERT_COLOR, EDGE_COLOR, PALETTE, new_axes, phase_color, request_color
+from fleetlab.viz._style import (
+    ALERT_COLOR,
+    EDGE_COLOR,
+    PALETTE,
+    REVIVED_COLOR,
+    integer_steps,
+    new_axes,
+    phase_color,
+    request_color,
+)
 
 
 def request_order(traces: Sequence) -> list[str]:
@@ -43,6 +59,75 @@ def _visible(traces: Sequence, upto: int | None) -> list:
 def _step_xlim(ax, traces: Sequence) -> None:
     if traces:
         ax.set_xlim(traces[0].step - 0.6, traces[-1].step + 0.6)
+    integer_steps(ax)
+
+
+@dataclass(slots=True)
+class Admission:
+    """A request entering the batch: first at ``step``, or again after a preemption (``resumed``).
+
+    num_cached_tokens: tokens it found already computed in the prefix cache (its first
+    ``num_cached_tokens // block_size`` blocks, ``cached_block_ids``), so it computes only
+    the rest. After a preemption these are its own earlier blocks, if nobody evicted them.
+    chunks: the prefill chunks it then ran, step by step, until it decoded, was preempted
+    again or the traces ended: once ``rebuilt``, ``num_cached_tokens + sum(chunks)`` is the
+    length it had to rebuild (its prompt, plus after a preemption the tokens it had generated).
+    rebuilt: it went on to decode or finished (False: preempted again first, or the traces end).
+    """
+
+    step: int
+    request_id: str
+    num_cached_tokens: int
+    cached_block_ids: list[int]
+    resumed: bool
+    chunks: list[int] = field(default_factory=list)
+    rebuilt: bool = False
+
+    def describe(self) -> str:
+        """One sentence: when it came, what it found cached, and how it rebuilt the rest."""
+        came = "came back" if self.resumed else "was admitted"
+        text = f"req {self.request_id} {came} in step {self.step} with {self.num_cached_tokens} tokens in the cache"
+        if self.cached_block_ids:
+            text += f" (blocks {self.cached_block_ids})"
+        done = sum(self.chunks)
+        if self.chunks and self.rebuilt:
+            return f"{text}, then ran prefill chunks {self.chunks}: {self.num_cached_tokens} + {done} = " \
+                   f"{self.num_cached_tokens + done}"
+        if self.chunks:
+            return text + f", ran prefill chunks {self.chunks} and was preempted again"
+        if self.rebuilt:
+            return text + " and decoded at once: only its newest token was left to compute"
+        return text + " and was preempted again"
+
+
+def admissions(traces: Sequence, block_size: int | None = None) -> list[Admission]:
+    """Every admission and re-admission in ``traces``, in step order (see :class:`Admission`).
+
+    ``block_size``: the pool's block size, to name the cached blocks (``cached_block_ids``
+    stays empty without it)."""
+    out, admitted, preempted, filling = [], set(), set(), {}
+    for trace in traces:
+        for row in trace.rows:
+            if row.request_id not in admitted:
+                admitted.add(row.request_id)
+                cached = row.num_computed_tokens
+                blocks = list(row.block_ids[: cached // block_size]) if block_size else []
+                filling[row.request_id] = Admission(trace.step, row.request_id, cached, blocks,
+                                                    resumed=row.request_id in preempted)
+                out.append(filling[row.request_id])
+            if row.request_id in filling:
+                if row.phase == "prefill":
+                    filling[row.request_id].chunks.append(row.num_scheduled_tokens)
+                else:
+                    filling.pop(row.request_id).rebuilt = True
+        for req_id in trace.finished:  # finished on its last prefill chunk: rebuilt all the same
+            if req_id in filling:
+                filling.pop(req_id).rebuilt = True
+        for req_id in trace.preempted:
+            filling.pop(req_id, None)
+        admitted.difference_update(trace.preempted)
+        preempted.update(trace.preempted)
+    return out
 
 
 def draw_timeline(traces: Sequence, *, upto: int | None = None, ax=None, title: str | None = None):
@@ -50,14 +135,18 @@ def draw_timeline(traces: Sequence, *, upto: int | None = None, ax=None, title: 
 
     Boxes are orange for prefill (labelled with the tokens run, so chunked prefill shows as
     several boxes) and blue for decode. A red ``x`` marks a preemption (the request lost its
-    blocks and waits to be recomputed); a black ``|`` marks the step a request finished.
+    blocks and waits to be recomputed); a black ``|`` marks the step a request finished; a
+    green number left of a box counts the tokens a request found in the prefix cache when it
+    was admitted (after a preemption: its own earlier blocks, so it recomputes only the rest).
     Returns the Figure. Boxes have gid ``"<phase>:<request id>:<step>"``; markers
-    ``"preempted:<id>:<step>"`` and ``"finished:<id>:<step>"``.
+    ``"preempted:<id>:<step>"``, ``"finished:<id>:<step>"`` and ``"cached:<id>:<step>"``.
     """
     req_ids = request_order(traces)
     lane = {req_id: y for y, req_id in enumerate(req_ids)}
-    fig, ax = new_axes(ax, figsize=(max(5.0, 0.28 * len(traces) + 2.0), 0.35 * len(req_ids) + 1.2))
-    for trace in _visible(traces, upto):
+    fig, ax = new_axes(ax, figsize=(max(5.0, 0.28 * len(traces) + 2.5), 0.35 * len(req_ids) + 1.2))
+    visible = _visible(traces, upto)
+    hits = {(a.request_id, a.step): a.num_cached_tokens for a in admissions(visible) if a.num_cached_tokens}
+    for trace in visible:
         for row in trace.rows:
             y = lane[row.request_id]
             ax.add_patch(Rectangle((trace.step - 0.45, y - 0.38), 0.9, 0.76, facecolor=phase_color(row.phase),
@@ -65,6 +154,10 @@ def draw_timeline(traces: Sequence, *, upto: int | None = None, ax=None, title: 
                                    gid=f"{row.phase}:{row.request_id}:{trace.step}"))
             if row.phase == "prefill":
                 ax.text(trace.step, y, str(row.num_scheduled_tokens), ha="center", va="center", fontsize=6)
+            cached = hits.get((row.request_id, trace.step))
+            if cached:
+                ax.text(trace.step - 0.5, y, f"{cached}", ha="right", va="center", fontsize=6.5,
+                        color=REVIVED_COLOR, fontweight="bold", gid=f"cached:{row.request_id}:{trace.step}")
         for req_id in trace.preempted:
             ax.plot([trace.step], [lane[req_id]], marker="x", color=ALERT_COLOR, markersize=9, markeredgewidth=2,
                     linestyle="none", gid=f"preempted:{req_id}:{trace.step}")
@@ -75,9 +168,15 @@ def draw_timeline(traces: Sequence, *, upto: int | None = None, ax=None, title: 
     ax.set_ylim(len(req_ids) - 0.5, -0.5)
     ax.set_yticks(range(len(req_ids)), [f"req {r}" for r in req_ids], fontsize=8)
     ax.set_xlabel("engine step")
-    ax.legend(handles=[Patch(color=phase_color("prefill"), label="prefill"),
-                       Patch(color=phase_color("decode"), label="decode")],
-              fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    legend = [Patch(facecolor=phase_color("prefill"), edgecolor=EDGE_COLOR, label="prefill (n: tokens run)"),
+              Patch(facecolor=phase_color("decode"), edgecolor=EDGE_COLOR, label="decode (1 token)"),
+              Line2D([], [], marker="x", color=ALERT_COLOR, linestyle="none", markeredgewidth=2,
+                     label="preempted"),
+              Line2D([], [], marker="|", color="black", linestyle="none", markersize=10, label="finished")]
+    if hits:
+        legend.append(Line2D([], [], marker="$n$", color=REVIVED_COLOR, linestyle="none",
+                             label="admitted with n tokens\nfrom the prefix cache"))
+    ax.legend(handles=legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_title(title or "who ran what in each step", fontsize=9)
     return fig
 
@@ -94,15 +193,18 @@ def blocks_by_request(trace) -> dict[str, int]:
     return held
 
 
-def draw_kv_occupancy(traces: Sequence, *, upto: int | None = None, ax=None, title: str | None = None):
+def draw_kv_occupancy(traces: Sequence, *, upto: int | None = None, ax=None, title: str | None = None,
+                      max_legend: int = 12):
     """Stacked bars of KV blocks held per request in each step, against the pool's size.
 
     Bars count the blocks of the requests that ran in the step (gid
-    ``"kv:<request id>:<step>"``, height = blocks); the black line is the blocks still in
-    use after the step (finished requests have freed theirs); the red dashed line is the
-    pool's capacity. Returns the Figure.
+    ``"kv:<request id>:<step>"``, height = blocks), in each request's colour (legend: up to
+    ``max_legend`` requests); the black line is the blocks still in use after the step
+    (finished requests have freed theirs). The y axis fits the run's peak: the pool's
+    capacity is a red dashed line when it is near that peak, and named in the title when it
+    is far above (a tall empty axis would squash the bars). Returns the Figure.
     """
-    fig, ax = new_axes(ax, figsize=(5.0, 2.6))
+    fig, ax = new_axes(ax, figsize=(5.5, 2.6))
     visible = _visible(traces, upto)
     for trace in visible:
         bottom = 0
@@ -114,14 +216,28 @@ def draw_kv_occupancy(traces: Sequence, *, upto: int | None = None, ax=None, tit
     if visible:
         ax.step([t.step for t in visible], [t.num_blocks - t.num_free_blocks for t in visible], where="mid",
                 color="black", linewidth=1.2, label="in use after step")
+    capacity_note = ""
     if traces:
-        ax.axhline(traces[0].num_blocks, color=ALERT_COLOR, linestyle="--", linewidth=1, label="pool size")
-        ax.set_ylim(0, traces[0].num_blocks * 1.1)
+        capacity = traces[0].num_blocks
+        peak = max(max(sum(blocks_by_request(t).values()), t.num_blocks - t.num_free_blocks) for t in traces)
+        if capacity <= 1.6 * max(peak, 1):
+            ax.axhline(capacity, color=ALERT_COLOR, linestyle="--", linewidth=1, label=f"pool size ({capacity})")
+            ax.set_ylim(0, capacity * 1.1)
+        else:
+            ax.set_ylim(0, max(peak, 1) * 1.25)
+            capacity_note = f" (pool: {capacity} blocks, far above)"
     _step_xlim(ax, traces)
+    integer_steps(ax, "y")
     ax.set_xlabel("engine step")
     ax.set_ylabel("KV blocks")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    ax.set_title(title or "KV cache occupancy", fontsize=9)
+    handles, _ = ax.get_legend_handles_labels()
+    req_ids = request_order(traces)
+    handles += [Patch(color=request_color(r), label=f"req {r}") for r in req_ids[:max_legend]]
+    if len(req_ids) > max_legend:
+        handles.append(Patch(color="white", label=f"... {len(req_ids) - max_legend} more"))
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False,
+              ncols=2 if len(handles) > 9 else 1)
+    ax.set_title((title or "KV cache occupancy: blocks held per request") + capacity_note, fontsize=9)
     return fig
 
 
@@ -145,6 +261,7 @@ def draw_step_tokens(traces: Sequence, *, budget: int | None = None, upto: int |
     highest = max([t.num_batched_tokens for t in traces] + [budget or 0, 1])
     ax.set_ylim(0, highest * 1.1)
     _step_xlim(ax, traces)
+    integer_steps(ax, "y")
     ax.set_xlabel("engine step")
     ax.set_ylabel("tokens")
     ax.set_title(title or "tokens per step (blue decode, orange prefill)", fontsize=9)
@@ -192,24 +309,143 @@ def describe_step(trace) -> str:
     return text
 
 
-def draw_engine_step(traces: Sequence, step: int, *, budget: int | None = None):
-    """The run up to ``step``: timeline on top, KV occupancy and tokens per step below.
+def describe_pool_change(traces: Sequence, step: int, block_size: int | None = None) -> str:
+    """What happened to the block pool in ``step``, in words: blocks taken from the prefix
+    cache, blocks given back by preemption."""
+    parts = []
+    for a in admissions([t for t in traces if t.step <= step], block_size):
+        if a.step == step and a.num_cached_tokens:
+            kind = "came back" if a.resumed else "was admitted"
+            blocks = f"blocks {a.cached_block_ids} " if a.cached_block_ids else ""
+            parts.append(f"req {a.request_id} {kind} and took {blocks}({a.num_cached_tokens} tokens) "
+                         "from the prefix cache")
+    current = next((t for t in traces if t.step == step), None)
+    if current is not None and current.preempted:
+        parts.append(f"preempted {', '.join(current.preempted)}: blocks freed (full ones stay cached)")
+    return "; ".join(parts)
+
+
+def draw_engine_step(traces: Sequence, step: int, *, budget: int | None = None, pool_frames=None,
+                     ncols: int = 16):
+    """The run up to ``step``: timeline on top, KV occupancy and tokens per step below, and,
+    given ``pool_frames`` (one :class:`fleetlab.viz.PoolFrame` per step, from
+    :func:`fleetlab.viz.pool_frame`), the block pool as it stood after the step.
 
     The current step is shaded in every panel and described in the title
-    (:func:`describe_step`). Returns the Figure.
+    (:func:`describe_step`). In the pool, blocks a request took from the prefix cache in
+    this step are outlined in green. Returns the Figure.
     """
+    from fleetlab.viz.blocks import draw_block_pool
+
     current = [t for t in traces if t.step == step]
     if not current:
         raise ValueError(f"no trace for step {step} (steps {traces[0].step}..{traces[-1].step})" if traces
                          else "no traces to draw")
+    frame = None
+    if pool_frames is not None:
+        frame = next((f for f in pool_frames if f.step == step), None)
+        if frame is None:
+            raise ValueError(f"no pool frame for step {step}")
     num_requests = len(request_order(traces))
-    fig = Figure(figsize=(max(7.0, 0.3 * len(traces) + 3.0), 0.35 * num_requests + 4.2), layout="constrained")
-    grid = fig.add_gridspec(2, 2, height_ratios=[max(2, num_requests) * 0.35 + 0.8, 2.4])
+    pool_rows = -(-len(frame.blocks) // ncols) if frame is not None else 0
+    heights = [max(2, num_requests) * 0.35 + 0.8, 2.4] + ([0.45 * pool_rows + 0.9] if frame is not None else [])
+    fig = Figure(figsize=(max(9.0, 0.3 * len(traces) + 3.5), sum(heights) + 0.8), layout="constrained")
+    grid = fig.add_gridspec(len(heights), 2, height_ratios=heights)
     ax_time, ax_kv, ax_tok = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
     draw_timeline(traces, upto=step, ax=ax_time)
-    draw_kv_occupancy(traces, upto=step, ax=ax_kv)
+    draw_kv_occupancy(traces, upto=step, ax=ax_kv, max_legend=8)
     draw_step_tokens(traces, budget=budget, upto=step, ax=ax_tok)
     for ax in (ax_time, ax_kv, ax_tok):
         ax.axvspan(step - 0.5, step + 0.5, color="#ffe08a", alpha=0.35, zorder=0)
-    fig.suptitle(describe_step(current[0]), fontsize=9)
+    title = describe_step(current[0])
+    if frame is not None:
+        ax_pool = fig.add_subplot(grid[2, :])
+        revived = [b for a in admissions([t for t in traces if t.step <= step], frame.block_size)
+                   if a.step == step for b in a.cached_block_ids]
+        change = describe_pool_change(traces, step, frame.block_size)
+        draw_block_pool(frame, ncols=ncols, ax=ax_pool, revived=revived,
+                        title=f"block pool after step {step}: {sum(i.ref_count > 0 for i in frame.blocks)}/"
+                              f"{len(frame.blocks)} blocks in use" + (f"\n{change}" if change else ""))
+    fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def row_lanes(traces: Sequence, num_rows: int) -> dict[int, dict[int, str]]:
+    """``{step: {row: request id}}``: each running request keeps one of ``num_rows`` rows from
+    the step it is admitted to the step it finishes or is preempted (the lowest free row)."""
+    lanes: dict[str, int] = {}
+    out: dict[int, dict[int, str]] = {}
+    for trace in traces:
+        for row in trace.rows:
+            if row.request_id not in lanes:
+                free = sorted(set(range(num_rows)) - set(lanes.values()))
+                if not free:
+                    raise ValueError(f"step {trace.step}: more than num_rows={num_rows} requests run at once")
+                lanes[row.request_id] = free[0]
+        out[trace.step] = {lanes[r.request_id]: r.request_id for r in trace.rows}
+        for req_id in [*trace.finished, *trace.preempted]:
+            lanes.pop(req_id, None)
+    return out
+
+
+def idle_row_steps(traces: Sequence, num_rows: int) -> int:
+    """Row-steps in which a row of the batch ran nothing: ``num_rows * steps - busy row-steps``."""
+    return sum(num_rows - len(t.rows) for t in traces)
+
+
+def draw_row_usage(traces: Sequence, num_rows: int, *, ax=None, title: str | None = None, xmax: int | None = None):
+    """The batch's ``num_rows`` rows over the steps: a box in the request's colour where a
+    row ran a request (darker edge for prefill), hatched grey where it sat idle.
+
+    A request keeps its row while it runs (:func:`row_lanes`). Boxes have gid
+    ``"busy:<row>:<step>"`` and ``"idle:<row>:<step>"``. ``xmax``: draw the x axis up to this
+    step (to line up runs of different lengths). Returns the Figure.
+    """
+    fig, ax = new_axes(ax, figsize=(max(6.0, 0.12 * len(traces) + 2.5), 0.4 * num_rows + 1.2))
+    lanes = row_lanes(traces, num_rows)
+    phase = {(t.step, r.request_id): r.phase for t in traces for r in t.rows}
+    for trace in traces:
+        for row in range(num_rows):
+            req_id = lanes[trace.step].get(row)
+            x = trace.step - 0.5
+            if req_id is None:
+                ax.add_patch(Rectangle((x, row - 0.4), 1.0, 0.8, facecolor="#f2f2f2", edgecolor="#bbbbbb",
+                                       hatch="////", linewidth=0.0, gid=f"idle:{row}:{trace.step}"))
+            else:
+                prefill = phase[(trace.step, req_id)] == "prefill"
+                ax.add_patch(Rectangle((x, row - 0.4), 1.0, 0.8, facecolor=request_color(req_id),
+                                       alpha=0.95 if prefill else 0.6, edgecolor="white", linewidth=0.3,
+                                       gid=f"busy:{row}:{trace.step}"))
+    last = traces[-1].step if traces else 0
+    ax.set_xlim(-0.6, (xmax if xmax is not None else last) + 0.6)
+    integer_steps(ax)
+    ax.set_ylim(num_rows - 0.5, -0.5)
+    ax.set_yticks(range(num_rows), [f"row {r}" for r in range(num_rows)], fontsize=8)
+    ax.set_xlabel("engine step")
+    idle = idle_row_steps(traces, num_rows)
+    total = num_rows * len(traces)
+    ax.set_title(title or "batch rows", fontsize=9)
+    ax.text(1.0, 1.02, f"{len(traces)} steps; {idle} of {total} row-steps idle ({idle / max(total, 1):.0%})",
+            transform=ax.transAxes, ha="right", va="bottom", fontsize=8)
+    return fig
+
+
+def draw_batching_comparison(runs: Mapping[str, Sequence], num_rows: int):
+    """Several runs' batch rows (:func:`draw_row_usage`), one panel each, one above the other on
+    the same step axis, so the longer run and its idle rows show at a glance. ``runs``:
+    ``{name: traces}``. Returns the Figure."""
+    if not runs:
+        raise ValueError("draw_batching_comparison: no runs to draw")
+    longest = max((t[-1].step for t in runs.values() if t), default=0)
+    fig = Figure(figsize=(max(8.0, 0.1 * longest + 3.0), (0.4 * num_rows + 1.0) * len(runs) + 0.8),
+                 layout="constrained")
+    axes = fig.subplots(len(runs), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (name, traces) in zip(axes, runs.items()):
+        draw_row_usage(traces, num_rows, ax=ax, title=name, xmax=longest)
+    for ax in axes[:-1]:
+        ax.set_xlabel("")
+    axes[0].legend(handles=[Patch(facecolor="#888888", alpha=0.95, label="prefill (request colour)"),
+                            Patch(facecolor="#888888", alpha=0.6, label="decode"),
+                            Patch(facecolor="#f2f2f2", edgecolor="#bbbbbb", hatch="////", label="idle row")],
+                   fontsize=7, loc="lower left", bbox_to_anchor=(0.0, 1.08), ncols=3, frameon=False)
     return fig

@@ -8,6 +8,10 @@ Any drawing function that returns a Figure can be driven:
 
 Each widget keeps its latest figure in ``.figure``, so code (and tests) can move a control
 by setting its ``value`` and inspect what was drawn, with or without a notebook.
+
+A widget never fails silently: when the drawing function raises, the widget shows a figure
+with the error's message in place of the stale picture, and keeps the exception in
+``.error`` (None after a good draw).
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ class LiveFigure(widgets.VBox):
       children: widgets to show above the figure instead of the controls themselves
         (e.g. the controls laid out in an ``HBox``).
     Attributes: ``controls``, ``output`` (the ``ipywidgets.Output`` holding the figure),
-    ``figure`` (the latest Figure) and ``num_draws``.
+    ``figure`` (the latest Figure), ``error`` (the exception the last draw raised, or None)
+    and ``num_draws``.
     """
 
     def __init__(self, draw: Callable[..., object], controls: Mapping[str, widgets.Widget],
@@ -45,6 +50,7 @@ class LiveFigure(widgets.VBox):
         self.controls = dict(controls)
         self.output = widgets.Output()
         self.figure = None
+        self.error = None
         self.num_draws = 0
         shown = list(children) if children is not None else list(self.controls.values())
         super().__init__(children=[*shown, self.output])
@@ -57,8 +63,13 @@ class LiveFigure(widgets.VBox):
         return {name: control.value for name, control in self.controls.items()}
 
     def redraw(self):
-        """Draw with the current values, show the figure, and return it."""
-        self.figure = self.draw(**self.values())
+        """Draw with the current values, show the figure, and return it. If drawing raises,
+        show (and return) a figure that says what went wrong instead."""
+        values = self.values()
+        try:
+            self.figure, self.error = self.draw(**values), None
+        except Exception as error:  # a widget must say what went wrong, not keep a stale picture
+            self.figure, self.error = error_figure(error, values), error
         self.num_draws += 1
         if _in_ipython():  # outside IPython there is nowhere to show it; .figure still holds it
             from IPython.display import display
@@ -70,6 +81,19 @@ class LiveFigure(widgets.VBox):
 
     def _on_change(self, change) -> None:
         self.redraw()
+
+
+def error_figure(error: BaseException, values: Mapping | None = None):
+    """A small Figure that shows ``error`` (type and message) and the control values that led to it."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8.0, 1.6), layout="constrained")
+    ax = fig.add_subplot()
+    ax.axis("off")
+    where = ", ".join(f"{k}={v}" for k, v in (values or {}).items())
+    ax.text(0.0, 0.5, f"could not draw{' with ' + where if where else ''}:\n{type(error).__name__}: {error}",
+            ha="left", va="center", fontsize=10, color="#c0392b", wrap=True, transform=ax.transAxes)
+    return fig
 
 
 def int_sliders(**specs: tuple[int, int, int, int]) -> dict[str, widgets.IntSlider]:

@@ -1,0 +1,191 @@
+# %% [markdown]
+# # 01 · Attention patching
+#
+# **You will learn** how fleetlab runs a model library's *own* model on its paged
+# attention without editing the model's code:
+#
+# - what `fleetlab.patch_model` changes in a PaddleFormers model, and which layer gets which id;
+# - why attention needs a *forward context*, and what it holds;
+# - how to prove the patch changes nothing: logits against the unpatched model (the oracle);
+# - the Fleet/Megatron-style variant: swapping each layer's `core_attention`, and the
+#   1-based `layer_number` trap.
+#
+# We use tiny *random* models here (built in milliseconds): parity does not need a trained
+# model, only the same weights on both sides.
+
+# %%
+# %matplotlib inline
+import numpy as np
+
+import fleetlab
+from fleetlab import viz
+from fleetlab.patching.parity import paged_greedy, reference_greedy
+
+# %% [markdown]
+# ## 1. A PaddleFormers model, before
+#
+# A tiny `LlamaForCausalLM`. PaddleFormers picks each layer's attention function by name
+# (`config._attn_implementation`), and each attention module knows its 0-based `layer_idx`.
+
+# %%
+model = fleetlab.models.tiny("llama", seed=0)
+print(type(model).__name__, "| attention:", model.config._attn_implementation)
+for name, layer in model.named_sublayers():
+    if name.endswith("self_attn"):
+        print(f"  {name:<24} layer_idx={layer.layer_idx}")
+
+# %% [markdown]
+# First the oracle: greedy decoding with the model's own full forward pass, recomputing
+# the whole sequence for every new token. Three prompts of random token ids.
+
+# %%
+rng = np.random.default_rng(0)
+prompts = [[int(t) for t in rng.integers(3, 100, size=n)] for n in (5, 11, 8)]
+ref_tokens, ref_logits = reference_greedy(model, prompts, max_new_tokens=8)
+print("oracle tokens:", ref_tokens)
+
+# %% [markdown]
+# ## 2. Patch it
+#
+# `patch_model` registers fleetlab's attention function with PaddleFormers, points the
+# model at it, turns the library's own KV cache off (fleetlab owns the cache), and tags
+# every attention module with its layer id and backend. It returns a **handle**; the
+# handle's `layer_ids` says which module writes which layer of the paged cache.
+
+# %%
+handle = fleetlab.patch_model(model)
+print(handle)
+print("attention:", model.config._attn_implementation, "| library cache:", model.config.use_cache)
+print(viz.format_patch_table(handle))
+
+# %%
+viz.draw_layer_map(handle)
+
+# %% [markdown]
+# The model's signature has no room for a block table, so patched attention reads the
+# step's metadata and the cache from a **forward context** that the engine opens around
+# each forward pass. Without one, it refuses to guess:
+
+# %%
+import paddle
+
+try:
+    model(input_ids=paddle.to_tensor([prompts[0]]))
+except RuntimeError as err:
+    print("RuntimeError:", str(err)[:160], "...")
+
+# %% [markdown]
+# What the context holds for one step that prefills our three prompts together, packed
+# into one sequence of 24 tokens: each token's position *within its own request*, where
+# its K/V go (`slot_mapping`), and where each request's tokens start (`cu_seqlens_q`).
+# The three requests' blocks are scattered over a cache of 8 blocks, as they are in a
+# pool that has been serving for a while: request 0 holds blocks 7 and 2, request 1
+# blocks 4, 0 and 5, request 2 blocks 6 and 1.
+
+# %%
+block_tables = [[7, 2, -1], [4, 0, 5], [6, 1, -1]]  # -1: no block
+md = fleetlab.AttentionMetadata.build(query_lens=[5, 11, 8], num_computed_tokens=[0, 0, 0],
+                                      block_tables=block_tables, block_size=4)
+print("positions   ", md.positions.numpy())
+print("slot_mapping", md.slot_mapping.numpy())
+print("cu_seqlens_q", md.cu_seqlens_q_host)
+
+# %% [markdown]
+# Read `slot_mapping` with the picture below: token `p` of a request goes to slot
+# `block_table[p // 4] * 4 + p % 4`. Request 0's first four tokens land in block 7
+# (slots 28-31) and its fifth in block 2 (slot 8), so the slots jump wherever the block
+# table jumps; within a block they count up.
+
+# %%
+tables = {req: [b for b in row if b >= 0] for req, row in enumerate(block_tables)}
+viz.draw_block_mapping(tables, 8, num_tokens={0: 5, 1: 11, 2: 8}, block_size=4)
+
+# %% [markdown]
+# ## 3. Parity: oracle against paged
+#
+# `paged_greedy` decodes the same prompts through the patched model: one packed prefill
+# step, then one packed decode step per token, on a fresh paged cache whose block ids are
+# shuffled (so a layout bug cannot hide behind contiguous blocks). Every logit should sit
+# on the diagonal, and the worst difference per step should be float rounding (~1e-6).
+
+# %%
+paged_tokens, paged_logits = paged_greedy(handle, prompts, max_new_tokens=8, block_size=4)
+print(viz.greedy_table(ref_tokens, paged_tokens))
+viz.draw_logits_parity(ref_logits, paged_logits)
+
+# %% [markdown]
+# `unpatch()` puts everything back; the model is exactly what it was.
+
+# %%
+handle.unpatch()
+print("attention:", model.config._attn_implementation)
+again, _ = reference_greedy(model, prompts, max_new_tokens=8)
+print("same oracle tokens after unpatch:", again == ref_tokens)
+
+# %% [markdown]
+# ## 4. Fleet/Megatron-style models: module surgery
+#
+# Megatron-style models (and PaddleFleet) have no attention registry. Instead each decoder
+# layer's attention holds a `core_attention` sub-layer that receives already-rotated q/k/v
+# and only does softmax attention. That is the seam: replace that one sub-layer and
+# everything else (projections, RoPE, norms, MLP) stays the model's own code.
+
+# %%
+fleet = fleetlab.models.tiny("fleet", seed=0)
+print(fleet.decoder.layers[0])
+print("layer_number of each layer:", [layer.layer_number for layer in fleet.decoder.layers])
+
+# %% [markdown]
+# Note `layer_number`: Megatron and Fleet count layers **from 1**. A paged cache is
+# indexed **from 0**. Using `layer_number` directly as the cache index (as a production
+# engine's first version did) shifts every layer by one and sends the last layer past the
+# end. fleetlab uses `layer_number - 1` and checks the ids are exactly `0..L-1`.
+
+# %%
+fleet_ref_tokens, fleet_ref_logits = reference_greedy(fleet, prompts, max_new_tokens=8)
+fleet_handle = fleetlab.patch_model(fleet)
+print(fleet.decoder.layers[0].self_attention)
+print(viz.format_patch_table(fleet_handle))
+
+# %%
+viz.draw_layer_map(fleet_handle)
+
+# %%
+from fleetlab.patching.fleet import check_layer_ids
+
+one_based = {name: layer_id + 1 for name, layer_id in fleet_handle.layer_ids.items()}
+try:
+    check_layer_ids(one_based)
+except ValueError as err:
+    print("ValueError:", err)
+
+# %%
+fleet_tokens, fleet_logits = paged_greedy(fleet_handle, prompts, max_new_tokens=8)
+print(viz.greedy_table(fleet_ref_tokens, fleet_tokens))
+fleet_handle.unpatch()
+viz.draw_logits_parity(fleet_ref_logits, fleet_logits)
+
+# %% [markdown]
+# > **In vLLM / FastDeploy** this is the *third-party model backend*.
+# >
+# > - vLLM's Transformers modeling backend (`TransformersForCausalLM`) registers its own
+# >   function in Hugging Face Transformers' attention interface, as
+# >   `ALL_ATTENTION_FUNCTIONS["vllm"]`, and finds the layer's vLLM `Attention` by the
+# >   module's `layer_idx`. The step's metadata reaches it through `set_forward_context` /
+# >   `get_forward_context` (our `forward_context`); the metadata holds `slot_mapping` and
+# >   `query_start_loc` (our `cu_seqlens_q`).
+# > - FastDeploy's PaddleFormers backend (`PaddleFormersModelBase`) does the same in
+# >   PaddleFormers: it registers `fastdeploy_append_attention_forward` under the name
+# >   `"fastdeploy"`, sets `_attn_implementation = "fastdeploy"`, picks the layer's attention
+# >   by `layer_idx` and reads the step's `ForwardMeta`. Its PaddleFleet variant
+# >   (`PaddleFleetModelBase`) does section 4's surgery: each layer's `DotProductAttention`
+# >   becomes a `FastDeployAttention` that carries its own layer id.
+
+# %% [markdown]
+# ## Try next
+#
+# - Patch another family: `fleetlab.models.tiny("gemma3")` or `"gpt_oss"` mix sliding-window
+#   and full layers (see `handle.sliding_windows`); GPT-OSS adds attention sinks.
+# - Re-run `paged_greedy` with `block_size=1` or `16`: the paged layout changes completely,
+#   the logits must not.
+# - Next notebook: **02_paged_kv_cache**, where those block tables come from.

@@ -1,0 +1,203 @@
+# %% [markdown]
+# # 02 · The paged KV cache
+#
+# **You will learn** how an engine stores keys and values for many requests of unknown
+# length without reserving memory for the longest one:
+#
+# - blocks, block tables, and the slot where each token's K/V live;
+# - prefix sharing: two requests holding the same blocks, counted by reference;
+# - free-but-cached blocks and eviction in least-recently-used order;
+# - how much memory paging wastes compared with padding, with sliders to explore it.
+
+# %%
+# %matplotlib inline
+import random
+
+import numpy as np
+from matplotlib.figure import Figure
+
+import fleetlab
+from fleetlab import viz
+
+# %% [markdown]
+# ## 1. Blocks, block tables, slots
+#
+# The cache is cut into blocks of `block_size` token slots. A `BlockPool` hands out block
+# ids and counts their owners. A request owns a list of block ids, its **block table**:
+# logical block `j` of the request (its tokens `j * block_size` onwards) lives in physical
+# block `block_table[j]`. So token `p` lives in slot
+# `block_table[p // block_size] * block_size + p % block_size`.
+#
+# A pool that has been serving for a while hands out blocks in whatever order they were
+# freed. We imitate that history: take every block once and give them back in a random
+# order. Then request **a**, 13 tokens long, gets its 4 blocks.
+
+# %%
+pool = fleetlab.BlockPool(num_blocks=16, block_size=4)
+history = pool.allocate(16)
+random.Random(0).shuffle(history)
+pool.free(history)  # the free queue is now in a random order
+
+system = list(range(100, 110))  # a 10-token "system prompt" that every request starts with
+a = system + [1, 2, 3]
+a_blocks = pool.allocate(-(-len(a) // 4))  # ceil(13 / 4) = 4 blocks
+positions = np.arange(len(a))
+slots = np.array(a_blocks)[positions // 4] * 4 + positions % 4
+print("a's block table:", a_blocks)
+print("positions:", positions)
+print("slots:    ", slots)
+viz.draw_block_mapping({"a": a_blocks}, pool, num_tokens={"a": len(a)}, block_size=4)
+
+# %% [markdown]
+# Each arrow is one entry of the block table. Consecutive tokens share a block, so the
+# slots count up by one inside a block and jump wherever the table jumps. The shaded part
+# of each logical block is how full it is: only a request's *last* block can be partly
+# empty, and that is all the memory paging wastes.
+#
+# ## 2. Sharing a prefix
+#
+# A request's life in the pool: `lookup` (which of my prompt's full blocks are already
+# cached?), `touch` (take a reference on those), `allocate` the rest, and once the model
+# has written a block full, `cache_blocks` so later requests can find it. The model has
+# now written **a**'s K/V: its 3 full blocks become shareable.
+
+# %%
+pool.cache_blocks(a, a_blocks, num_cached_blocks=0, num_full_blocks=len(a) // 4)
+
+# %% [markdown]
+# Request **b** has the same system prompt. Blocks are matched by a key that chains the
+# block's tokens with *all the tokens before it* (attention looks back, so the same tokens
+# after a different prefix have different K/V). b's first two blocks match; the third
+# holds `108, 109` followed by other tokens, so it does not.
+
+# %%
+b = system + [7, 8, 9, 9, 9]
+hits = pool.lookup(b)
+pool.touch(hits)
+b_blocks = hits + pool.allocate(-(-len(b) // 4) - len(hits))
+print("b reuses", hits, "and holds", b_blocks)
+print(pool.stats())
+shared_mapping = viz.draw_block_mapping({"a": a_blocks, "b": b_blocks}, pool, num_tokens={"a": len(a), "b": len(b)},
+                                        block_size=4)
+shared_mapping
+
+# %% [markdown]
+# Two arrows end in each of the two shared blocks (hatched): a's and b's logical blocks 0
+# and 1 are the same physical memory, computed once. The pool as a grid, one square per
+# block, shows the same thing from the pool's side: the shared blocks are marked `x2`,
+# their reference count.
+
+# %%
+viz.draw_block_pool(pool, {"a": a_blocks, "b": b_blocks})
+
+# %% [markdown]
+# ## 3. Freeing, reviving, evicting
+#
+# When a request finishes its blocks go back to the free queue, but a full block **keeps
+# its cached content** until the pool needs it for something else. The queue is in
+# least-recently-freed order (the number in a grey block is its place: 0 is reused first),
+# and a request's blocks are freed tail first, so the head of a prefix, the part most
+# likely to be shared, survives longest.
+
+# %%
+pool.free(a_blocks)
+pool.free(b_blocks)
+viz.draw_block_pool(pool, title="a and b finished: free, but still cached")
+
+# %% [markdown]
+# Request **c** starts with the same system prompt, after a and b have left. Its lookup
+# still finds the two cached blocks and *revives* them (outlined in green below). Then a
+# big request takes every free block: the other cached blocks are evicted, their content
+# forgotten.
+
+# %%
+c = system + [4, 4]
+hits = pool.lookup(c)
+pool.touch(hits)  # revives them: out of the free queue, reference count 1
+c_blocks = hits + pool.allocate(-(-len(c) // 4) - len(hits))
+print("c found", hits, "still cached after a and b left")
+big = pool.allocate(pool.num_free_blocks)  # someone needs every free block
+print(pool.stats())
+viz.draw_block_pool(pool, {"c": c_blocks, "big": big}, revived=hits,
+                    title="c revived 2 cached blocks (green);\n"
+                          "a big request took every other block: cached ones evicted")
+
+# %% [markdown]
+# ## 4. Memory: paging against padding
+#
+# Without paging, an engine either pads every request of a batch to the longest one or
+# reserves `max_model_len` slots per request up front. Paging rounds each request up to
+# a whole block and no more. For three requests of 23, 41 and 7 tokens:
+
+# %%
+viz.draw_memory_waste([23, 41, 7], block_size=16, max_model_len=128)
+
+# %% [markdown]
+# A slot is not small. It holds one token's K and V in every layer: for the tiny model of
+# notebook 00 (4 layers, 2 KV heads of 32 dims, float32) that is 2 KiB per token; for a
+# 7B-class model in bfloat16 (32 layers, 8 KV heads of 128 dims) it is 128 KiB.
+
+# %%
+for name, (layers, kv_heads, head_dim, dtype) in {
+        "tiny Llama": (4, 2, 32, "float32"), "7B-class": (32, 8, 128, "bfloat16")}.items():
+    per_token = fleetlab.PagedKVCache.bytes_per_block(layers, kv_heads, head_dim, 1, dtype)
+    print(f"{name:>10}: {per_token / 1024:.0f} KiB per token")
+
+
+# %% [markdown]
+# ## 5. Explore
+#
+# Move the sliders: block size and three prompt lengths. The pool gets
+# `ceil(192 / block_size)` blocks: 192 token slots when the block size divides 192, a few
+# more otherwise (the title says how many). Three prompts of at most 64 tokens never hold
+# more than 192 tokens, yet with large blocks they may not fit: each one rounds up to
+# whole blocks. Try block size 25 with three 64-token prompts: they need 9 blocks (225
+# slots) and the pool has 8 (200); the picture says so. Small blocks waste almost nothing
+# but mean longer block tables (more ids to store and look up); large blocks waste more in
+# each request's last block. Real engines settle around 16.
+
+# %%
+def paging_picture(block_size, prompt_a, prompt_b, prompt_c):
+    lengths = {"a": prompt_a, "b": prompt_b, "c": prompt_c}
+    pool = fleetlab.BlockPool(num_blocks=-(-192 // block_size), block_size=block_size)
+    need = {req: -(-n // block_size) for req, n in lengths.items()}
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    ax_pool, ax_waste = fig.subplots(1, 2, width_ratios=[2.2, 1])
+    title = f"pool: {pool.num_blocks} blocks x {block_size} = {pool.num_blocks * block_size} token slots"
+    if pool.can_allocate(sum(need.values())):
+        tables = {req: pool.allocate(n) for req, n in need.items()}
+        viz.draw_block_pool(pool, tables, ncols=16, ax=ax_pool, title=title)
+    else:
+        ax_pool.axis("off")
+        ax_pool.set_title(title, fontsize=9)
+        ax_pool.text(0.5, 0.5, f"does not fit: the prompts need {sum(need.values())} blocks of {block_size}\n"
+                     f"({sum(need.values()) * block_size} slots), the pool has {pool.num_blocks}",
+                     ha="center", va="center", color="#c0392b", fontsize=11, transform=ax_pool.transAxes)
+    viz.draw_memory_waste(list(lengths.values()), block_size, max_model_len=64, ax=ax_waste)
+    return fig
+
+
+explore = viz.LiveFigure(paging_picture, viz.int_sliders(
+    block_size=(1, 32, 1, 8), prompt_a=(1, 64, 1, 23), prompt_b=(1, 64, 1, 41), prompt_c=(1, 64, 1, 7)))
+explore
+
+# %% [markdown]
+# > **In vLLM / FastDeploy** this is the KV cache manager.
+# >
+# > - vLLM v1: `BlockPool` holds `KVCacheBlock`s (each with a reference count and, once full,
+# >   a block hash chained to its parent's) and a free queue, `FreeKVCacheBlockQueue`, in
+# >   LRU order with lazy eviction, as here. `KVCacheManager` is the scheduler's view:
+# >   `get_computed_blocks` (prefix-cache hits), `allocate_slots`, `free`, handing back
+# >   `KVCacheBlocks`. The runner turns block tables into a per-token `slot_mapping` each
+# >   step. Its default block size is 16.
+# > - FastDeploy: `PrefixCacheManager` owns the GPU blocks and the prefix tree over them
+# >   (and can swap blocks to CPU); the scheduler, `ResourceManagerV1`, asks it for blocks.
+# >   Its default block size is 64.
+
+# %% [markdown]
+# ## Try next
+#
+# - Set `block_size` to 1 and to 32 above: which layout wins, and by how much?
+# - In section 2, make `system` 12 tokens long instead of 10: how many blocks do **a** and
+#   **b** share now, and why?
+# - Next notebook: **03_input_batch_reorder**, the table of running requests.

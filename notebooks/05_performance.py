@@ -1,0 +1,202 @@
+# %% [markdown]
+# # 05 · Performance
+#
+# **You will learn** how to read fleetlab's benchmark results, and what continuous
+# batching buys over static batches, measured on this machine:
+#
+# - the stored benchmark results (`benchmarks/results/*.json`), if someone has run them;
+# - a live comparison on the tiny model: static batches against continuous batching;
+# - where one engine step spends its time.
+#
+# Numbers on a shared CPU are noisy: read the *shape* of the comparison, not the digits.
+
+# %%
+# %matplotlib inline
+import time
+
+import numpy as np
+from IPython.display import display
+
+import fleetlab
+from fleetlab import viz
+
+# %% [markdown]
+# ## 1. Stored results
+#
+# `python -m fleetlab bench` (or `make bench`) measures the engine and writes JSON into
+# `benchmarks/results/` of the fleetlab checkout: `bench.json` for the engine on this kind
+# of machine, and other files for kernel benchmarks run elsewhere (a GPU, for instance).
+# `viz.results_dir()` finds that folder from the installed package, wherever the notebook
+# runs (set `FLEETLAB_RESULTS` to read another). What each panel shows, with the figures
+# README quotes:
+#
+# - **engine vs static batches of generate**: output tokens per second of fleetlab's `LLM`
+#   against PaddleFormers' own `generate` in static batches of 16, on the same mixed
+#   workload, for the two model sizes README lists (Llama 1.0M and 3.4M parameters);
+# - **KV memory that holds a real token**: how much of the allocated KV memory actually
+#   holds tokens when it is paged, padded to the longest request, or reserved for the
+#   maximum length (notebook 02 in numbers);
+# - **shared-prefix workload**: prompts that share a long prefix, prefix cache off and on;
+# - **where an engine step's time goes**: milliseconds per step by part, at batch 4 and 64;
+# - **decode attention** (the H200 kernel file): how fast each implementation reads the KV
+#   cache as the context grows, against two reference lines explained in the legend.
+#
+# If there are no results, the cell says so and section 2 measures something small here.
+
+# %%
+results = viz.load_results()
+print("results from", viz.results_dir())
+if not results:
+    print("No benchmark results there yet: run `python -m fleetlab bench` to create them. "
+          "Section 2 measures a small live comparison instead.")
+result_figures = {}
+for name, data in results.items():
+    if not isinstance(data, dict):
+        continue
+    machine = data.get("machine") or data.get("environment") or {}
+    print(f"{name}.json:", {k: machine[k] for k in ("processor", "device", "cpu_count") if k in machine})
+    for kind, figure in (("summary", viz.draw_bench_summary(data)), ("bandwidth", viz.draw_decode_bandwidth(data))):
+        if figure is not None:
+            result_figures[name, kind] = figure
+            display(figure)
+
+# %% [markdown]
+# Reading the bandwidth panels: the paged Triton kernel (red) reads through the block
+# table as fast as SDPA on contiguous memory (green) once the batch or the context is
+# large, and 3x faster than gathering the blocks into a copy first (blue). With long
+# contexts at batch 64 and up it even reads a little faster than the dashed line, a plain
+# `torch.sum` over 2 GiB on the same card: that line is a simple kernel to compare with,
+# not a limit. The solid line
+# is the H200's spec-sheet peak (4.8 TB/s), which nothing crosses.
+
+# %% [markdown]
+# ## 2. Static batches against continuous batching
+#
+# Sixteen additions on the trained tiny model, with output lengths between 4 and 40
+# tokens (`ignore_eos=True` makes each request run exactly its `max_tokens`, past its
+# answer: we measure work, not answers). Both runs use the same patched model, the same
+# engine and the same 4 rows; only the admission differs:
+#
+# - **static**: hand the engine 4 requests, wait until *all* of them finish, then the next 4.
+#   A batch is as slow as its longest request, and rows sit idle meanwhile;
+# - **continuous**: hand it all 16; a new request takes a row the step after one frees.
+
+# %%
+model, tokenizer = fleetlab.models.load_tiny()
+handle = fleetlab.patch_model(model)
+rng = np.random.default_rng(0)
+prompts = [f"{a}+{b}=" for a, b in rng.integers(10, 100, size=(16, 2))]
+params = [fleetlab.SamplingParams(max_tokens=int(n), ignore_eos=True) for n in rng.integers(4, 41, size=16)]
+engine_config = dict(block_size=8, max_num_batched_tokens=256, max_num_seqs=4)
+
+def run_static(batch_size=4):
+    llm = fleetlab.LLM(handle, tokenizer, record_traces=True, **engine_config)
+    start, outputs = time.perf_counter(), []
+    for i in range(0, len(prompts), batch_size):
+        outputs += llm.generate(prompts[i:i + batch_size], params[i:i + batch_size], use_tqdm=False)
+    end = time.perf_counter()
+    return viz.run_record("static batches of 4", outputs, start, end, llm.stats()["num_steps"]), llm
+
+def run_continuous():
+    llm = fleetlab.LLM(handle, tokenizer, record_traces=True, **engine_config)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    end = time.perf_counter()
+    return viz.run_record("continuous batching", outputs, start, end, llm.stats()["num_steps"]), llm
+
+run_continuous()  # warm-up: the first steps pay one-off costs
+static, static_llm = run_static()
+continuous, continuous_llm = run_continuous()
+for run in (static, continuous):
+    print(f"{run.name:<20} {run.wall_s:5.2f} s  {run.tokens_per_s:6.0f} tokens/s  {run.num_steps} steps  "
+          f"mean time to finish {run.mean_latency_s:.2f} s")
+viz.draw_run_comparison([static, continuous])
+
+# %% [markdown]
+# The two runs' batch rows, step by step, on the same axis. Each box is a row running a
+# request (in its colour); hatched grey boxes are rows sitting idle. Under static batching
+# every batch waits for its longest request: the rows of the short ones go idle until the
+# whole batch is done. Under continuous batching a new request takes a free row the next
+# step, so rows stay busy until the queue runs dry at the end.
+
+# %%
+rows_figure = viz.draw_batching_comparison(
+    {"static batches of 4": static_llm.traces, "continuous batching": continuous_llm.traces}, num_rows=4)
+rows_figure
+
+# %% [markdown]
+# Both runs compute exactly the same tokens, but continuous batching needs about a third
+# fewer **steps**: no row sits idle behind its batch's longest request. Whether that shows
+# in seconds depends on the hardware. On a GPU a step of 4 rows costs about as much as a
+# step of 1 (the weights are read once either way), so time follows the step count. On
+# this CPU, with a 1M-parameter model, a step's cost grows with the rows in it, so the gap
+# in seconds is usually smaller than the gap in steps, and wobbles from run to run. The
+# step count is the part of the result that carries over to real hardware.
+#
+# ## 3. Where a step's time goes
+#
+# Each trace records the time spent in scheduling, updating the InputBatch, building the
+# attention metadata, the model's forward pass, sampling and the scheduler's update.
+
+# %%
+viz.draw_step_timings(continuous_llm.traces)
+
+# %%
+totals = {part: sum(t.timings.get(part, 0.0) for t in continuous_llm.traces) for part in viz.TIMING_PARTS}
+whole = sum(totals.values())
+for part, seconds in totals.items():
+    print(f"{part:>12}: {1e3 * seconds:7.1f} ms  ({seconds / whole:.0%})")
+handle.unpatch()
+
+# %% [markdown]
+# On a model this small the engine's own bookkeeping is a visible share of each step; on
+# a real model the forward pass dominates and batching more tokens per step is what pays.
+#
+# ## 4. Inside the GPU decode kernel
+#
+# On a GPU, fleetlab's `backend="triton"` runs three Triton kernels over the same paged
+# cache this notebook's CPU backend uses: `store_kv` writes each token's K/V to its slot,
+# `_decode_kernel` handles the decode rows, `_prefill_kernel` the prefill chunks (that is
+# why this backend asks for decode-first rows). Triton is not installed on a CPU machine,
+# so here we only *read* the decode kernel; it was tested and timed on an NVIDIA H200 (on
+# torch tensors), and its numbers are the `h200_triton` panel in section 1.
+#
+# One program handles one (row, KV head, split of the context). Read it with three ideas:
+#
+# 1. **GQA for free**: the query heads that share a KV head are loaded together as a
+#    `[GROUP, head_dim]` tile, so each K/V tile is read from memory once for all of them;
+# 2. **paging inside the loop**: `_kv_tile_offsets` turns logical positions into cache
+#    addresses through the block table — no gather into a contiguous copy first, which is
+#    why paging costs almost nothing (3x faster than gather-then-SDPA on the H200);
+# 3. **online softmax and split-K**: a running max `m`, a running sum `l` and an
+#    accumulator `acc` let the program stream over the context once; when a batch is too
+#    small to fill the GPU, the context is split over several programs whose partial
+#    results `_decode_reduce_kernel` merges by their log-sum-exp (flash-decoding).
+
+# %%
+from fleetlab.attention.source import kernel_source
+
+print(kernel_source("_kv_tile_offsets"))
+print()
+print(kernel_source("_decode_kernel"))
+
+# %% [markdown]
+# > **In vLLM / FastDeploy** the same measurements have names of their own.
+# >
+# > - vLLM measures these with `vllm bench throughput` (offline, like section 2) and
+# >   `vllm bench serve` (a server under load: TTFT, TPOT, throughput). Its Triton attention
+# >   backend reads the paged cache in one `unified_attention` kernel (a 2-D grid, or a 3-D
+# >   one that splits the context and reduces the parts, as `_decode_reduce_kernel` does
+# >   here); its step timings show up in its profiler and metrics.
+# > - FastDeploy's main GPU attention backend is `AppendAttentionBackend`: CUDA kernels
+# >   that append the step's K/V to the paged cache and attend over it, for the decode and
+# >   prefill parts of a mixed batch.
+
+# %% [markdown]
+# ## Try next
+#
+# - `max_num_seqs=8` for both runs, or output lengths all equal: when does static
+#   batching catch up?
+# - Run `python -m fleetlab bench` (or `make bench`) and re-run section 1.
+# - Read `_prefill_kernel` the same way: where does the causal mask come in?
+# - Back to **00_tour** with what you know now.

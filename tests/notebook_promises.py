@@ -1,0 +1,190 @@
+"""What each notebook's prose promises about its figures, checked on the objects it drew.
+
+``PROMISES[stem]`` is Python run in the notebook's own kernel right after its last cell
+(by ``tests/test_notebooks.py``), so it sees the notebook's variables. Each check quotes the
+sentence it holds the notebook to. A notebook without an entry is only run.
+"""
+
+PROMISES: dict[str, str] = {}
+
+PROMISES["00_tour"] = '''
+steps = {t.step: t for t in llm.traces}
+first_step = {}
+for t in llm.traces:
+    for r in t.rows:
+        first_step.setdefault(r.request_id, t.step)
+finish_step = {rid: t.step for t in llm.traces for rid in t.finished}
+# "In step 0 the four rows are taken, so requests 4 and 5 wait."
+assert len(steps[0].rows) == 4 and first_step["4"] > 0 and first_step["5"] > 0
+# "Request 4 joins in step 2, right after request 2 finishes, and request 5 in step 3"
+assert first_step["4"] == 2 == finish_step["2"] + 1 and first_step["5"] == 3
+# "steps 2 and 3 run prefill and decode side by side"
+assert all({r.phase for r in steps[s].rows} == {"prefill", "decode"} for s in (2, 3))
+# "The pool has 48 blocks; this small workload never needs more than a dozen."
+assert max(t.num_blocks - t.num_free_blocks for t in llm.traces[:15]) <= 12
+# Section 4: "Request 6 ... runs its prompt in two chunks, 24 tokens then the last 8 after
+# the 4 it found cached"; "Request 7 ... runs only its last 6 tokens" after 28 cached.
+paused = [t for t in llm.traces if t.step in (first_step["6"], first_step["6"] + 1)]
+six = [r for t in paused for r in t.rows if r.request_id == "6"]
+seven = [r for t in paused for r in t.rows if r.request_id == "7"]
+assert [r.num_scheduled_tokens for r in six] == [24, 8] and six[0].num_computed_tokens == 4
+assert [r.num_scheduled_tokens for r in seven] == [6] and seven[0].num_computed_tokens == 28
+# "The 7 blocks both requests hold are hatched and marked x2"
+assert set(frame.block_tables) == {"6", "7"}
+shared_blocks = [i.block_id for i in frame.blocks if i.ref_count == 2]
+assert len(shared_blocks) == 7 and set(shared_blocks) <= set(frame.block_tables["7"])
+pool_texts = [t.get_text() for t in pool_figure.axes[0].texts]
+assert pool_texts.count("x2") == 7
+# "requests 6 and 7 each ran a prefill chunk (8 and 6 tokens) on top of the 28 tokens ..."
+rows = [(r.req_id, r.phase, r.num_scheduled_tokens, r.num_computed_tokens) for r in batch_rows]
+assert rows == [("6", "prefill", 8, 28), ("7", "prefill", 6, 28)]
+'''
+
+PROMISES["02_paged_kv_cache"] = '''
+# "logical block j ... lives in physical block block_table[j]"; the shuffled pool hands out
+# scattered ids, and "the slots ... jump wherever the table jumps"
+assert any(b - a != 1 for a, b in zip(a_blocks, a_blocks[1:]))
+assert [int(s) for s in slots] == [a_blocks[p // 4] * 4 + p % 4 for p in range(len(a))]
+# "b's first two blocks match; the third ... does not"
+assert b_blocks[:2] == a_blocks[:2] and b_blocks[2] not in a_blocks
+# "Two arrows end in each of the two shared blocks (hatched)"
+physical = {p.get_gid(): p for p in shared_mapping.axes[0].patches if (p.get_gid() or "").startswith("physical:")}
+hatched = {int(g.split(":")[1]) for g, p in physical.items() if p.get_hatch()}
+assert hatched == set(a_blocks[:2])
+arrows = [p for p in shared_mapping.axes[0].patches if (p.get_gid() or "").startswith("map:")]
+assert len(arrows) == len(a_blocks) + len(b_blocks)
+# Section 3: c "still finds the two cached blocks and revives them"
+assert c_blocks[:2] == a_blocks[:2]
+# Section 5: "ceil(192 / block_size) blocks: 192 token slots when the block size divides 192, a few more otherwise"
+# and "block size 25 with three 64-token prompts ... need 9 blocks (225 slots) and the pool has 8 (200); the
+# picture says so". The sliders never leave a stale or broken picture.
+sliders = explore.controls
+for name in ("prompt_a", "prompt_b", "prompt_c"):
+    sliders[name].value = 64
+for size in (1, 5, 7, 16, 25, 32):
+    sliders["block_size"].value = size
+    assert explore.error is None, (size, explore.error)
+    title = explore.figure.axes[0].get_title()
+    slots = int(title.split("= ")[1].split()[0])
+    assert 192 <= slots < 192 + size and (slots == 192) == (192 % size == 0), title
+    texts = " ".join(t.get_text() for t in explore.figure.axes[0].texts)
+    assert ("does not fit" in texts) == (3 * -(-64 // size) > -(-192 // size)), (size, texts)
+sliders["block_size"].value = 25
+assert "need 9 blocks of 25" in explore.figure.axes[0].texts[-1].get_text()
+assert "8 blocks x 25 = 200 token slots" in explore.figure.axes[0].get_title()
+'''
+
+PROMISES["03_input_batch_reorder"] = '''
+from fleetlab.engine.input_batch import unpermute as _unpermute  # noqa: F401  (the notebook's import)
+
+split_before, split_after = viz.token_split(rows_before), viz.token_split(rows_after)
+# "here T = 37 tokens"; "Before, only row a is in the decode kernel's range: the five other decodes
+# (d, f, g, h, j) sit ... inside the prefill kernel's range (hatched)"
+assert split_before.num_tokens == split_after.num_tokens == 37
+assert split_before.num_decode_tokens == 1 and sorted(split_before.stranded) == list("dfghj")
+hatched = {p.get_gid().split(":")[2] for p in token_axis.axes[0].patches
+           if (p.get_gid() or "").startswith("token:before:") and p.get_hatch()}
+assert hatched == set("dfghj")
+# "After the reorder the six decodes come first (tokens 0-5) and the prefill kernel takes tokens 6-36."
+assert split_after.num_decodes == 6 and split_after.num_decode_tokens == 6 and not split_after.stranded
+# "That cut is what the step's AttentionMetadata computes"
+for rows, split in ((rows_before, split_before), (rows_after, split_after)):
+    md = fleetlab.AttentionMetadata.build([r.num_scheduled_tokens for r in rows], [r.num_computed_tokens for r in rows],
+                                          [r.block_table + [-1] * (8 - len(r.block_table)) for r in rows], 4)
+    assert (md.num_decodes, md.num_decode_tokens) == (split.num_decodes, split.num_decode_tokens)
+# Section 3: "not stable ... (j jumped ahead of d)"; "A stable partition ... moves more rows (twice as many)"
+order = [r.req_id for r in frames[-1].records]
+assert order.index("j") < order.index("d")
+moved = {}
+for stable in (False, True):
+    b = make_batch()
+    b.condense()
+    perm, _ = stable_reorder(b) if stable else b.reorder_split_prefill_and_decode()
+    moved[stable] = int((perm != np.arange(len(perm))).sum())
+assert moved[True] == 2 * moved[False], moved
+# Section 5: "request 2's prompt got only the last token of the step's budget, a prefill chunk of 1 token,
+# and the reorder counted it as a decode"
+assert rows_by_id["2"].num_scheduled_tokens == 1 and rows_by_id["2"].phase == "prefill"
+assert step0.order_after[0] == "2" and step0.num_decodes == 1 and step0.num_batched_tokens == 16
+'''
+
+PROMISES["04_decode_loop"] = '''
+# "the long prompt of request 1 split over steps 0-2 (chunked prefill)"
+assert [t.step for t in traces for r in t.rows if r.request_id == "1" and r.phase == "prefill"] == [0, 1, 2]
+# "preempts the newest running request (request 2 in step 7, request 5 in step 16, request 6 in steps 18 and 21)"
+assert [(r, t.step) for t in traces for r in t.preempted] == [("2", 7), ("5", 16), ("6", 18), ("6", 21)]
+# Section 3: "Request 2 ... had generated 5 tokens when it was preempted in step 7. It comes back in step 10,
+# finds its first block (4 tokens) cached and recomputes the other 6 of its 10 tokens. Request 6 ... comes
+# back with 8, then 20 of its tokens cached, and runs 20 + 16 + 11 = 47."
+back = [a for a in viz.admissions(traces, block_size=4) if a.resumed]
+two = next(a for a in back if a.request_id == "2")
+assert (two.step, two.num_cached_tokens, len(two.cached_block_ids), two.chunks) == (10, 4, 1, [6])
+assert sum(r.request_id == "2" and r.phase == "decode" for t in traces if t.step < 7 for r in t.rows) == 4
+six = [a for a in back if a.request_id == "6"]
+assert [a.num_cached_tokens for a in six] == [8, 20] and six[-1].chunks == [16, 11] and six[-1].rebuilt
+assert len(outputs[6].prompt_token_ids) == 47
+# Section 4: "the blocks a returning request takes back from the cache outlined in green (steps 10, 17, 20, 23)"
+assert sorted({a.step for a in viz.admissions(traces, block_size=4) if a.cached_block_ids}) == [10, 17, 20, 23]
+replay.slider.value = [t.step for t in traces].index(10)
+assert replay.error is None
+outlined = {p.get_gid() for ax in replay.figure.axes for p in ax.patches if (p.get_gid() or "").startswith("revived:")}
+assert outlined == {f"revived:{b}" for b in two.cached_block_ids}
+# "empty on a preemption (the freed blocks turn grey, still cached)": after step 7 request 2 holds nothing
+frame7 = next(f for f in pool_frames if f.step == 7)
+assert "2" not in frame7.block_tables and any(i.is_cached and i.ref_count == 0 for i in frame7.blocks)
+# Section 5: every text the same as the roomy run's, which never preempts
+assert all(t.token_ids == f.token_ids for t, f in zip(outputs, roomy_outputs))
+assert roomy.stats()["num_preemptions"] == 0 and len(roomy.traces) < len(traces)
+'''
+
+PROMISES["05_performance"] = '''
+from pathlib import Path as _Path
+
+# "viz.results_dir() finds that folder from the installed package, wherever the notebook runs"
+assert _Path(viz.results_dir()).resolve() == (_Path(fleetlab.__file__).resolve().parents[1] / "benchmarks" / "results")
+assert "bench" in results and ("bench", "summary") in result_figures
+# "for the two model sizes README lists (Llama 1.0M and 3.4M parameters)"
+labels = [t.get_text() for t in result_figures["bench", "summary"].axes[0].get_xticklabels()]
+assert labels == ["Llama 1.0M params", "Llama 3.4M params"], labels
+readme = (_Path(fleetlab.__file__).resolve().parents[1] / "README.md").read_text()
+assert all(label.replace(" params", "").replace("Llama ", "Llama ") in readme for label in labels)
+# Bandwidth: "reads a little faster than the dashed line" at long contexts, batch >= 64; nothing crosses 4.8
+if "h200_triton" in results:
+    h200 = results["h200_triton"]
+    ceiling = h200["ceilings"]["read_sum_tbps"]
+    big = [r["triton_tbps"] for r in h200["decode_bandwidth"] if r["batch"] >= 64 and r["context"] >= 8192]
+    assert big and all(v > ceiling for v in big)
+    assert max(v for r in h200["decode_bandwidth"] for k, v in r.items() if k.endswith("_tbps")) < 4.8
+# Rows: "the rows of the short ones go idle"; continuous rows "stay busy until the queue runs dry at the end"
+static_idle = viz.idle_row_steps(static_llm.traces, 4)
+continuous_idle = viz.idle_row_steps(continuous_llm.traces, 4)
+assert static_idle > 2 * continuous_idle
+last_admission = max(a.step for a in viz.admissions(continuous_llm.traces))
+assert all(len(t.rows) == 4 for t in continuous_llm.traces if t.step <= last_admission)
+# "continuous batching needs about a third fewer steps"
+assert 0.25 <= 1 - continuous.num_steps / static.num_steps <= 0.4, (static.num_steps, continuous.num_steps)
+'''
+
+PROMISES["06_prototyping"] = '''
+# "Same tokens"; "both paths run in the same step"
+assert split_tokens == reference_tokens and both > 0
+fcfs_traces = policy_runs["fcfs"].traces
+first = {}
+for t in fcfs_traces:
+    for r in t.rows:
+        first.setdefault(r.request_id, t.step)
+zero_done = next(t.step for t in fcfs_traces if "0" in t.finished)
+# "Request 1 ... starts beside it in step 2 ... in step 4 the scheduler preempts request 1, the newest"
+assert first["1"] == 2 and ("1", 4) in [(r, t.step) for t in fcfs_traces for r in t.preempted]
+# "the short sums queue behind both until request 0 finishes"
+assert all(first[r] > zero_done for r in ("2", "3", "4"))
+# "request 1 (36 tokens) comes back in step 10 with 12 of them cached and runs chunks of 16 and 8"
+back = next(a for a in viz.admissions(fcfs_traces, block_size=4) if a.resumed and a.request_id == "1")
+assert (back.step, back.num_cached_tokens, back.chunks) == (10, 12, [16, 8]) and prompt_lens["1"] == 36
+# "a request preempted while decoding may find all but its newest token cached and decode at once"
+assert any(a.resumed and a.rebuilt and not a.chunks for a in viz.admissions(fcfs_traces, block_size=4))
+# "the long sentences (requests 0 and 7 above) wait longer than under fcfs"
+ttft = {p: {r.request_id: r.ttft_steps for r in s.requests} for p, s in stats.items()}
+assert all(ttft["spf"][r] > ttft["fcfs"][r] for r in ("0", "7"))
+assert ttft["spf"]["2"] < ttft["fcfs"]["2"]
+'''
