@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "LLM": "fleetlab.engine.llm",
+    "AsyncLLM": "fleetlab.serving.async_llm",
     "SamplingParams": "fleetlab.engine.sampling_params",
     "RequestOutput": "fleetlab.engine.outputs",
     "EngineConfig": "fleetlab.engine.config",
@@ -32,7 +33,7 @@ _LAZY = {
     "register_attention_backend": "fleetlab.attention.backend",
     "get_attention_backend": "fleetlab.attention.backend",
 }
-_SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine"}
+_SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "serving"}
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 
