@@ -12,9 +12,10 @@ Each push decodes ``ids[prefix_offset:read_offset]`` and ``ids[prefix_offset:]``
 is what the second adds to the first. If it ends in U+FFFD (half a character) it is held back
 until the next token completes it. Decoding only a window keeps each push O(window), not O(length).
 
-:class:`StopStrings` then holds back the last ``len(longest stop) - 1`` characters, so that a
-stop string split over two steps is never half sent, and cuts the text where one appears
-(OpenAI's ``stop``: the stop string itself is not returned). :class:`TextStream` chains the two.
+:class:`StopStrings` then holds back the end of the text that could be the start of a stop
+string (at most ``len(longest stop) - 1`` characters), so that a stop string split over two
+steps is never half sent, and cuts the text where one appears (OpenAI's ``stop``: the stop
+string itself is not returned). :class:`TextStream` chains the two.
 """
 
 from __future__ import annotations
@@ -91,11 +92,19 @@ class StopStrings:
             self.text = self.text[:min(hits)]
             self.stopped = True
             return self.flush()
-        safe = len(self.text) - self.hold
+        safe = len(self.text) - self._partial_match()
         if safe <= self.sent:
             return ""
         out, self.sent = self.text[self.sent:safe], safe
         return out
+
+    def _partial_match(self) -> int:
+        """Length of the longest end of ``text`` that begins some stop string (what must wait)."""
+        for n in range(min(self.hold, len(self.text)), 0, -1):
+            tail = self.text[-n:]
+            if any(s.startswith(tail) for s in self.stop):
+                return n
+        return 0
 
     def flush(self) -> str:
         out, self.sent = self.text[self.sent:], len(self.text)
