@@ -215,7 +215,7 @@ class OpenAIServing:
 
         def chunk(c: _Choice, text: str, finish: str | None) -> str:
             if chat:
-                delta = {"content": text} if text else {}
+                delta = {"content": text} if text or not finish else {}
                 return P.sse(P.chat_chunk(response_id, created, self.model_name, c.index, delta, finish, include_usage))
             return P.sse(P.completion_chunk(response_id, created, self.model_name, c.index, text, finish,
                                             include_usage))
@@ -230,8 +230,9 @@ class OpenAIServing:
                     yield P.sse(error_body(f"the engine failed request {response_id}", "internal_error",
                                            None, "engine_error"))
                     break
-                if text or c.finish_reason:
-                    yield chunk(c, text, c.finish_reason)
+                # a chunk per step that made tokens, even when they add no text yet (half a
+                # character, a special token, a possible stop string held back), as vLLM does
+                yield chunk(c, text, c.finish_reason)
             else:
                 if include_usage:
                     yield P.sse(P.usage_chunk(response_id, created, self.model_name, chunk_obj, self._usage(choices)))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import logging
 import os
@@ -71,10 +72,14 @@ def quiet_libraries(verbose: bool):
         return
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     logging.disable(logging.WARNING)
+    held = io.StringIO()  # Paddle prints an OMP_NUM_THREADS notice straight to stderr on import
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), contextlib.redirect_stderr(held):
             warnings.simplefilter("ignore")
             yield
+    except BaseException:
+        sys.stderr.write(held.getvalue())  # it failed: show everything after all
+        raise
     finally:
         logging.disable(logging.NOTSET)
         logging.getLogger("PaddleFormers").setLevel(logging.ERROR)
@@ -139,6 +144,8 @@ def main(argv=None) -> int:
           f"-- Ctrl-C stops", flush=True)
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn stops gracefully on Ctrl-C, then raises the signal again
+        pass
     finally:
         engine.shutdown()
         sock.close()
