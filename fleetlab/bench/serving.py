@@ -154,11 +154,23 @@ def run_benchmark(url: str, rates=DEFAULT_RATES, num_prompts: int = 64, output_l
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     prompts, lens = workload(num_prompts, tuple(output_len), seed)
     if warmup:
-        asyncio.run(run_rate(url, model, prompts[:warmup], [2] * min(warmup, len(prompts)), math.inf, seed))
-    runs = [asyncio.run(run_rate(url, model, prompts, lens, float(rate), seed)) for rate in rates]
+        _run(run_rate(url, model, prompts[:warmup], [2] * min(warmup, len(prompts)), math.inf, seed))
+    runs = [_run(run_rate(url, model, prompts, lens, float(rate), seed)) for rate in rates]
     return {"workload": {"num_prompts": num_prompts, "output_len": list(output_len), "seed": seed,
                          "prompt_chars": [min(map(len, prompts)), max(map(len, prompts))]},
             "model": model, "runs": runs}
+
+
+def _run(coro):
+    """``asyncio.run(coro)``, on a thread of its own when this one already runs a loop (Jupyter)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def draw(result: dict):
