@@ -235,8 +235,19 @@ def machine_info() -> dict:
         load = [round(x, 2) for x in os.getloadavg()]
     except OSError:
         load = None
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+    return {"platform": platform.platform(), "processor": _cpu_name(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(), "load_average": load}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _parse(argv):
@@ -283,7 +294,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"schema_version": 1, "created": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": "python -m fleetlab bench serve " + " ".join(argv), "elapsed_s": time.perf_counter() - t0,
+              "command": " ".join(["python -m fleetlab bench serve", *argv]), "elapsed_s": time.perf_counter() - t0,
               "machine": machine_info(),
               "server": {"url": url, "started_here": server is not None,
                          "args": args.server_args if server is not None else None},

@@ -113,6 +113,7 @@ class OpenAIServing:
 
     # ----- endpoints -----
     async def completion(self, req: P.CompletionRequest):
+        """``POST /v1/completions``: one engine request per prompt; a JSON body or an SSE stream."""
         self._check_common(req)
         prompts = [p if isinstance(p, list) else self._encode(p) for p in req.prompts]
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
@@ -121,6 +122,7 @@ class OpenAIServing:
         return await self._run(req, "cmpl", "text_completion", choices, sp, "prompt")
 
     async def chat(self, req: P.ChatCompletionRequest):
+        """``POST /v1/chat/completions``: the messages through the chat template, then as a completion."""
         self._check_common(req)
         messages = [{"role": m.role, "content": m.text} for m in req.messages]
         try:

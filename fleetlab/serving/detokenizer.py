@@ -83,6 +83,7 @@ class StopStrings:
         self.stopped = False
 
     def push(self, delta: str) -> str:
+        """Add ``delta``; return the text that can be sent now."""
         if self.stopped or not delta:
             return ""
         start = max(0, len(self.text) - self.hold)  # a new match must end inside delta
@@ -107,6 +108,7 @@ class StopStrings:
         return 0
 
     def flush(self) -> str:
+        """Everything not sent yet (the request ended without a stop string)."""
         out, self.sent = self.text[self.sent:], len(self.text)
         return out
 
@@ -126,6 +128,7 @@ class TextStream:
 
     @property
     def stopped(self) -> bool:
+        """A stop string ended the text."""
         return self.stops.stopped
 
     @property
@@ -134,12 +137,14 @@ class TextStream:
         return self.stops.text
 
     def push(self, new_token_ids: Sequence[int]) -> str:
+        """One step's new tokens in; the text that can be sent now out."""
         if self.stopped:
             return ""
         self.num_tokens += len(new_token_ids)
         return self.stops.push(self.detokenizer.push(new_token_ids))
 
     def finish(self) -> str:
+        """The request ended: the text still held back."""
         if self.stopped:
             return ""
         out = self.stops.push(self.detokenizer.flush())

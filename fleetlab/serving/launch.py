@@ -28,6 +28,7 @@ class _Server:
 
     @property
     def base_url(self) -> str:
+        """``url + "/v1"``: what an OpenAI client's ``base_url`` wants."""
         return self.url + "/v1"
 
     def __enter__(self):
@@ -105,6 +106,7 @@ class ServerProcess(_Server):
             raise
 
     def log_text(self) -> str:
+        """What the server printed so far."""
         return self.log.read_text(encoding="utf-8", errors="replace")
 
     def _wait_for_address(self, timeout: float) -> str:

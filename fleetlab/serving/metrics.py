@@ -97,7 +97,9 @@ class ServerMetrics:
                 self.tpot.observe((times.last_token - times.first_token) / (num_output_tokens - 1))
 
     def observe_error(self, status: int) -> None:
+        """A request was refused with HTTP ``status``."""
         self._errors.labels(self.model_name, str(int(status))).inc()
 
     def render(self) -> bytes:
+        """The ``/metrics`` body (Prometheus text format)."""
         return generate_latest(self.registry)

@@ -81,6 +81,7 @@ class _SamplingRequest(BaseModel):
 
     @property
     def include_usage(self) -> bool:
+        """``stream_options.include_usage``: end the stream with a usage-only chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
@@ -180,6 +181,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @property
     def max_new_tokens(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens`` (None: up to the model's length)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
