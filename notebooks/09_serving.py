@@ -131,9 +131,9 @@ print("\n".join(line for line in metrics.splitlines() if line.startswith(wanted)
 # %% [markdown]
 # ## 5. Measure it: latency against the request rate
 #
-# `fleetlab.bench.serving` (also `python -m fleetlab bench serve`) sends the same 24 prompts at
+# `fleetlab.bench.serving` (also `python -m fleetlab bench serve`) sends the same 20 prompts at
 # several rates, request `i` leaving at the `i`-th arrival of a Poisson process, each asking for a
-# fixed number of tokens (8 to 24, `ignore_eos`). "all at once" sends all 24 together. Each client
+# fixed number of tokens (8 to 24, `ignore_eos`). "all at once" sends all 20 together. Each client
 # times its own stream:
 #
 # - **TTFT**: from sending the request to its first chunk;
@@ -141,7 +141,7 @@ print("\n".join(line for line in metrics.splitlines() if line.startswith(wanted)
 # - **ITL**: the gaps between consecutive chunks.
 
 # %%
-result = serving_bench.run_benchmark(server.url, rates=[4, 16, 64, float("inf")], num_prompts=24,
+result = serving_bench.run_benchmark(server.url, rates=[8, 24, 72, float("inf")], num_prompts=20,
                                      output_len=(8, 24))
 print(serving_bench.table(result))
 serving_bench.draw(result)
@@ -149,16 +149,17 @@ serving_bench.draw(result)
 # %% [markdown]
 # How to read it (the numbers move from run to run on a shared CPU; the shapes are what matter):
 #
-# - **Throughput** (bottom right) grows almost in proportion to the rate: 24 short requests do not
-#   reach this server's limit, so every request sent faster is simply served sooner.
-# - **TTFT** stays low while the requests arrive spread out, and jumps at "all at once": the 24
-#   prompts arrive together, so most of them wait for the steps that serve the others' prefills.
-# - **TPOT and ITL** hardly move: on the tiny model a step with twenty rows costs little more than a
-#   step with two (the per-step overhead dominates), so batching more requests is almost free.
-#   That is why continuous batching raises throughput. On a large model each extra row costs
-#   real time, and TPOT rises with the rate: more tokens per second for everyone, each a little
-#   slower. The full run behind `benchmarks/results/serving.png` (64 requests per rate, up to
-#   64 running together) shows the start of that rise.
+# - **Throughput** (bottom right) follows the offered load while the server keeps up. Where the
+#   bars stop growing, the server is saturated: it cannot finish more requests per second, and
+#   sending faster only makes requests wait. On a busy two-core machine that happens within these
+#   rates; on an idle one the bars may keep growing up to "all at once".
+# - **TTFT** jumps at "all at once": the 20 prompts arrive together, so most of them wait for the
+#   steps that serve the others' prefills (and for a free row, once `--max-num-seqs` are running).
+# - **TPOT and ITL** rise with the rate, gently or steeply: more requests in every step make each
+#   step longer, and every running request waits for the whole step. That is the trade of
+#   continuous batching: more tokens per second for everyone, each a little slower. On the tiny
+#   model a step's fixed overhead dominates, so on an idle machine the rise is small; the full
+#   run behind `benchmarks/results/serving.png` (64 requests per rate) shows it more clearly.
 # - **p99** sits above the median: a few requests arrive behind a burst, or share their steps
 #   with several prefills.
 #
