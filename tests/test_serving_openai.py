@@ -5,6 +5,7 @@ test here; the oracle is the same weights loaded again and run offline with ``LL
 """
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -64,6 +65,23 @@ def wait_idle(server, timeout=10.0) -> dict:
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def slow_steps(engine, seconds=0.01):
+    """Make every engine step last at least ``seconds``, so a 100-token request surely outlives a
+    client that hangs up after two chunks, however busy the machine is."""
+    real = engine.llm.step
+
+    def step(**kw):
+        time.sleep(seconds)
+        return real(**kw)
+
+    engine.llm.step = step
+    try:
+        yield
+    finally:
+        engine.llm.step = real
 
 
 def test_models_and_health(server):
@@ -190,8 +208,9 @@ def test_50_clients_disconnecting_mid_stream_free_everything(server):
         async with client(server, openai.AsyncOpenAI) as c:
             return await asyncio.gather(*(one(c, i) for i in range(50)))
 
-    assert asyncio.run(run()) == [2] * 50
-    m = wait_idle(server)
+    with slow_steps(server.engine):
+        assert asyncio.run(run()) == [2] * 50
+        m = wait_idle(server)
     assert m["fleetlab:num_requests_running"] == 0 and m["fleetlab:num_requests_waiting"] == 0
     assert m["fleetlab:kv_cache_usage_perc"] == 0
     assert m["fleetlab:request_success_total{finished_reason=abort}"] - before == 50
@@ -203,9 +222,9 @@ def test_50_clients_disconnecting_mid_stream_free_everything(server):
 def test_non_streamed_client_hanging_up_aborts(server):
     before = metrics(server).get("fleetlab:request_success_total{finished_reason=abort}", 0)
     body = {"model": "tiny", "prompt": "count 1 ", "max_tokens": 110, "temperature": 0, "ignore_eos": True}
-    # one step per token: 110 tokens take far longer than the 50 ms the client waits
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.05))
+    # one step per token: 110 steps of >= 10 ms take far longer than the 0.2 s the client waits
+    with slow_steps(server.engine), pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.2))
     m = wait_idle(server)
     assert m["fleetlab:kv_cache_usage_perc"] == 0
     assert m["fleetlab:request_success_total{finished_reason=abort}"] - before == 1
@@ -281,7 +300,7 @@ def test_full_queue_is_refused_at_once_with_503():
                 await resp.aclose()
             return refused, waited
 
-    with ServerThread(engine, "tiny") as s:
+    with ServerThread(engine, "tiny") as s, slow_steps(engine):
         refused, waited = asyncio.run(run(s))
         assert refused.status_code == 503 and waited < 2.0
         assert refused.json()["error"]["code"] == "queue_full" and refused.headers["retry-after"]

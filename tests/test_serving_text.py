@@ -130,3 +130,17 @@ def test_fleet_from_llama_computes_the_same_model():
         fleet_from_llama(tiny("phi3"))
     with pytest.raises(ValueError, match="model-impl"):
         load_model("tiny", "vllm")
+
+
+def test_load_model_from_a_checkpoint_directory(tmp_path):
+    import shutil
+
+    from fleetlab.models.pretrained import WEIGHTS_DIR
+    from fleetlab.serving.loader import load_model
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(WEIGHTS_DIR, path)  # PaddleFormers may write a metadata file next to the weights
+    model, tok = load_model(str(path), "paddleformers")
+    assert isinstance(tok, CharTokenizer) and type(model).__name__ == "LlamaForCausalLM"
+    with pytest.raises(FileNotFoundError, match="checkpoint directory"):
+        load_model(str(tmp_path / "nothing"))
