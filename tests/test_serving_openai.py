@@ -234,6 +234,7 @@ BAD_REQUESTS = [
     # (what, endpoint, body or raw bytes, the param the error must name)
     ("malformed JSON", "completions", b'{"model": "tiny", "prompt": ', None),
     ("body not an object", "completions", b"[1, 2]", None),
+    ("empty body", "completions", b"", None),
     ("missing prompt", "completions", {"model": "tiny"}, "prompt"),
     ("unknown model", "completions", {"model": "gpt-9", "prompt": "1+1="}, "model"),
     ("temperature out of range", "completions", {"model": "tiny", "prompt": "1+1=", "temperature": 3}, "temperature"),

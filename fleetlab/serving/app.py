@@ -388,6 +388,8 @@ def _validation_body(errors) -> dict:
                           None, "json_invalid")
     param = _param(loc)
     msg = e.get("msg", "invalid value")
+    if e.get("type") == "missing" and not param:
+        return error_body("the body is empty: send a JSON object", "invalid_request_error", None, "missing_body")
     if e.get("type") == "missing":
         return error_body(f"{param}: field required", "invalid_request_error", param, "missing_field")
     if e.get("type") == "model_attributes_type" or not param:

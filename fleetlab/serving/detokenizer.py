@@ -43,7 +43,9 @@ class IncrementalDetokenizer:
         self.text = ""  # everything emitted so far
 
     def _decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        if not ids or self.tokenizer is None:  # no tokenizer: token ids in, token ids out (usage), no text
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def push(self, new_token_ids: Sequence[int]) -> str:
         """Add tokens; return the text they complete (may be ``""`` while a character is incomplete)."""
