@@ -23,6 +23,7 @@ _quiet.install()
 
 _LAZY = {
     "LLM": "fleetlab.engine.llm",
+    "AsyncLLM": "fleetlab.serving.async_llm",
     "SamplingParams": "fleetlab.engine.sampling_params",
     "RequestOutput": "fleetlab.engine.outputs",
     "EngineConfig": "fleetlab.engine.config",
@@ -36,7 +37,7 @@ _LAZY = {
     "register_attention_backend": "fleetlab.attention.backend",
     "get_attention_backend": "fleetlab.attention.backend",
 }
-_SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv"}
+_SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv", "serving", "spec", "lessons"}
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m fleetlab {demo,train-tiny,bench} ...``."""
+"""Command line: ``python -m fleetlab {demo,train-tiny,serve,bench} ...``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import sys
 COMMANDS = {
     "demo": ("fleetlab.demo", "serve a batch of prompts on the shipped tiny model and show what happened"),
     "train-tiny": ("fleetlab.models.train", "train the tiny Llama shipped in fleetlab/models/weights"),
-    "bench": ("fleetlab.bench.cli", "benchmarks: all, reorder, attention, generate, ..."),
+    "serve": ("fleetlab.serving.cli", "an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)"),
+    "bench": ("fleetlab.bench.cli", "benchmarks: all, reorder, attention, serve, ..."),
 }
 _VERBOSE = ("-v", "--verbose")
 

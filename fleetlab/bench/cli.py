@@ -3,7 +3,8 @@
 Names: ``all`` (default: the engine benchmark), ``engine`` (fleetlab vs PaddleFormers
 generate, KV memory, prefix caching, step-time breakdown), ``reorder`` (condense +
 decode-first reorder cost), ``attention`` (reference paged attention), ``triton``
-(Triton decode kernel; needs a GPU with torch and triton).
+(Triton decode kernel; needs a GPU with torch and triton), ``serve`` (an OpenAI-compatible
+server under Poisson traffic: TTFT / TPOT / ITL and throughput per request rate).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ BENCHES = {
     "reorder": "fleetlab.bench.reorder",
     "attention": "fleetlab.bench.attention",
     "triton": "fleetlab.bench.triton_decode",
+    "serve": "fleetlab.bench.serving",
 }
 
 

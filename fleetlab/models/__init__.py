@@ -7,6 +7,7 @@ decoder, and the tiny Llama that fleetlab trains and ships.
 - ``load_tiny()`` -> ``(model, tokenizer)``: the shipped trained tiny Llama.
 - ``load_tiny_draft()`` -> ``(model, tokenizer)``: its 2-layer draft for speculative decoding.
 - ``load_pretrained(path)``: a PaddleFormers checkpoint directory from disk.
+- ``fleet_from_llama(model)``: a trained Llama's weights moved into the Fleet-style decoder.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ def __getattr__(name):
         from fleetlab.models import tokenizer
 
         return getattr(tokenizer, name)
+    if name == "fleet_from_llama":
+        from fleetlab.models.convert import fleet_from_llama
+
+        return fleet_from_llama
     if name in ("FleetConfig", "FleetForCausalLM"):
         from fleetlab.models import fleet
 

@@ -1,0 +1,44 @@
+"""Serving: fleetlab's engine behind an OpenAI-compatible HTTP API.
+
+One concept per module:
+
+- :mod:`~fleetlab.serving.async_llm`: ``AsyncLLM``, the engine thread and per-request streams;
+- :mod:`~fleetlab.serving.protocol`: OpenAI's request models and response / chunk shapes;
+- :mod:`~fleetlab.serving.detokenizer`: incremental detokenization and stop strings;
+- :mod:`~fleetlab.serving.chat_template`: chat messages -> prompt token ids;
+- :mod:`~fleetlab.serving.errors`: OpenAI-style error bodies (400 / 503);
+- :mod:`~fleetlab.serving.metrics`: ``/metrics`` in Prometheus' format;
+- :mod:`~fleetlab.serving.app`: the FastAPI app (``build_app``);
+- :mod:`~fleetlab.serving.loader` and :mod:`~fleetlab.serving.cli`: ``python -m fleetlab serve``;
+- :mod:`~fleetlab.serving.launch`: a server in a background thread or process.
+
+``AsyncLLM`` needs nothing beyond fleetlab; the HTTP parts need the ``serve`` extra
+(``pip install fleetlab[serve]``: FastAPI, uvicorn, prometheus_client, httpx).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "AsyncLLM": "fleetlab.serving.async_llm",
+    "RequestStream": "fleetlab.serving.async_llm",
+    "build_app": "fleetlab.serving.app",
+    "ServerThread": "fleetlab.serving.launch",
+    "ServerProcess": "fleetlab.serving.launch",
+    "load_model": "fleetlab.serving.loader",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fleetlab.serving' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

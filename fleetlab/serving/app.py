@@ -1,0 +1,412 @@
+"""The OpenAI-compatible HTTP app (FastAPI): ``build_app(engine, model_name)``.
+
+Endpoints:
+
+- ``GET  /health``: 200 while the engine loop runs, 503 once it has stopped;
+- ``GET  /v1/models``: the one served model;
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's request and response
+  shapes (:mod:`fleetlab.serving.protocol`), ``stream=true`` answered with server-sent events;
+- ``GET  /metrics``: Prometheus text (:mod:`fleetlab.serving.metrics`).
+
+A request's life: validate (pydantic, then :meth:`check_supported`), tokenize here on the
+asyncio side (so the prompt length is checked against ``max_model_len`` before anything is
+queued), ``AsyncLLM.add_request`` per prompt, then turn each step's new token ids into text
+(:class:`~fleetlab.serving.detokenizer.TextStream`: incremental detokenization and stop
+strings). A stop string ends the choice at once and aborts the engine request. A client that
+hangs up, mid-stream or while waiting for a whole response, aborts its requests: their KV
+blocks are free before the next engine step.
+
+Errors are OpenAI-shaped (:mod:`fleetlab.serving.errors`): bad JSON, bad types, out-of-range
+values, an unknown model, a prompt that does not fit, unsupported features -> 400 naming the
+field; a full queue -> 503. An unexpected exception is a 500 and is logged; the server goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fleetlab.engine.sampling_params import SamplingParams
+from fleetlab.serving import protocol as P
+from fleetlab.serving.async_llm import AsyncLLM, RequestStream
+from fleetlab.serving.chat_template import chat_prompt_ids, encode_text
+from fleetlab.serving.detokenizer import TextStream
+from fleetlab.serving.errors import BadRequest, EngineDead, ServingError, bad_request_from_engine, error_body
+from fleetlab.serving.metrics import CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
+    """A FastAPI app serving ``engine`` under the name ``model_name``.
+
+    The app starts the engine thread when it starts; it does not shut the engine down (its
+    owner does: ``engine.shutdown()``), so one engine can outlive a server in tests.
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        yield
+
+    app = FastAPI(title="fleetlab", summary="An OpenAI-compatible server on fleetlab's engine", lifespan=lifespan)
+    metrics = ServerMetrics(engine, model_name)
+    server = OpenAIServing(engine, model_name, metrics)
+    app.state.engine, app.state.metrics, app.state.serving = engine, metrics, server
+    _add_error_handlers(app, metrics)
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_healthy:
+            raise EngineDead("the engine loop is not running")
+        return {}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
+                                            "owned_by": "fleetlab", "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(request: P.CompletionRequest, raw_request: Request):
+        return await _cancel_on_disconnect(server.completion(request), raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: P.ChatCompletionRequest, raw_request: Request):
+        return await _cancel_on_disconnect(server.chat(request), raw_request)
+
+    return app
+
+
+@dataclass(slots=True)
+class _Choice:
+    """One prompt of a request: its engine stream and its text so far."""
+
+    index: int
+    prompt_ids: list[int]
+    text: TextStream
+    stream: RequestStream | None = None
+    finish_reason: str | None = None
+    content: list[str] = field(default_factory=list)
+    first_seen: bool = False
+    closed: bool = False
+
+
+class OpenAIServing:
+    """What the endpoints do, apart from HTTP: requests in, responses or SSE events out."""
+
+    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics):
+        self.engine, self.model_name, self.metrics = engine, model_name, metrics
+        self.created = int(time.time())
+
+    # ----- endpoints -----
+    async def completion(self, req: P.CompletionRequest):
+        """``POST /v1/completions``: one engine request per prompt; a JSON body or an SSE stream."""
+        self._check_common(req)
+        prompts = [p if isinstance(p, list) else self._encode(p) for p in req.prompts]
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens
+        choices = [self._choice(i, ids, req, "prompt") for i, ids in enumerate(prompts)]
+        sp = self._sampling_params(req, max_tokens, choices, "prompt")
+        return await self._run(req, "cmpl", "text_completion", choices, sp, "prompt")
+
+    async def chat(self, req: P.ChatCompletionRequest):
+        """``POST /v1/chat/completions``: the messages through the chat template, then as a completion."""
+        self._check_common(req)
+        messages = [{"role": m.role, "content": m.text} for m in req.messages]
+        try:
+            ids = chat_prompt_ids(self.engine.tokenizer, messages)
+        except Exception as e:  # a template that refuses these messages (e.g. roles out of order)
+            raise BadRequest(f"the chat template cannot render these messages: {e}", "messages") from e
+        choice = self._choice(0, ids, req, "messages")
+        max_tokens = req.max_new_tokens
+        if max_tokens is None:
+            max_tokens = self.engine.max_model_len - len(ids)
+        sp = self._sampling_params(req, max_tokens, [choice], "messages")
+        return await self._run(req, "chatcmpl", "chat.completion", [choice], sp, "messages")
+
+    # ----- request checks -----
+    def _check_common(self, req) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise BadRequest(f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                             "model", "model_not_found")
+        req.check_supported()
+        if self.engine.tokenizer is None and not isinstance(req, P.CompletionRequest):
+            raise BadRequest("this server has no tokenizer: send prompt token ids to /v1/completions", "messages")
+
+    def _encode(self, text: str) -> list[int]:
+        if self.engine.tokenizer is None:
+            raise BadRequest("this server has no tokenizer: send the prompt as token ids", "prompt")
+        return encode_text(self.engine.tokenizer, text)
+
+    def _choice(self, index: int, ids: list[int], req, prompt_field: str) -> _Choice:
+        limit = self.engine.max_model_len
+        if not ids:
+            raise BadRequest(f"{prompt_field} is empty", prompt_field, "invalid_value")
+        if len(ids) >= limit:
+            raise BadRequest(f"this model's maximum context length is {limit} tokens; the {prompt_field} has "
+                             f"{len(ids)} tokens, which leaves no room for an answer", prompt_field,
+                             "context_length_exceeded")
+        return _Choice(index, ids, TextStream(self.engine.tokenizer, ids, req.stop_strings))
+
+    def _sampling_params(self, req, max_tokens: int, choices: list[_Choice], prompt_field: str) -> SamplingParams:
+        limit = self.engine.max_model_len
+        longest = max(len(c.prompt_ids) for c in choices)
+        if longest + max_tokens > limit:
+            raise BadRequest(f"this model's maximum context length is {limit} tokens; you asked for {longest} "
+                             f"{prompt_field} tokens + {max_tokens} output tokens", "max_tokens",
+                             "context_length_exceeded")
+        sp = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                            top_p=1.0 if req.top_p is None else req.top_p,
+                            top_k=0 if req.top_k in (None, -1) else req.top_k, seed=req.seed,
+                            stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+                            min_tokens=req.min_tokens)
+        try:
+            sp.validate("-")
+        except ValueError as e:
+            raise bad_request_from_engine(e, prompt_field) from e
+        return sp
+
+    # ----- running -----
+    async def _run(self, req, prefix: str, obj: str, choices: list[_Choice], sp: SamplingParams, prompt_field: str):
+        response_id = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            for c in choices:
+                rid = response_id if len(choices) == 1 else f"{response_id}-{c.index}"
+                c.stream = await self.engine.add_request(sampling_params=sp, prompt_token_ids=c.prompt_ids,
+                                                         request_id=rid)
+        except BaseException as e:
+            self._close(choices)
+            if isinstance(e, ValueError):
+                raise bad_request_from_engine(e, prompt_field) from e
+            raise
+        created = int(time.time())
+        logger.debug("%s: %d prompt(s), %s", response_id, len(choices), sp)
+        if req.stream:
+            events = self._events(response_id, created, obj, choices, req.include_usage)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            async for _ in self._step_texts(choices):
+                pass
+        finally:
+            self._close(choices)
+        errors = [c for c in choices if c.finish_reason == "error"]
+        if errors:
+            raise ServingError(f"the engine failed request {response_id}", code="engine_error")
+        body = [{"index": c.index, "text": "".join(c.content), "finish_reason": c.finish_reason} for c in choices]
+        use = self._usage(choices)
+        build = P.chat_response if obj == "chat.completion" else P.completion_response
+        return JSONResponse(build(response_id, created, self.model_name, body, use))
+
+    async def _events(self, response_id: str, created: int, obj: str, choices: list[_Choice], include_usage: bool):
+        """The SSE body of a streamed request."""
+        chat = obj == "chat.completion"
+        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(c: _Choice, text: str, finish: str | None) -> str:
+            if chat:
+                delta = {"content": text} if text or not finish else {}
+                return P.sse(P.chat_chunk(response_id, created, self.model_name, c.index, delta, finish, include_usage))
+            return P.sse(P.completion_chunk(response_id, created, self.model_name, c.index, text, finish,
+                                            include_usage))
+
+        try:
+            if chat:  # the role first, as OpenAI does
+                for c in choices:
+                    yield P.sse(P.chat_chunk(response_id, created, self.model_name, c.index,
+                                             {"role": "assistant", "content": ""}, None, include_usage))
+            async for c, text in self._step_texts(choices):
+                if c.finish_reason == "error":
+                    yield P.sse(error_body(f"the engine failed request {response_id}", "internal_error",
+                                           None, "engine_error"))
+                    break
+                # a chunk per step that made tokens, even when they add no text yet (half a
+                # character, a special token, a possible stop string held back), as vLLM does
+                yield chunk(c, text, c.finish_reason)
+            else:
+                if include_usage:
+                    yield P.sse(P.usage_chunk(response_id, created, self.model_name, chunk_obj, self._usage(choices)))
+            yield P.SSE_DONE
+        except EngineDead as e:
+            yield P.sse(e.body())
+            yield P.SSE_DONE
+        finally:  # also on a client that hung up (the task is cancelled): abort what still runs
+            self._close(choices)
+
+    async def _step_texts(self, choices: list[_Choice]):
+        """Yield ``(choice, new text)`` as outputs arrive, until every choice is finished.
+
+        Sets ``finish_reason`` on the choice whose output finished it (the engine's, or
+        ``"stop"`` when a stop string appeared: that request is aborted at once).
+        """
+        async for c, out in _merge(choices):
+            if c.finish_reason is not None:
+                continue  # outputs after a stop string (the abort's) are dropped
+            text = c.text.push(out.new_token_ids)
+            if out.new_token_ids and not c.first_seen:
+                c.first_seen = True
+                self.metrics.observe_first_token(c.stream.times)
+            if c.text.stopped:
+                c.finish_reason = "stop"
+                c.stream.abort()
+            elif out.finished:
+                c.finish_reason = out.finish_reason
+                text += c.text.finish()
+            c.content.append(text)
+            yield c, text
+            if all(x.finish_reason is not None for x in choices):
+                return
+
+    def _usage(self, choices: list[_Choice]) -> dict:
+        return P.usage(sum(len(c.prompt_ids) for c in choices), sum(c.text.num_tokens for c in choices))
+
+    def _close(self, choices: list[_Choice]) -> None:
+        """Abort unfinished engine requests and record every choice's metrics (once)."""
+        for c in choices:
+            if c.stream is None or c.closed:
+                continue
+            c.closed = True
+            if not c.stream.finished:
+                c.stream.abort()
+            if c.finish_reason is None:
+                c.finish_reason = "abort"
+            self.metrics.observe_finished(c.stream.times, len(c.prompt_ids), c.text.num_tokens, c.finish_reason)
+
+
+async def _merge(choices: list[_Choice]):
+    """Yield ``(choice, output)`` from every choice's stream as outputs arrive."""
+    if len(choices) == 1:
+        c = choices[0]
+        async for out in c.stream:
+            yield c, out
+        return
+    inbox: asyncio.Queue = asyncio.Queue()
+
+    async def pump(c: _Choice):
+        try:
+            async for out in c.stream:
+                inbox.put_nowait((c, out))
+        except Exception as e:
+            inbox.put_nowait((c, e))
+        finally:
+            inbox.put_nowait((c, None))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        live = len(tasks)
+        while live:
+            c, item = await inbox.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield c, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _cancel_on_disconnect(work, request: Request):
+    """Run the endpoint's coroutine, cancelling it if the client hangs up first.
+
+    A non-streamed request holds its engine requests until the whole answer is ready; without
+    this, a client that gave up would keep them running (and their KV blocks held) to the end.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    return Response(status_code=499)  # nobody reads it: the client is gone
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+# ----- errors -----
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def answer(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
+        metrics.observe_error(status)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(ServingError)
+    async def serving_error(request, exc: ServingError):
+        if int(exc.status_code) >= 500 and not isinstance(exc, (EngineDead,)) and exc.code != "queue_full":
+            logger.error("%s %s: %s", request.method, request.url.path, exc.message)
+        headers = {"Retry-After": "1"} if exc.code == "queue_full" else None
+        return answer(int(exc.status_code), exc.body(), headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc: RequestValidationError):
+        return answer(400, _validation_body(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):  # 404 route, 405 method...
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return answer(exc.status_code, error_body(str(exc.detail), kind), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request, exc: Exception):
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return answer(500, error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error"))
+
+
+_TYPE_WORDS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-plain",
+               "literal", "model"}
+
+
+def _validation_body(errors) -> dict:
+    """OpenAI's error body for pydantic's errors: the first error, with its field as ``param``."""
+    if not errors:
+        return error_body("invalid request", "invalid_request_error")
+    e = errors[0]
+    loc = [x for x in e.get("loc", ()) if x != "body"]
+    if e.get("type") == "json_invalid":
+        reason = (e.get("ctx") or {}).get("error", "")
+        return error_body(f"the body is not valid JSON: {reason}".rstrip(": "), "invalid_request_error",
+                          None, "json_invalid")
+    param = _param(loc)
+    msg = e.get("msg", "invalid value")
+    if e.get("type") == "missing" and not param:
+        return error_body("the body is empty: send a JSON object", "invalid_request_error", None, "missing_body")
+    if e.get("type") == "missing":
+        return error_body(f"{param}: field required", "invalid_request_error", param, "missing_field")
+    if e.get("type") == "model_attributes_type" or not param:
+        return error_body(f"the body must be a JSON object: {msg}", "invalid_request_error", None, "invalid_type")
+    shown = e.get("input")
+    shown = repr(shown)[:80] if not isinstance(shown, dict) else "an object"
+    return error_body(f"{param}: {msg} (got {shown})", "invalid_request_error", param, "invalid_value")
+
+
+def _param(loc) -> str:
+    """``("messages", 0, "content")`` -> ``"messages[0].content"``; union-member tags are dropped."""
+    out = ""
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        elif isinstance(item, str) and item.isidentifier() and item.lower() not in _TYPE_WORDS:
+            out += f".{item}" if out else item
+        elif out:
+            break  # a union member's tag ("list[int]"...): the field is already named
+    return out

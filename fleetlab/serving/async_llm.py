@@ -1,0 +1,371 @@
+"""``AsyncLLM``: the engine loop every serving engine has, around fleetlab's ``LLM``.
+
+``LLM`` is not thread-safe and its ``step()`` blocks, while a web server answers many clients
+on an asyncio event loop. So one background **engine thread** owns the ``LLM`` and does
+nothing but::
+
+    loop:
+        take every command waiting in the inbox (add a request / abort one / stop);
+        if requests are unfinished: outputs = llm.step(stream=True)
+                                    hand each output to its request's stream (on its event loop)
+        else: sleep until the next command arrives
+
+The asyncio side never touches the ``LLM``: it puts commands into a thread-safe inbox and reads
+outputs from one ``asyncio.Queue`` per request (:class:`RequestStream`), filled through
+``loop.call_soon_threadsafe``. An abort (``AsyncLLM.abort``, or a stream closed early, or a
+client that hung up) is taken at the top of the next loop turn, so the request's KV blocks are
+free within one engine step.
+
+    engine = AsyncLLM(LLM(model, tokenizer))
+    async for out in engine.generate(prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=8)):
+        print(out.new_token_ids, out.finish_reason)
+    engine.shutdown()
+
+Only ``LLM``'s public methods are used: ``add_request``, ``step(stream=True)``, ``abort``,
+``has_unfinished_requests`` and ``stats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from fleetlab.engine.outputs import RequestOutput
+from fleetlab.engine.sampling_params import SamplingParams
+from fleetlab.serving.errors import EngineDead, Overloaded
+
+logger = logging.getLogger(__name__)
+
+_STOP = "stop"
+
+
+@dataclass(slots=True)
+class _Add:
+    stream: RequestStream
+    kwargs: dict
+    future: asyncio.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class StreamTimes:
+    """When the asyncio side saw a request's events (``time.perf_counter`` seconds):
+    ``arrival`` (``add_request`` called), ``first_token``, ``last_token``."""
+
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator of :class:`~fleetlab.RequestOutput`.
+
+    Each item carries the ``new_token_ids`` since the previous item; when the consumer falls
+    behind the engine, the outputs waiting are merged into one. The last item has
+    ``finish_reason`` set. Closing a stream before it finishes (``abort()``) aborts the request.
+    """
+
+    def __init__(self, request_id: str, engine: AsyncLLM, loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.num_output_tokens = 0
+        self.times = StreamTimes()
+
+    def _put(self, item) -> None:  # on the event loop
+        if item is not None and not isinstance(item, BaseException) and item.new_token_ids:
+            now = time.perf_counter()
+            if self.times.first_token is None:
+                self.times.first_token = now
+            self.times.last_token = now
+        self._queue.put_nowait(item)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        out = await self._queue.get()
+        if isinstance(out, BaseException):
+            self.finished = True
+            raise out
+        while not out.finished and not self._queue.empty():  # merge what piled up
+            nxt = self._queue.get_nowait()
+            if isinstance(nxt, BaseException):
+                self._queue.put_nowait(nxt)  # raise it on the next call
+                break
+            nxt.new_token_ids = out.new_token_ids + nxt.new_token_ids
+            out = nxt
+        self.num_output_tokens += len(out.new_token_ids)
+        if out.finished:
+            self.finished = True
+            self.finish_reason = out.finish_reason
+        return out
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (idempotent, never blocks)."""
+        if not self.finished:
+            self.finished = True
+            self.finish_reason = "abort"
+            self._engine.abort(self.request_id)
+
+
+class AsyncLLM:
+    """Serve an ``LLM`` to many asyncio tasks at once (see the module docstring).
+
+    Args:
+      llm: a ``fleetlab.LLM``. From now on only the engine thread calls it.
+      max_queue_len: how many requests may wait beyond the ``max_num_seqs`` that run; a request
+        arriving when ``max_num_seqs + max_queue_len`` are unfinished raises
+        :class:`~fleetlab.serving.errors.Overloaded` at once. None: no limit.
+
+    The engine thread starts with the first request (or :meth:`start`) and stops with
+    :meth:`shutdown`, which aborts what is still running. Usable as a (sync) context manager.
+    """
+
+    def __init__(self, llm, *, max_queue_len: int | None = None):
+        if max_queue_len is not None and (not isinstance(max_queue_len, int) or max_queue_len < 0):
+            raise ValueError(f"AsyncLLM: max_queue_len={max_queue_len!r} must be None or an int >= 0")
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = llm.max_model_len
+        self.max_queue_len = max_queue_len
+        self._capacity = None if max_queue_len is None else llm.config.max_num_seqs + max_queue_len
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._num_unfinished = 0  # accepted by add_request, not finished yet (guarded by _lock)
+        self._thread: threading.Thread | None = None
+        self._stats = llm.stats()
+        self.error: BaseException | None = None  # what killed the engine loop, if anything
+        self._closed = False
+
+    # ----- asyncio side -----
+    async def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
+                          prompt_token_ids=None, request_id: str | None = None) -> RequestStream:
+        """Queue a request and return its :class:`RequestStream`.
+
+        Raises ``ValueError`` (from ``LLM.add_request``: it names the request and the field)
+        before anything is queued, :class:`Overloaded` when the queue is full, and
+        :class:`EngineDead` when the engine loop has stopped.
+        """
+        self._check_alive()
+        with self._lock:
+            if self._capacity is not None and self._num_unfinished >= self._capacity:
+                raise Overloaded(f"the server holds {self._num_unfinished} requests (max_num_seqs + max_queue_len="
+                                 f"{self._capacity}); retry later", code="queue_full")
+            self._num_unfinished += 1
+        self.start()
+        loop = asyncio.get_running_loop()
+        rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
+        stream = RequestStream(rid, self, loop)
+        future = loop.create_future()
+        self._inbox.put(_Add(stream, {"prompt": prompt, "sampling_params": sampling_params,
+                                      "prompt_token_ids": prompt_token_ids, "request_id": rid}, future))
+        if self.error is not None:  # the loop died while this was being queued
+            _settle(future, EngineDead(f"the engine loop stopped: {self.error}"))
+        try:
+            await future  # the engine thread called LLM.add_request (or it raised)
+        except BaseException:
+            self.abort(rid)  # cancelled while queued: drop it if it got in (unknown ids are ignored)
+            raise
+        return stream
+
+    async def generate(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
+                       prompt_token_ids=None, request_id: str | None = None):
+        """Add a request and yield its outputs; leaving the loop early aborts the request."""
+        stream = await self.add_request(prompt, sampling_params, prompt_token_ids=prompt_token_ids,
+                                        request_id=request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread: its blocks are freed before the next engine step."""
+        self._inbox.put(_Abort(str(request_id)))
+
+    def stats(self) -> dict:
+        """``LLM.stats()`` as of the engine thread's last loop turn (a snapshot; any thread)."""
+        return dict(self._stats)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests accepted and not finished yet (as the asyncio side counts them)."""
+        return self._num_unfinished
+
+    @property
+    def is_running(self) -> bool:
+        """The engine thread is alive and no step has failed."""
+        return self.error is None and not self._closed and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def is_healthy(self) -> bool:
+        """Neither shut down nor stopped by a failed step (the thread may not have started yet)."""
+        return self.error is None and not self._closed
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise EngineDead("the engine was shut down")
+        if self.error is not None:
+            raise EngineDead(f"the engine loop stopped: {type(self.error).__name__}: {self.error}")
+
+    # ----- lifecycle -----
+    def start(self) -> None:
+        """Start the engine thread (no-op when it runs)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="fleetlab-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Abort every unfinished request and stop the engine thread; later requests raise ``EngineDead``."""
+        self._closed = True
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(_STOP)
+            self._thread.join(timeout)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ----- engine thread -----
+    def _run(self) -> None:
+        streams: dict[str, RequestStream] = {}
+        try:
+            while True:
+                idle = not self.llm.has_unfinished_requests()
+                if not self._take_commands(streams, block=idle):
+                    break
+                if self.llm.has_unfinished_requests():
+                    self._route(streams, self.llm.step(stream=True))
+                self._stats = self.llm.stats()
+        except Exception as e:  # a bug in a step: fail every request, keep the server answering
+            logger.exception("fleetlab engine loop stopped")
+            self.error = e
+            dead = EngineDead(f"the engine loop stopped: {type(e).__name__}: {e}")
+            self._deliver({s: [dead] for s in streams.values()})
+            streams.clear()
+            self._fail_queued(dead)
+        finally:
+            self._abort_all(streams)
+            self._fail_queued(EngineDead("the engine was shut down"))
+
+    def _take_commands(self, streams: dict, block: bool) -> bool:
+        """Apply every waiting command (waiting for one when ``block``); False on stop."""
+        commands = [self._inbox.get()] if block else []
+        while True:
+            try:
+                commands.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        aborts = []
+        for cmd in commands:
+            if cmd is _STOP:
+                return False
+            if isinstance(cmd, _Add):
+                self._add(cmd, streams)
+            elif cmd.request_id in streams:
+                aborts.append(cmd.request_id)
+        if aborts:
+            self._route(streams, self._abort(aborts))
+        return True
+
+    def _abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        outputs = self.llm.abort(request_ids)
+        for out in outputs:  # every token was already handed out by the step that made it
+            out.new_token_ids = []
+        return outputs
+
+    def _add(self, cmd: _Add, streams: dict) -> None:
+        loop = cmd.stream._loop
+        try:
+            self.llm.add_request(**cmd.kwargs)
+        except Exception as e:  # ValueError for bad input; anything else is a bug, still the caller's answer
+            self._finished(1)
+            loop.call_soon_threadsafe(_settle, cmd.future, e)
+            return
+        streams[cmd.stream.request_id] = cmd.stream
+        loop.call_soon_threadsafe(_settle, cmd.future, None)
+
+    def _route(self, streams: dict, outputs: list[RequestOutput]) -> None:
+        by_stream = defaultdict(list)
+        done = 0
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:
+                continue
+            by_stream[stream].append(out)
+            if out.finished:
+                del streams[out.request_id]
+                done += 1
+        self._finished(done)
+        self._deliver(by_stream)
+
+    @staticmethod
+    def _deliver(by_stream: dict) -> None:
+        """Hand outputs to their streams: one wake-up per event loop per step."""
+        by_loop = defaultdict(list)
+        for stream, items in by_stream.items():
+            by_loop[stream._loop].append((stream, items))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that event loop is closed: nobody is listening
+                pass
+
+    def _finished(self, n: int) -> None:
+        if n:
+            with self._lock:
+                self._num_unfinished -= n
+
+    def _fail_queued(self, error: BaseException) -> None:
+        """Answer the adds still in the inbox (the loop will not take them)."""
+        while True:
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                self._finished(1)
+                cmd.stream._loop.call_soon_threadsafe(_settle, cmd.future, error)
+
+    def _abort_all(self, streams: dict) -> None:
+        try:
+            if streams:
+                self._route(streams, self._abort(list(streams)))
+            self._stats = self.llm.stats()
+        except Exception:
+            logger.exception("fleetlab engine: aborting the remaining requests failed")
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def _put_all(batch) -> None:
+    for stream, items in batch:
+        for item in items:
+            stream._put(item)

@@ -1,0 +1,152 @@
+"""``python -m fleetlab serve``: an OpenAI-compatible server on one model.
+
+    python -m fleetlab serve --model tiny --port 8000
+    python -m fleetlab serve --model tiny --model-impl fleet --max-num-seqs 32 --max-queue-len 64
+    python -m fleetlab serve --model /path/to/checkpoint --backend triton
+
+The engine options are ``LLM``'s (``fleetlab.EngineConfig``); ``--speculative-config JSON`` is
+handed to ``LLM(speculative_config=...)`` as it is. ``--port 0`` takes any free port; the line
+printed at start names the address. Library notices and access logs are shown only with ``-v``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import socket
+import sys
+import warnings
+
+from fleetlab.serving.loader import MODEL_IMPLS
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m fleetlab serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="'tiny' (the shipped tiny Llama) or a checkpoint directory")
+    p.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS,
+                   help="auto/paddleformers: the PaddleFormers model; fleet: the weights in the Fleet-style model")
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0: any free port")
+    e = p.add_argument_group("engine (fleetlab.EngineConfig)")
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: max-num-seqs full sequences)")
+    e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--max-num-batched-tokens", type=int, default=512)
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--backend", default="reference", help="attention backend name (e.g. reference, triton)")
+    e.add_argument("--scheduling-policy", default="fcfs")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
+                   help="passed to LLM(speculative_config=...) as it is, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
+    p.add_argument("--max-queue-len", type=int, default=256,
+                   help="requests that may wait beyond --max-num-seqs; one more is answered 503 at once")
+    return p
+
+
+def engine_config(args) -> dict:
+    """``LLM`` keywords from parsed arguments."""
+    cfg = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
+           "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+           "backend": args.backend, "scheduling_policy": args.scheduling_policy,
+           "enable_prefix_caching": args.enable_prefix_caching, "seed": args.seed}
+    if args.speculative_config is not None:
+        cfg["speculative_config"] = args.speculative_config
+    return cfg
+
+
+@contextlib.contextmanager
+def quiet_libraries(verbose: bool):
+    """Silence Paddle's and PaddleFormers' import-time notices unless ``verbose``."""
+    if verbose:
+        yield
+        return
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    logging.disable(logging.WARNING)
+    held = io.StringIO()  # Paddle prints an OMP_NUM_THREADS notice straight to stderr on import
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stderr(held):
+            warnings.simplefilter("ignore")
+            yield
+    except BaseException:
+        sys.stderr.write(held.getvalue())  # it failed: show everything after all
+        raise
+    finally:
+        logging.disable(logging.NOTSET)
+        logging.getLogger("PaddleFormers").setLevel(logging.ERROR)
+
+
+def make_engine(args, verbose: bool = False):
+    """``(AsyncLLM, served model name)`` for parsed ``serve`` arguments."""
+    with quiet_libraries(verbose):
+        from fleetlab.engine.llm import LLM
+        from fleetlab.serving.async_llm import AsyncLLM
+        from fleetlab.serving.loader import load_model
+
+        model, tokenizer = load_model(args.model, args.model_impl)
+        llm = LLM(model, tokenizer, **engine_config(args))
+    return AsyncLLM(llm, max_queue_len=args.max_queue_len), args.served_model_name or args.model
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``port`` 0: any free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def uvicorn_server(app, verbose: bool = False):
+    """A ``uvicorn.Server`` for ``app``: quiet (warnings only, no access log) unless ``verbose``."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
+                            timeout_graceful_shutdown=3, lifespan="on")
+    return uvicorn.Server(config)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    verbose = logging.getLogger().getEffectiveLevel() <= logging.INFO
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        print(f"fleetlab serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    try:
+        engine, name = make_engine(args, verbose)
+    except Exception as e:  # a bad option or model: say what, not a traceback (-v logs it)
+        sock.close()
+        logger.info("serve: the engine could not be built", exc_info=True)
+        print(f"fleetlab serve: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    from fleetlab.serving.app import build_app
+
+    host, port = sock.getsockname()[:2]
+    server = uvicorn_server(build_app(engine, name), verbose)
+    print(f"fleetlab serve: {name!r} ({args.model_impl}, {args.backend} attention) on http://{host}:{port}/v1 "
+          f"-- Ctrl-C stops", flush=True)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn stops gracefully on Ctrl-C, then raises the signal again
+        pass
+    finally:
+        engine.shutdown()
+        sock.close()
+    return 0

@@ -1,0 +1,65 @@
+"""What ``serve --model ... --model-impl ...`` loads: a model and its tokenizer.
+
+``--model``:
+  ``tiny``  the trained tiny Llama shipped in ``fleetlab/models/weights`` (character tokenizer);
+  PATH      a checkpoint directory: PaddleFormers' ``AutoModelForCausalLM`` reads it, and its
+            tokenizer is fleetlab's ``CharTokenizer`` when ``tokenizer.json`` says so, else
+            PaddleFormers' ``AutoTokenizer`` (nothing is downloaded: both read the directory).
+``--model-impl``:
+  ``auto`` / ``paddleformers``  the PaddleFormers model, its attention patched through
+            PaddleFormers' attention interface;
+  ``fleet``  the same weights moved into fleetlab's Fleet-style model
+            (:func:`fleetlab.models.convert.fleet_from_llama`, Llama checkpoints only), whose
+            ``core_attention`` layers are swapped for paged attention: the path of a
+            Fleet/Megatron model in a production engine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+MODEL_IMPLS = ("auto", "paddleformers", "fleet")
+
+
+def load_model(model: str, model_impl: str = "auto"):
+    """``(model, tokenizer)`` for ``--model`` / ``--model-impl`` (see the module docstring).
+
+    Raises ``ValueError`` for an unknown impl or a model the impl cannot hold, and
+    ``FileNotFoundError`` for a path that is not a checkpoint directory.
+    """
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"--model-impl {model_impl!r}: choose from {list(MODEL_IMPLS)}")
+    if model == "tiny":
+        from fleetlab.models import load_tiny
+
+        net, tokenizer = load_tiny()
+    else:
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"--model {model!r}: not 'tiny' and not a checkpoint directory with config.json")
+        from fleetlab.models import load_pretrained
+
+        net, tokenizer = load_pretrained(path), load_tokenizer(path)
+    if model_impl == "fleet":
+        from fleetlab.models.convert import fleet_from_llama
+
+        net = fleet_from_llama(net)
+    return net, tokenizer
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer stored in checkpoint directory ``path``."""
+    file = path / "tokenizer.json"
+    if file.is_file():
+        try:
+            kind = json.loads(file.read_text(encoding="utf-8")).get("type")
+        except (ValueError, AttributeError):
+            kind = None
+        if kind == "char":
+            from fleetlab.models.tokenizer import CharTokenizer
+
+            return CharTokenizer.load(path)
+    from paddleformers.transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

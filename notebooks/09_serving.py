@@ -1,0 +1,173 @@
+# %% [markdown]
+# # 09 · Serving: the engine behind an OpenAI-compatible server
+#
+# **You will learn** what a serving engine adds around the decode loop of `04_decode_loop`:
+#
+# 1. an **async engine loop**: one background thread steps the `LLM` while the web server
+#    answers many clients on an asyncio event loop; each request gets its own output stream;
+# 2. **streaming**: every engine step's new tokens leave as one server-sent event, turned into
+#    text by an incremental detokenizer that also cuts the text at `stop` strings;
+# 3. what the server **refuses** (bad input: 400 naming the field; a full queue: 503) and what
+#    it **reports** (`/metrics` in Prometheus' format);
+# 4. how a server is **measured**: requests arriving at random (a Poisson process) at several
+#    rates, and the latency each client sees: time to first token (TTFT), time per output
+#    token (TPOT), inter-token latency (ITL).
+#
+# The server runs as a separate process started from the next cells (`python -m fleetlab serve`),
+# and we talk to it with OpenAI's official Python client, as any application would.
+
+# %%
+# %matplotlib inline
+import httpx
+from openai import OpenAI
+
+import fleetlab  # first: it keeps Paddle's import-time notices quiet
+from fleetlab.bench import serving as serving_bench
+
+# %% [markdown]
+# ## 1. Start a server in the background
+#
+# `ServerProcess` runs `python -m fleetlab serve --model tiny ...` as a child process (on a free
+# port) and returns once `/health` answers. The options are the engine's own: here at most 32
+# requests run at once, in blocks of 16 tokens. The shipped tiny model answers arithmetic and
+# counts, one character per token.
+
+# %%
+server = fleetlab.serving.ServerProcess(["--model", "tiny", "--max-num-seqs", "32", "--block-size", "16"])
+print("serving at", server.base_url)
+print(httpx.get(server.url + "/v1/models").json()["data"])
+
+# %% [markdown]
+# ## 2. Ask it something with the official client
+#
+# `temperature=0` is greedy decoding: the same tokens `LLM.generate` gives offline. `usage` counts
+# the prompt's tokens (a BOS token and one per character) and the answer's (the EOS included).
+
+# %%
+client = OpenAI(base_url=server.base_url, api_key="not-needed")
+reply = client.completions.create(model="tiny", prompt="12+7=", max_tokens=8, temperature=0)
+print(repr(reply.choices[0].text), reply.choices[0].finish_reason, reply.usage)
+
+chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "45+38="}],
+                                      temperature=0)
+print(repr(chat.choices[0].message.content), chat.choices[0].finish_reason)
+
+# %% [markdown]
+# The chat endpoint needs a *chat template* to turn messages into a prompt. A real tokenizer
+# carries its own; the tiny model's character tokenizer has none, so fleetlab uses a minimal one:
+# each message's text on its own line. A single user message `"45+38="` is therefore the prompt
+# `"45+38="`, which the tiny model was trained to answer.
+#
+# ## 3. Stream a completion into this cell
+#
+# With `stream=True` the server sends one chunk per engine step that made tokens (a `|` marks each
+# chunk below). `stream_options={"include_usage": True}` adds a last chunk with the token counts.
+
+# %%
+stream = client.completions.create(model="tiny", prompt="count 3 ", max_tokens=24, temperature=0, stream=True,
+                                   stream_options={"include_usage": True})
+for chunk in stream:
+    if chunk.choices:
+        print(chunk.choices[0].text, end="|", flush=True)
+        finish = chunk.choices[0].finish_reason
+    else:
+        print(f"\nfinish_reason={finish!r}, usage: {chunk.usage}")
+
+# %% [markdown]
+# A `stop` string ends the answer where it appears, and is not part of the text. The server holds
+# back any text that could be the beginning of a stop string, so that a stop string split over two
+# steps is never half sent; once it appears, the engine request is aborted and its KV blocks freed.
+
+# %%
+stopped = client.completions.create(model="tiny", prompt="count 3 ", max_tokens=24, temperature=0, stop=["8"])
+print(repr(stopped.choices[0].text), stopped.choices[0].finish_reason)
+
+# %% [markdown]
+# ## 4. What the server refuses, and what it reports
+#
+# Bad input is answered at once with HTTP 400 and an OpenAI-style error body naming the field, and
+# the server goes on serving. (A queue beyond `--max-queue-len` waiting requests is answered 503.)
+
+# %%
+for body in ({"model": "tiny", "prompt": "1+1=", "temperature": 7},
+             {"model": "gpt-4", "prompt": "1+1="},
+             {"model": "tiny", "prompt": "1+1=", "max_tokens": 1000}):
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    print(r.status_code, r.json()["error"]["param"], "--", r.json()["error"]["message"])
+print("health:", httpx.get(server.url + "/health").status_code)
+
+# %% [markdown]
+# `/metrics` speaks Prometheus' text format, with the names vLLM uses (`fleetlab:` instead of
+# `vllm:`): the engine's state at the time of the scrape, and histograms of what requests saw.
+
+# %%
+metrics = httpx.get(server.url + "/metrics").text
+wanted = ("fleetlab:num_requests_running{", "fleetlab:num_requests_waiting{", "fleetlab:kv_cache_usage_perc{",
+          "fleetlab:time_to_first_token_seconds_count", "fleetlab:time_to_first_token_seconds_sum",
+          "fleetlab:generation_tokens_total", "fleetlab:request_success_total")
+print("\n".join(line for line in metrics.splitlines() if line.startswith(wanted)))
+
+# %% [markdown]
+# ## 5. Measure it: latency against the request rate
+#
+# `fleetlab.bench.serving` (also `python -m fleetlab bench serve`) sends the same 20 prompts at
+# several rates, request `i` leaving at the `i`-th arrival of a Poisson process, each asking for a
+# fixed number of tokens (8 to 24, `ignore_eos`). "all at once" sends all 20 together. Each client
+# times its own stream:
+#
+# - **TTFT**: from sending the request to its first chunk;
+# - **TPOT**: the rest of the stream divided by the tokens after the first;
+# - **ITL**: the gaps between consecutive chunks.
+
+# %%
+result = serving_bench.run_benchmark(server.url, rates=[8, 24, 72, float("inf")], num_prompts=20,
+                                     output_len=(8, 24))
+print(serving_bench.table(result))
+serving_bench.draw(result)
+
+# %% [markdown]
+# How to read it (the numbers move from run to run on a shared CPU; the shapes are what matter):
+#
+# - **Throughput** (bottom right) follows the offered load while the server keeps up. Where the
+#   bars stop growing, the server is saturated: it cannot finish more requests per second, and
+#   sending faster only makes requests wait. On a busy two-core machine that happens within these
+#   rates; on an idle one the bars may keep growing up to "all at once".
+# - **TTFT** jumps at "all at once": the 20 prompts arrive together, so most of them wait for the
+#   steps that serve the others' prefills (and for a free row, once `--max-num-seqs` are running).
+# - **TPOT and ITL** rise with the rate, gently or steeply: more requests in every step make each
+#   step longer, and every running request waits for the whole step. That is the trade of
+#   continuous batching: more tokens per second for everyone, each a little slower. On the tiny
+#   model a step's fixed overhead dominates, so on an idle machine the rise is small; the full
+#   run behind `benchmarks/results/serving.png` (64 requests per rate) shows it more clearly.
+# - **p99** sits above the median: a few requests arrive behind a burst, or share their steps
+#   with several prefills.
+#
+# ## 6. Stop the server
+#
+# `stop()` sends Ctrl-C (SIGINT): uvicorn finishes gracefully, the engine loop aborts whatever
+# still runs, and the process exits with status 0.
+
+# %%
+print("exit status:", server.stop())
+
+# %% [markdown]
+# > **In vLLM / FastDeploy** `fleetlab.AsyncLLM` is vLLM's `AsyncLLM` (`vllm/v1/engine/async_llm.py`),
+# > whose engine core runs in a separate process behind an `EngineCoreClient` (here: a thread);
+# > the app is vLLM's OpenAI server (`vllm/entrypoints/openai/api_server.py`: the same endpoints,
+# > `vllm:` metric names where fleetlab says `fleetlab:`), the incremental detokenizer its
+# > `vllm/v1/engine/detokenizer.py`, and `bench serve` reports what its serving benchmark
+# > (`vllm bench serve`) reports. FastDeploy serves third-party models the same way:
+# > `python -m fastdeploy.entrypoints.openai.api_server --model PATH --model-impl paddlefleet`.
+
+# %% [markdown]
+# ## Try next
+#
+# - Start the server with `--max-num-seqs 4` and run the benchmark again: TTFT at "all at once"
+#   jumps (requests queue for a row) while TPOT drops (small steps).
+# - Serve the same weights through the Fleet-style model: `--model-impl fleet` (the tokens are the
+#   same; `core_attention` is what gets patched).
+# - From a terminal: `python -m fleetlab serve --model tiny`, then `curl` it, or point any
+#   OpenAI-compatible client at `http://127.0.0.1:8000/v1`; `python -m fleetlab bench serve --url
+#   http://127.0.0.1:8000` measures it at the default rates and writes `benchmarks/results/serving.png`.
+# - Use `fleetlab.AsyncLLM` directly in your own asyncio code: `async for out in
+#   engine.generate(prompt, SamplingParams(...))`.

@@ -1,0 +1,326 @@
+"""The OpenAI-compatible server, driven by the official ``openai`` client over real HTTP.
+
+One server (uvicorn on a thread, a free loopback port) serves the shipped tiny model to every
+test here; the oracle is the same weights loaded again and run offline with ``LLM.generate``.
+"""
+
+import asyncio
+import contextlib
+import json
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+from prometheus_client.parser import text_string_to_metric_families
+
+from fleetlab import LLM, SamplingParams
+from fleetlab.demo import make_prompts
+from fleetlab.models import load_tiny
+from fleetlab.serving import AsyncLLM, ServerThread
+
+ENGINE = {"block_size": 16, "max_num_seqs": 32, "max_num_batched_tokens": 256}
+
+
+@pytest.fixture(scope="module")
+def server():
+    model, tokenizer = load_tiny()
+    engine = AsyncLLM(LLM(model, tokenizer, **ENGINE))
+    with ServerThread(engine, "tiny") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """Greedy outputs of the same weights, offline: ``offline(prompts, max_tokens) -> [RequestOutput]``."""
+    model, tokenizer = load_tiny()
+    llm = LLM(model, tokenizer, **ENGINE)
+    return lambda prompts, max_tokens, **kw: llm.generate(prompts, SamplingParams(max_tokens=max_tokens, **kw),
+                                                          use_tqdm=False)
+
+
+def client(server, cls=None):
+    return (cls or openai.OpenAI)(base_url=server.base_url, api_key="none", max_retries=0, timeout=60)
+
+
+def metrics(server) -> dict:
+    """``/metrics`` as ``{sample name with labels: value}`` (labels other than model_name kept)."""
+    text = httpx.get(server.url + "/metrics").text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def wait_idle(server, timeout=10.0) -> dict:
+    """Poll ``/metrics`` until no request runs or waits and no KV block is held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        idle = (m["fleetlab:num_requests_running"] == 0 and m["fleetlab:num_requests_waiting"] == 0
+                and m["fleetlab:kv_cache_usage_perc"] == 0)
+        if idle or time.monotonic() > deadline:
+            return m
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def slow_steps(engine, seconds=0.01):
+    """Make every engine step last at least ``seconds``, so a 100-token request surely outlives a
+    client that hangs up after two chunks, however busy the machine is."""
+    real = engine.llm.step
+
+    def step(**kw):
+        time.sleep(seconds)
+        return real(**kw)
+
+    engine.llm.step = step
+    try:
+        yield
+    finally:
+        engine.llm.step = real
+
+
+def test_models_and_health(server):
+    models = client(server).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_completion_matches_offline(server, offline):
+    prompts = ["12+7=", "count 3 ", "the red cat "]
+    want = offline(prompts, 12)
+    c = client(server)
+    for prompt, w in zip(prompts, want):
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert r.object == "text_completion" and len(r.choices) == 1
+        assert r.choices[0].text == w.text
+        assert r.choices[0].finish_reason == w.finish_reason
+        assert r.usage.prompt_tokens == len(w.prompt_token_ids)
+        assert r.usage.completion_tokens == len(w.token_ids)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # a batch of prompts (strings, then token ids): one choice per prompt, in order
+    r = c.completions.create(model="tiny", prompt=prompts, max_tokens=12, temperature=0)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert [ch.text for ch in r.choices] == [w.text for w in want]
+    r = c.completions.create(model="tiny", prompt=[w.prompt_token_ids for w in want], max_tokens=12, temperature=0)
+    assert [ch.text for ch in r.choices] == [w.text for w in want]
+    assert r.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+
+
+def test_streaming_completion_with_usage(server, offline):
+    (want,) = offline(["count 3 "], 6)
+    stream = client(server).completions.create(model="tiny", prompt="count 3 ", max_tokens=6, temperature=0,
+                                               stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    *text_chunks, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == len(want.token_ids) == 6
+    assert last.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert all(ch.usage is None for ch in text_chunks)
+    assert len(text_chunks) > 3  # streamed step by step, not in one piece
+    assert "".join(ch.choices[0].text for ch in text_chunks) == want.text
+    assert [ch.choices[0].finish_reason for ch in text_chunks][-1] == "length"
+    assert all(ch.choices[0].finish_reason is None for ch in text_chunks[:-1])
+
+
+def test_chat(server, offline):
+    (want,) = offline(["45+38="], 8)  # the minimal chat template: one user message is the prompt itself
+    c = client(server)
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "45+38="}], max_tokens=8,
+                                  temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want.text == "83"
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == len(want.token_ids)
+    stream = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "45+38="}],
+                                       temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].object == "chat.completion.chunk"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "83"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+    # max_tokens unset on chat: the answer may run to the model's length (it stops at EOS here)
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "12+7="}], temperature=0)
+    assert r.choices[0].message.content == "19"
+
+
+def test_stop_strings_cut_the_text_and_free_the_request(server, offline):
+    (full,) = offline(["count 3 "], 30)
+    assert full.text.startswith("4 5 6 7 8")
+    c = client(server)
+    r = c.completions.create(model="tiny", prompt="count 3 ", max_tokens=30, temperature=0, stop=["6 7", "9"])
+    assert r.choices[0].text == "4 5 " and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens < len(full.token_ids)
+    # streamed: the stop string "6 7" spans steps; no piece of it is ever sent
+    chunks = list(c.completions.create(model="tiny", prompt="count 3 ", max_tokens=30, temperature=0,
+                                       stop="6 7", stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == "4 5 "
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    m = wait_idle(server)
+    assert m["fleetlab:num_requests_running"] == 0 and m["fleetlab:kv_cache_usage_perc"] == 0
+
+
+def test_200_concurrent_streams_equal_offline_greedy(server, offline):
+    prompts = make_prompts(200, seed=1)
+    want = offline(prompts, 10)
+
+    async def one(c, prompt):
+        stream = await c.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+        text, finish, use = [], None, None
+        async for chunk in stream:
+            if chunk.choices:
+                text.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                use = chunk.usage
+        return "".join(text), finish, use.completion_tokens
+
+    async def run():
+        async with client(server, openai.AsyncOpenAI) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    got = asyncio.run(run())
+    assert [g[0] for g in got] == [w.text for w in want]
+    assert [g[1] for g in got] == [w.finish_reason for w in want]
+    assert [g[2] for g in got] == [len(w.token_ids) for w in want]  # token for token
+    assert sum(w.finish_reason == "stop" for w in want) > 50 and sum(w.finish_reason == "length" for w in want) > 20
+
+
+def test_50_clients_disconnecting_mid_stream_free_everything(server):
+    before = metrics(server).get("fleetlab:request_success_total{finished_reason=abort}", 0)
+
+    async def one(c, i):
+        stream = await c.completions.create(model="tiny", prompt=f"count {i} ", max_tokens=100, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+        got = 0
+        async for chunk in stream:
+            got += len(chunk.choices[0].text) > 0
+            if got == 2:
+                break
+        await stream.close()  # hang up mid-stream
+        return got
+
+    async def run():
+        async with client(server, openai.AsyncOpenAI) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(50)))
+
+    with slow_steps(server.engine):
+        assert asyncio.run(run()) == [2] * 50
+        m = wait_idle(server)
+    assert m["fleetlab:num_requests_running"] == 0 and m["fleetlab:num_requests_waiting"] == 0
+    assert m["fleetlab:kv_cache_usage_perc"] == 0
+    assert m["fleetlab:request_success_total{finished_reason=abort}"] - before == 50
+    # and the server still serves
+    r = client(server).completions.create(model="tiny", prompt="12+7=", max_tokens=4, temperature=0)
+    assert r.choices[0].text == "19"
+
+
+def test_non_streamed_client_hanging_up_aborts(server):
+    before = metrics(server).get("fleetlab:request_success_total{finished_reason=abort}", 0)
+    body = {"model": "tiny", "prompt": "count 1 ", "max_tokens": 110, "temperature": 0, "ignore_eos": True}
+    # one step per token: 110 steps of >= 10 ms take far longer than the 0.2 s the client waits
+    with slow_steps(server.engine), pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(5, read=0.2))
+    m = wait_idle(server)
+    assert m["fleetlab:kv_cache_usage_perc"] == 0
+    assert m["fleetlab:request_success_total{finished_reason=abort}"] - before == 1
+
+
+BAD_REQUESTS = [
+    # (what, endpoint, body or raw bytes, the param the error must name)
+    ("malformed JSON", "completions", b'{"model": "tiny", "prompt": ', None),
+    ("body not an object", "completions", b"[1, 2]", None),
+    ("empty body", "completions", b"", None),
+    ("missing prompt", "completions", {"model": "tiny"}, "prompt"),
+    ("unknown model", "completions", {"model": "gpt-9", "prompt": "1+1="}, "model"),
+    ("temperature out of range", "completions", {"model": "tiny", "prompt": "1+1=", "temperature": 3}, "temperature"),
+    ("max_tokens zero", "completions", {"model": "tiny", "prompt": "1+1=", "max_tokens": 0}, "max_tokens"),
+    ("top_p out of range", "completions", {"model": "tiny", "prompt": "1+1=", "top_p": 1.5}, "top_p"),
+    ("max_tokens of the wrong type", "completions", {"model": "tiny", "prompt": "1+1=", "max_tokens": "many"},
+     "max_tokens"),
+    ("prompt too long", "completions", {"model": "tiny", "prompt": "1+" * 100}, "prompt"),
+    ("prompt + max_tokens too long", "completions", {"model": "tiny", "prompt": "1+1=", "max_tokens": 500},
+     "max_tokens"),
+    ("token id outside the vocabulary", "completions", {"model": "tiny", "prompt": [1, 5, 999]}, "prompt"),
+    ("n > 1", "completions", {"model": "tiny", "prompt": "1+1=", "n": 2}, "n"),
+    ("empty stop string", "completions", {"model": "tiny", "prompt": "1+1=", "stop": [""]}, "stop"),
+    ("min_tokens > max_tokens", "completions", {"model": "tiny", "prompt": "1+1=", "max_tokens": 2, "min_tokens": 5},
+     "min_tokens"),
+    ("no messages", "chat/completions", {"model": "tiny", "messages": []}, "messages"),
+    ("unknown role", "chat/completions", {"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]},
+     "messages[0].role"),
+]
+
+
+def test_bad_requests_are_400_naming_the_field_and_the_server_keeps_serving(server):
+    assert len({b[0] for b in BAD_REQUESTS}) >= 10
+    errors_before = metrics(server).get("fleetlab:request_errors_total{status=400}", 0)
+    for what, endpoint, body, param in BAD_REQUESTS:
+        url = f"{server.url}/v1/{endpoint}"
+        r = (httpx.post(url, content=body, headers={"Content-Type": "application/json"}) if isinstance(body, bytes)
+             else httpx.post(url, json=body))
+        assert r.status_code == 400, (what, r.status_code, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error", what
+        assert err["param"] == param, (what, err)
+        assert err["message"], what
+        assert httpx.get(server.url + "/health").status_code == 200
+    assert metrics(server)["fleetlab:request_errors_total{status=400}"] - errors_before == len(BAD_REQUESTS)
+    # the official client raises BadRequestError with the body
+    with pytest.raises(openai.BadRequestError) as info:
+        client(server).completions.create(model="tiny", prompt="1+1=", temperature=-1)
+    assert info.value.body["param"] == "temperature"
+    r = client(server).completions.create(model="tiny", prompt="12+7=", max_tokens=4, temperature=0)
+    assert r.choices[0].text == "19"
+    assert wait_idle(server)["fleetlab:kv_cache_usage_perc"] == 0
+
+
+def test_full_queue_is_refused_at_once_with_503():
+    model, tokenizer = load_tiny()
+    engine = AsyncLLM(LLM(model, tokenizer, block_size=16, max_num_seqs=2), max_queue_len=1)
+    long = {"model": "tiny", "prompt": "count 1 ", "max_tokens": 100, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+    async def run(s):
+        async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+            held = []
+            for _ in range(3):  # max_num_seqs + max_queue_len requests in flight
+                resp = await c.send(c.build_request("POST", "/v1/completions", json=long), stream=True)
+                assert resp.status_code == 200
+                held.append(resp)
+            t0 = time.perf_counter()
+            refused = await c.post("/v1/completions", json={**long, "stream": False})
+            waited = time.perf_counter() - t0
+            with pytest.raises(openai.InternalServerError):  # the official client's view of a 503
+                await client(s, openai.AsyncOpenAI).completions.create(model="tiny", prompt="1+1=", max_tokens=2)
+            for resp in held:
+                await resp.aclose()
+            return refused, waited
+
+    with ServerThread(engine, "tiny") as s, slow_steps(engine):
+        refused, waited = asyncio.run(run(s))
+        assert refused.status_code == 503 and waited < 2.0
+        assert refused.json()["error"]["code"] == "queue_full" and refused.headers["retry-after"]
+        assert wait_idle(s)["fleetlab:kv_cache_usage_perc"] == 0
+        r = client(s).completions.create(model="tiny", prompt="12+7=", max_tokens=4, temperature=0)
+        assert r.choices[0].text == "19"  # room again once the streams were closed
+
+
+def test_metrics_names_and_histograms(server):
+    client(server).completions.create(model="tiny", prompt="count 7 ", max_tokens=8, temperature=0)
+    m = metrics(server)
+    for name in ("fleetlab:num_requests_running", "fleetlab:num_requests_waiting", "fleetlab:kv_cache_usage_perc",
+                 "fleetlab:prefix_cache_hit_rate", "fleetlab:num_preemptions_total", "fleetlab:engine_steps_total",
+                 "fleetlab:prompt_tokens_total", "fleetlab:generation_tokens_total"):
+        assert name in m, name
+    for hist in ("fleetlab:time_to_first_token_seconds", "fleetlab:time_per_output_token_seconds",
+                 "fleetlab:e2e_request_latency_seconds"):
+        assert m[f"{hist}_count"] >= 1 and m[f"{hist}_sum"] > 0, hist
+    assert m["fleetlab:generation_tokens_total"] >= 8
+    text = httpx.get(server.url + "/metrics").text
+    assert 'fleetlab:num_requests_running{model_name="tiny"}' in text
+    assert json.loads(httpx.get(server.url + "/nope").text)["error"]["type"] == "not_found_error"

@@ -1,0 +1,146 @@
+"""The serving pieces that need no server: detokenizer, stop strings, chat template, error mapping,
+and the Llama -> Fleet converter that ``serve --model-impl fleet`` uses."""
+
+import numpy as np
+import pytest
+
+from fleetlab.models.tokenizer import CharTokenizer
+from fleetlab.serving.chat_template import chat_prompt_ids, render_minimal
+from fleetlab.serving.detokenizer import IncrementalDetokenizer, StopStrings, TextStream
+from fleetlab.serving.errors import bad_request_from_engine
+
+
+class ByteTokenizer:
+    """A byte-level tokenizer (one token per UTF-8 byte, ids 1..256; 0 is a special token), and
+    SentencePiece's habit of dropping the leading space of a decoded sequence."""
+
+    def encode(self, text):
+        return [b + 1 for b in text.encode("utf-8")]
+
+    def decode(self, ids, skip_special_tokens=True):
+        text = bytes(i - 1 for i in ids if i > 0).decode("utf-8", errors="replace")
+        return text[1:] if text.startswith(" ") else text
+
+
+def stream_in_pieces(tokenizer, prompt_ids, ids, sizes):
+    detok, pieces, i = IncrementalDetokenizer(tokenizer, prompt_ids), [], 0
+    for n in sizes:
+        pieces.append(detok.push(ids[i:i + n]))
+        i += n
+    pieces.append(detok.flush())
+    return pieces
+
+
+@pytest.mark.parametrize("sizes", [[1] * 40, [3] * 14, [7, 1, 2, 30]])
+def test_incremental_detokenizer_equals_decoding_everything(sizes):
+    tok = ByteTokenizer()
+    text = " héllo wörld, ünïcode ∑ ok"
+    ids = tok.encode(text)
+    pieces = stream_in_pieces(tok, tok.encode("say:"), ids, [s for s in sizes if s][: len(ids)] + [len(ids)])
+    assert "".join(pieces) == text  # the leading space survives: it decodes in the prompt's context
+    assert all("\ufffd" not in p for p in pieces)  # half characters are held back, never sent
+
+
+def test_incremental_detokenizer_on_the_char_tokenizer_skips_specials():
+    tok = CharTokenizer()
+    ids = tok.encode("19") + [tok.eos_token_id]
+    assert "".join(stream_in_pieces(tok, tok.encode("12+7="), ids[1:], [1, 1, 1])) == "19"
+
+
+def test_stop_strings_hold_back_and_cut():
+    s = StopStrings(["6 7", "xyz"])
+    sent = [s.push(p) for p in ["4 5", " 6", " 7 8"]]
+    assert "".join(sent) == "4 5 " and s.stopped and s.text == "4 5 "
+    assert s.push("more") == "" and s.flush() == ""
+    s = StopStrings(["ab"])
+    assert s.push("xa") == "x"  # "a" may start "ab"
+    assert s.push("c") == "ac" and not s.stopped
+    assert s.push("a") == "" and s.flush() == "a"
+    s = StopStrings(["b", "ab"])  # the earliest match wins
+    assert s.push("xab") == "x" and s.text == "x"
+    assert StopStrings().push("anything") == "anything"
+
+
+def test_text_stream_counts_tokens_and_finishes():
+    tok = CharTokenizer()
+    ts = TextStream(tok, tok.encode("count 3 "), stop=["6"])
+    out = ts.push(tok.encode("4 5", add_bos=False)) + ts.push(tok.encode(" 6 7", add_bos=False))
+    assert out == "4 5 " and ts.stopped and ts.num_tokens == 7 and ts.finish() == ""
+    ts = TextStream(tok, [1], stop=["zz"])
+    assert ts.push(tok.encode("abz", add_bos=False)) == "ab"
+    assert ts.finish() == "z" and ts.text == "abz"
+
+
+class TemplateTokenizer(CharTokenizer):
+    chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: "
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=True):
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return {"input_ids": self.encode(text)} if tokenize else text
+
+
+def test_chat_template_own_or_minimal():
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "12+7="}]
+    assert render_minimal(msgs) == "be brief\n12+7="
+    tok = CharTokenizer()
+    assert chat_prompt_ids(tok, msgs[1:]) == tok.encode("12+7=")
+    t = TemplateTokenizer()
+    assert chat_prompt_ids(t, msgs) == t.encode("system: be brief\nuser: 12+7=\nassistant: ")
+
+
+def test_engine_value_errors_become_400s_naming_the_field():
+    from fleetlab import SamplingParams
+
+    with pytest.raises(ValueError) as e:
+        SamplingParams(top_p=2.0).validate("cmpl-1")
+    bad = bad_request_from_engine(e.value)
+    assert bad.param == "top_p" and bad.status_code == 400 and not bad.message.startswith("request")
+    bad = bad_request_from_engine(ValueError("request 'x': prompt_token_ids [999] outside the vocabulary [0, 55)"),
+                                  "messages")
+    assert bad.param == "messages" and bad.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_validation_error_param_names():
+    from fleetlab.serving.app import _param
+
+    assert _param(["messages", 0, "content"]) == "messages[0].content"
+    assert _param(["prompt", "list[int]", 2]) == "prompt"
+    assert _param(["stop", "str"]) == "stop"
+
+
+def test_fleet_from_llama_computes_the_same_model():
+    import paddle
+
+    from fleetlab import LLM, SamplingParams
+    from fleetlab.models import load_tiny, tiny
+    from fleetlab.models.convert import fleet_from_llama
+    from fleetlab.serving.loader import load_model
+
+    llama, tok = load_tiny()
+    fleet = fleet_from_llama(llama)
+    ids = paddle.to_tensor([tok.encode("12+7=19 count 3 4 5")])
+    want = llama(input_ids=ids, use_cache=False, return_dict=True).logits.numpy()
+    np.testing.assert_allclose(fleet(ids).numpy(), want, atol=1e-4)
+    prompts, sp = ["45+38=", "count 3 "], SamplingParams(max_tokens=8)
+    served, _ = load_model("tiny", "fleet")
+    assert type(served).__name__ == "FleetForCausalLM"
+    assert ([o.token_ids for o in LLM(served, tok).generate(prompts, sp, use_tqdm=False)]
+            == [o.token_ids for o in LLM(llama, tok).generate(prompts, sp, use_tqdm=False)])
+    with pytest.raises(ValueError, match="Llama"):
+        fleet_from_llama(tiny("phi3"))
+    with pytest.raises(ValueError, match="model-impl"):
+        load_model("tiny", "vllm")
+
+
+def test_load_model_from_a_checkpoint_directory(tmp_path):
+    import shutil
+
+    from fleetlab.models.pretrained import WEIGHTS_DIR
+    from fleetlab.serving.loader import load_model
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(WEIGHTS_DIR, path)  # PaddleFormers may write a metadata file next to the weights
+    model, tok = load_model(str(path), "paddleformers")
+    assert isinstance(tok, CharTokenizer) and type(model).__name__ == "LlamaForCausalLM"
+    with pytest.raises(FileNotFoundError, match="checkpoint directory"):
+        load_model(str(tmp_path / "nothing"))
