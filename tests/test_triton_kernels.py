@@ -12,7 +12,8 @@ query of the row can see (whose whole blocks may be gone from the table: -1). A 
 that loads what it masks shows up as a non-finite output.
 
 Set ``FLEETLAB_TRITON_ERRORS=path.json`` to record the worst error seen per kernel
-and dtype (the H200 benchmark JSON carries them).
+and dtype (``path.json.gwN`` per worker under pytest-xdist; the H200 benchmark JSON
+carries them, merged).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def _record_worst_errors():
     yield
     path = os.environ.get("FLEETLAB_TRITON_ERRORS")
     if path:
-        with open(path, "w") as f:
+        worker = os.environ.get("PYTEST_XDIST_WORKER")  # one file per worker under pytest -n
+        with open(f"{path}.{worker}" if worker else path, "w") as f:
             json.dump(WORST, f, indent=1, sort_keys=True)
 
 

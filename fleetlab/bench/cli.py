@@ -3,7 +3,8 @@
 Names: ``all`` (default: the engine benchmark), ``engine`` (fleetlab vs PaddleFormers
 generate, KV memory, prefix caching, step-time breakdown), ``reorder`` (condense +
 decode-first reorder cost), ``attention`` (reference paged attention), ``triton``
-(Triton decode kernel; needs a GPU with torch and triton).
+(Triton paged-attention kernels: decode, multi-token decode, prefill; needs a GPU with
+torch and triton).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ BENCHES = {
     "engine": "fleetlab.bench.engine",
     "reorder": "fleetlab.bench.reorder",
     "attention": "fleetlab.bench.attention",
-    "triton": "fleetlab.bench.triton_decode",
+    "triton": "fleetlab.bench.triton_attention",
 }
 
 
