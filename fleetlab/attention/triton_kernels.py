@@ -102,7 +102,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEADS: tl.constexpr, MAX_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (row, group of HEADS kv heads, split): all query tokens of one decode row.
 
@@ -119,7 +119,8 @@ def _decode_kernel(
 
     ``SPLIT``: the context is cut into ``num_splits`` splits; each program writes its
     normalised partial output and log2-sum-exp, and the last program of a (row, heads)
-    to finish (an atomic counter, reset afterwards) merges them: no second launch.
+    to finish (an atomic counter, reset afterwards) merges them (``_merge_splits``): no
+    second launch.
     """
     row = tl.program_id(0)
     hg = tl.program_id(1)
@@ -182,38 +183,73 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
-    out_ptrs = out_ptr + tok_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :]
     if SPLIT:
+        # Partials keep only the MERGE_ROWS leading tile rows (the valid ones), so the
+        # merge below works on a small tile and loads SPLIT_CHUNK splits at once.
         pid = row * tl.num_programs(1) + hg
-        part = (pid * num_splits + split).to(tl.int64) * BLOCK_M + offs_m
-        tl.store(part_lse_ptr + part, tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf")))
+        part = (pid * num_splits + split).to(tl.int64) * MERGE_ROWS + offs_m
+        keep = offs_m < MERGE_ROWS
+        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=keep)
         tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_c[None, :],
-                 acc / tl.where(l > 0, l, 1.0)[:, None], mask=own)
+                 acc / tl.where(l > 0, l, 1.0)[:, None], mask=own & keep[:, None])
         tl.debug_barrier()  # every thread's partial is written before the counter moves
         finished = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if finished == num_splits - 1:  # the last split of this (row, heads): merge all
-            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            first = (pid * num_splits).to(tl.int64) * BLOCK_M + offs_m
-            for s_idx in range(num_splits):
-                lse = tl.load(part_lse_ptr + first + s_idx * BLOCK_M, mask=m_valid, other=float("-inf"),
-                              cache_modifier=".cg")
-                o = tl.load(part_o_ptr + (first + s_idx * BLOCK_M)[:, None] * BLOCK_D + offs_c[None, :],
-                            mask=own & (lse > float("-inf"))[:, None], other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m, lse)
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m - m_safe)
-                w = tl.exp2(lse - m_safe)
-                l = l * alpha + w
-                acc = acc * alpha[:, None] + o * w[:, None]
-                m = m_new
+        if finished == num_splits - 1:  # the last split of this (row, heads) to finish merges them all
+            _merge_splits(part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len,
+                          stride_ot, stride_oh, GROUP, HEADS, MAX_Q, HEAD_DIM, BLOCK_D, MERGE_ROWS,
+                          SPLIT_CHUNK, USE_SINKS)
             tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next launch
-            o = _normalize(acc, m, l, sinks_ptr, heads, m_valid, USE_SINKS)
-            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=own)
     else:
         o = _normalize(acc, m, l, sinks_ptr, heads, m_valid, USE_SINKS)
-        tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=own)
+        tl.store(out_ptr + tok_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=own)
+
+
+@triton.jit
+def _merge_splits(
+    part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, MAX_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, USE_SINKS: tl.constexpr,
+):
+    """Merge the splits' normalised partial outputs by their log2-sum-exp, ``SPLIT_CHUNK``
+    splits per load (independent loads in flight, not one round trip per split)."""
+    ROWS: tl.constexpr = GROUP * HEADS
+    offs_r = tl.arange(0, MERGE_ROWS)
+    offs_c = tl.arange(0, BLOCK_D)
+    offs_s = tl.arange(0, SPLIT_CHUNK)
+    tok = offs_r // ROWS
+    heads = hg * ROWS + offs_r % ROWS
+    r_valid = (tok < q_len) & (offs_r < MAX_Q * ROWS)
+    if HEADS == 1:
+        d = offs_c
+        own = r_valid[:, None] & (offs_c < HEAD_DIM)[None, :]
+    else:
+        d = offs_c % HEAD_DIM
+        own = r_valid[:, None] & ((offs_c // HEAD_DIM)[None, :] == ((offs_r // GROUP) % HEADS)[:, None])
+    m = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
+    l = tl.zeros([MERGE_ROWS], tl.float32)
+    acc = tl.zeros([MERGE_ROWS, BLOCK_D], tl.float32)
+    first = (pid * num_splits).to(tl.int64)
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        s_idx = s0 + offs_s
+        rows = (first + s_idx)[:, None] * MERGE_ROWS + offs_r[None, :]  # [SPLIT_CHUNK, MERGE_ROWS]
+        lse = tl.load(part_lse_ptr + rows, mask=(s_idx < num_splits)[:, None] & r_valid[None, :],
+                      other=float("-inf"), cache_modifier=".cg")
+        o = tl.load(part_o_ptr + rows[:, :, None] * BLOCK_D + offs_c[None, None, :],
+                    mask=(lse > float("-inf"))[:, :, None] & own[None, :, :], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        w = tl.exp2(lse - m_safe[None, :])
+        l = l * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
+        m = m_new
+    o = _normalize(acc, m, l, sinks_ptr, heads, r_valid, USE_SINKS)
+    tok_rows = (q_start + tok).to(tl.int64)
+    tl.store(out_ptr + tok_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=own)
 
 
 @triton.jit
@@ -510,7 +546,7 @@ def prefill_config(head_dim: int, group: int, elem_bytes: int, num_programs: int
         return PrefillConfig(64, 32, 4, 2)
     if num_programs < _num_sms():
         return PrefillConfig(64, 64, 4, 3)
-    return PrefillConfig(128, 64, 8, 3)
+    return PrefillConfig(128, 32, 4, 4)
 
 
 def plan_decode_splits(
@@ -556,6 +592,7 @@ def _split_counters(like, n: int):
 
 
 MAX_DECODE_ROWS = 128  # query tokens x query heads one decode program can hold
+_MERGE_TILE = 8192  # fp32 elements of partial output the split merge loads at once
 
 
 def decode_attention(
@@ -618,10 +655,12 @@ def decode_attention(
         num_splits = math.ceil(max(max_span, 1) / split_len)
     block_m = max(16, _next_pow2(max_q * group * heads))
     block_d = _next_pow2(heads * head_dim)
+    merge_rows = _next_pow2(max_q * group * heads)
+    split_chunk = max(1, min(_next_pow2(num_splits), _MERGE_TILE // (merge_rows * block_d)))
     split = num_splits > 1
     if split:
         f32 = _float32_like(query)
-        parts = num_rows * head_groups * num_splits * block_m
+        parts = num_rows * head_groups * num_splits * merge_rows
         part_o = query.new_empty((parts, block_d), dtype=f32)
         part_lse = query.new_empty((parts,), dtype=f32)
         counters = _split_counters(query, num_rows * head_groups)
@@ -638,6 +677,7 @@ def decode_attention(
         GROUP=group, HEADS=heads, MAX_Q=max_q, BLOCK_M=block_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
         USE_WINDOW=bool(window), USE_SINKS=sinks is not None, SPLIT=split,
+        MERGE_ROWS=merge_rows, SPLIT_CHUNK=split_chunk,
         DOT_PRECISION=_dot_precision(query), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
