@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 64  # context splits per decode row, at most
 
 # ---------------------------------------------------------------------------------
 # Kernels
@@ -102,7 +103,8 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEADS: tl.constexpr, MAX_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, SPLIT: tl.constexpr,
-    MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Program (row, group of HEADS kv heads, split): all query tokens of one decode row.
 
@@ -198,7 +200,7 @@ def _decode_kernel(
         if finished == num_splits - 1:  # the last split of this (row, heads) to finish merges them all
             _merge_splits(part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len,
                           stride_ot, stride_oh, GROUP, HEADS, MAX_Q, HEAD_DIM, BLOCK_D, MERGE_ROWS,
-                          SPLIT_CHUNK, USE_SINKS)
+                          SPLIT_CHUNK, MAX_SPLITS, USE_SINKS)
             tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next launch
     else:
         o = _normalize(acc, m, l, sinks_ptr, heads, m_valid, USE_SINKS)
@@ -211,10 +213,12 @@ def _merge_splits(
     part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEADS: tl.constexpr, MAX_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, USE_SINKS: tl.constexpr,
+    BLOCK_D: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     """Merge the splits' normalised partial outputs by their log2-sum-exp, ``SPLIT_CHUNK``
-    splits per load (independent loads in flight, not one round trip per split)."""
+    splits per load (independent loads in flight, not one round trip per split). Every
+    split wrote its rows (zeros and -inf when it saw nothing)."""
     ROWS: tl.constexpr = GROUP * HEADS
     offs_r = tl.arange(0, MERGE_ROWS)
     offs_c = tl.arange(0, BLOCK_D)
@@ -228,24 +232,26 @@ def _merge_splits(
     else:
         d = offs_c % HEAD_DIM
         own = r_valid[:, None] & ((offs_c // HEAD_DIM)[None, :] == ((offs_r // GROUP) % HEADS)[:, None])
-    m = tl.full([MERGE_ROWS], float("-inf"), tl.float32)
-    l = tl.zeros([MERGE_ROWS], tl.float32)
-    acc = tl.zeros([MERGE_ROWS, BLOCK_D], tl.float32)
     first = (pid * num_splits).to(tl.int64)
+    # Every split's log2-sum-exp in one load: the global max and denominator come first,
+    # so the chunks of partial outputs below are independent loads (no rescaling).
+    offs_all = tl.arange(0, MAX_SPLITS)
+    lse_all = tl.load(part_lse_ptr + (first + offs_all)[:, None] * MERGE_ROWS + offs_r[None, :],
+                      mask=(offs_all < num_splits)[:, None] & r_valid[None, :], other=float("-inf"),
+                      cache_modifier=".cg")
+    m = tl.max(lse_all, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.sum(tl.exp2(lse_all - m_safe[None, :]), 0)
+    acc = tl.zeros([MERGE_ROWS, BLOCK_D], tl.float32)
     for s0 in range(0, num_splits, SPLIT_CHUNK):
         s_idx = s0 + offs_s
         rows = (first + s_idx)[:, None] * MERGE_ROWS + offs_r[None, :]  # [SPLIT_CHUNK, MERGE_ROWS]
-        lse = tl.load(part_lse_ptr + rows, mask=(s_idx < num_splits)[:, None] & r_valid[None, :],
-                      other=float("-inf"), cache_modifier=".cg")
+        s_ok = s_idx < num_splits
+        lse = tl.load(part_lse_ptr + rows, mask=s_ok[:, None] & r_valid[None, :], other=float("-inf"),
+                      cache_modifier=".cg")
         o = tl.load(part_o_ptr + rows[:, :, None] * BLOCK_D + offs_c[None, None, :],
-                    mask=(lse > float("-inf"))[:, :, None] & own[None, :, :], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        w = tl.exp2(lse - m_safe[None, :])
-        l = l * alpha + tl.sum(w, 0)
-        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
-        m = m_new
+                    mask=s_ok[:, None, None] & own[None, :, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(o * tl.exp2(lse - m_safe[None, :])[:, :, None], 0)
     o = _normalize(acc, m, l, sinks_ptr, heads, r_valid, USE_SINKS)
     tok_rows = (q_start + tok).to(tl.int64)
     tl.store(out_ptr + tok_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -531,9 +537,10 @@ def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
     if kv_heads_contiguous and max_query_len == 1 and group == 1:
         while (heads * 2 * head_dim * elem_bytes <= 256 and num_kv_heads % (heads * 2) == 0):
             heads *= 2
+    # num_stages counts the block-table load as a stage: 5 double-buffers the K/V tiles, 7 triple-buffers.
     if elem_bytes * head_dim * heads > 256:
-        return DecodeConfig(32, 4, 3, 2, heads)
-    return DecodeConfig(64, 4, 3, 2, heads)
+        return DecodeConfig(32, 4, 7, 2, heads)
+    return DecodeConfig(64, 4, 7, 2, heads)
 
 
 def prefill_config(head_dim: int, group: int, elem_bytes: int, num_programs: int) -> PrefillConfig:
@@ -546,12 +553,12 @@ def prefill_config(head_dim: int, group: int, elem_bytes: int, num_programs: int
         return PrefillConfig(64, 32, 4, 2)
     if num_programs < _num_sms():
         return PrefillConfig(64, 64, 4, 3)
-    return PrefillConfig(128, 32, 4, 4)
+    return PrefillConfig(128, 32, 8, 4)
 
 
 def plan_decode_splits(
     num_rows: int, num_kv_heads: int, max_span: int, *, block_n: int, num_sms: int,
-    programs_per_sm: int = 2, max_splits: int = 64,
+    programs_per_sm: int = 2, max_splits: int = MAX_SPLITS,
 ) -> tuple[int, int]:
     """Choose how to split each row's context (flash-decoding): ``(num_splits, split_len)``.
 
@@ -651,6 +658,8 @@ def decode_attention(
             num_rows, head_groups, max_span, block_n=cfg.block_n, num_sms=_num_sms(),
             programs_per_sm=cfg.programs_per_sm)
     else:
+        if not 1 <= int(num_splits) <= MAX_SPLITS:
+            raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}]; got {num_splits}")
         split_len = math.ceil(max(max_span, 1) / (int(num_splits) * cfg.block_n)) * cfg.block_n
         num_splits = math.ceil(max(max_span, 1) / split_len)
     block_m = max(16, _next_pow2(max_q * group * heads))
@@ -677,7 +686,7 @@ def decode_attention(
         GROUP=group, HEADS=heads, MAX_Q=max_q, BLOCK_M=block_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
         USE_WINDOW=bool(window), USE_SINKS=sinks is not None, SPLIT=split,
-        MERGE_ROWS=merge_rows, SPLIT_CHUNK=split_chunk,
+        MERGE_ROWS=merge_rows, SPLIT_CHUNK=split_chunk, MAX_SPLITS=MAX_SPLITS,
         DOT_PRECISION=_dot_precision(query), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
