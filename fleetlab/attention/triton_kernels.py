@@ -527,33 +527,46 @@ class PrefillConfig(NamedTuple):
 
 
 def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
-                  max_query_len: int = 1, kv_heads_contiguous: bool = True) -> DecodeConfig:
-    """The decode kernel's default knobs for a shape (a table measured on an H200).
+                  max_query_len: int = 1, kv_heads_contiguous: bool = True, num_rows: int = 1024,
+                  max_span: int = 0, num_sms: int = 132) -> DecodeConfig:
+    """The decode kernel's default knobs for a shape (a table measured on an H200, bf16).
 
-    ``heads_per_program > 1`` (several adjacent kv heads per program) pays where one
-    head's row of K is short (MHA at head_dim 64: 128 bytes per token and head).
+    - ``heads_per_program > 1`` (several adjacent kv heads per program) pays where one
+      head's row of K is short (MHA at head_dim 64: 128 bytes per token and head).
+    - ``num_stages`` counts the block-table load as a stage of its own: 3 leaves one K/V
+      tile in flight per program, 5 two, 7 three. A large batch (several programs per
+      multiprocessor) hides latency with programs and wants 3; a batch whose contexts
+      are split (one program per multiprocessor) wants 5 and, over long contexts,
+      128-token tiles; rows of several query tokens want 5.
+    - ``programs_per_sm`` 1: the split merge costs more than a second program per
+      multiprocessor gains, except with 32 or more kv-head groups over long contexts.
     """
     heads = 1
     if kv_heads_contiguous and max_query_len == 1 and group == 1:
         while (heads * 2 * head_dim * elem_bytes <= 256 and num_kv_heads % (heads * 2) == 0):
             heads *= 2
-    # num_stages counts the block-table load as a stage: 5 double-buffers the K/V tiles, 7 triple-buffers.
-    if elem_bytes * head_dim * heads > 256:
-        return DecodeConfig(32, 4, 7, 2, heads)
-    return DecodeConfig(64, 4, 7, 2, heads)
+    wide = elem_bytes * head_dim * heads > 256  # head_dim 256 or fp32: half the tile
+    groups = num_kv_heads // heads
+    if num_rows * groups >= 2 * num_sms:  # no split
+        return DecodeConfig(32 if wide else 64, 4, 5 if max_query_len > 1 else 3, 2, heads)
+    long = max_span >= 8192 and max_query_len == 1
+    block_n = (64 if wide else 128) if long else (32 if wide else 64)
+    return DecodeConfig(block_n, 4, 5, 4 if long and groups >= 32 else 1, heads)
 
 
-def prefill_config(head_dim: int, group: int, elem_bytes: int, num_programs: int) -> PrefillConfig:
-    """The prefill kernel's default knobs for a shape (a table measured on an H200).
+def prefill_config(head_dim: int, group: int, elem_bytes: int, num_programs: int,
+                   max_query_len: int = 2048, num_sms: int = 132) -> PrefillConfig:
+    """The prefill kernel's default knobs for a shape (a table measured on an H200, bf16).
 
-    ``num_programs``: programs the launch would have with 128-row tiles; a launch that
-    leaves multiprocessors idle gets 64-row tiles instead.
+    ``num_programs``: programs the launch would have with 128-row tiles. Long chunks and
+    launches that leave multiprocessors idle (a chunk after a long context) want 64-token
+    K/V tiles on 8 warps, pipelined 5 deep; shorter chunks 32-token tiles on 4 warps.
     """
     if elem_bytes * head_dim > 256:  # head_dim 256 (or fp32): registers and shared memory run short
         return PrefillConfig(64, 32, 4, 2)
-    if num_programs < _num_sms():
-        return PrefillConfig(64, 64, 4, 3)
-    return PrefillConfig(128, 32, 8, 4)
+    if num_programs < num_sms or max_query_len >= 4096:
+        return PrefillConfig(128, 64, 8, 5)
+    return PrefillConfig(128, 32, 4, 4)
 
 
 def plan_decode_splits(
@@ -642,7 +655,11 @@ def decode_attention(
     if num_rows == 0:
         return out
     contiguous_heads = key_cache.stride()[2] == head_dim
-    cfg = decode_config(head_dim, group, num_kv_heads, _elem_bytes(query), max_q, contiguous_heads)
+    max_span = int(max_seq_len)
+    if window:
+        max_span = min(max_span, window + max_q - 1)
+    cfg = decode_config(head_dim, group, num_kv_heads, _elem_bytes(query), max_q, contiguous_heads,
+                        num_rows, max_span, _num_sms())
     cfg = DecodeConfig(*(cfg[i] if v is None else int(v) for i, v in enumerate(
         (block_n, num_warps, num_stages, programs_per_sm, heads_per_program))))
     heads = cfg.heads_per_program
@@ -650,9 +667,6 @@ def decode_attention(
         raise ValueError(f"heads_per_program {heads} must divide num_kv_heads {num_kv_heads}, with the "
                          "kv heads of a token contiguous and at most MAX_DECODE_ROWS tile rows")
     head_groups = num_kv_heads // heads
-    max_span = int(max_seq_len)
-    if window:
-        max_span = min(max_span, window + max_q - 1)
     if num_splits is None:
         num_splits, split_len = plan_decode_splits(
             num_rows, head_groups, max_span, block_n=cfg.block_n, num_sms=_num_sms(),
@@ -717,7 +731,7 @@ def prefill_attention(
     if num_rows <= 0 or max_query_len <= 0:
         return out
     big_tiles = num_rows * num_kv_heads * math.ceil(max_query_len * group / 128)
-    cfg = prefill_config(head_dim, group, _elem_bytes(query), big_tiles)
+    cfg = prefill_config(head_dim, group, _elem_bytes(query), big_tiles, int(max_query_len), _num_sms())
     cfg = PrefillConfig(*(cfg[i] if v is None else int(v) for i, v in enumerate(
         (block_m, block_n, num_warps, num_stages))))
     bm = max(cfg.block_m, _next_pow2(group))

@@ -289,6 +289,19 @@ def _sdpa_prefill_fn(inputs: dict, case: PrefillCase, backend: str):
     return run
 
 
+def _sdpa_default_backend(inputs: dict, case: PrefillCase) -> str:
+    """Which backend SDPA picks by default for this prefill (``torch._fused_sdp_choice``)."""
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    q = inputs["query"].view(case.rows, case.chunk, case.num_heads, case.head_dim).transpose(1, 2).contiguous()
+    k = torch.empty(case.rows, case.num_heads, case.context + case.chunk, case.head_dim, device=q.device, dtype=q.dtype)
+    try:
+        return SDPBackend(int(torch._fused_sdp_choice(q, k, k, is_causal=case.context == 0))).name
+    except Exception as exc:  # noqa: BLE001 - a private helper: record what went wrong
+        return f"unknown ({type(exc).__name__})"
+
+
 def _prefill_fn(tk, inputs: dict, case: PrefillCase, out, knobs: dict | None = None):
     return lambda: tk.prefill_attention(
         inputs["query"], inputs["key_cache"], inputs["value_cache"], inputs["block_tables"],
@@ -307,6 +320,7 @@ def bench_prefill(case: PrefillCase, tk, before=None) -> dict:
     ref = _sdpa_prefill_fn(inputs, case, "default")()
     row["max_abs_err_vs_sdpa"] = float(
         (out.view(case.rows, case.chunk, case.num_heads, -1).transpose(1, 2).float() - ref.float()).abs().max())
+    row["sdpa_default_backend"] = _sdpa_default_backend(inputs, case)
     row["sdpa_ms"] = _safe_ms([_sdpa_prefill_fn(inputs, case, "flash")], rep=50)
     row["sdpa_default_ms"] = _safe_ms([_sdpa_prefill_fn(inputs, case, "default")], rep=50)
     if before is not None:
