@@ -537,9 +537,10 @@ def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
       tile in flight per program, 5 two, 7 three. A large batch (several programs per
       multiprocessor) hides latency with programs and wants 3; a batch whose contexts
       are split (one program per multiprocessor) wants 5 and, over long contexts,
-      128-token tiles; rows of several query tokens want 5.
+      128-token tiles; rows of several query tokens want 5 once they fill more than 16
+      tile rows.
     - ``programs_per_sm`` 1: the split merge costs more than a second program per
-      multiprocessor gains, except with 32 or more kv-head groups over long contexts.
+      multiprocessor gains (and a 128-token, 5-stage program fills one alone).
     """
     heads = 1
     if kv_heads_contiguous and max_query_len == 1 and group == 1:
@@ -548,10 +549,10 @@ def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
     wide = elem_bytes * head_dim * heads > 256  # head_dim 256 or fp32: half the tile
     groups = num_kv_heads // heads
     if num_rows * groups >= 2 * num_sms:  # no split
-        return DecodeConfig(32 if wide else 64, 4, 5 if max_query_len > 1 else 3, 2, heads)
+        return DecodeConfig(32 if wide else 64, 4, 5 if max_query_len * group * heads > 16 else 3, 2, heads)
     long = max_span >= 8192 and max_query_len == 1
     block_n = (64 if wide else 128) if long else (32 if wide else 64)
-    return DecodeConfig(block_n, 4, 5, 4 if long and groups >= 32 else 1, heads)
+    return DecodeConfig(block_n, 4, 5, 1, heads)
 
 
 def prefill_config(head_dim: int, group: int, elem_bytes: int, num_programs: int,
@@ -579,13 +580,17 @@ def plan_decode_splits(
     programs per row and split. A batch with ``programs_per_sm`` programs per
     multiprocessor or more is not split. A smaller batch gets its contexts cut into
     splits of ``split_len`` tokens (a multiple of ``block_n``) until about
-    ``programs_per_sm * num_sms`` programs run, never below one tile per split. The
+    ``programs_per_sm * num_sms`` programs run (rounded down, so that no partial second
+    wave of programs follows the first), never below one tile per split. The
     splits merge inside the same launch (the last one to finish merges), so a split
     costs a partial write and read, not a second launch.
     """
     programs = max(1, num_rows * num_kv_heads)
     tiles = max(1, math.ceil(max_span / block_n))
-    want = math.ceil(programs_per_sm * num_sms / programs)
+    slots = programs_per_sm * num_sms
+    # Round down where that still splits: a few programs past the last slot would run as
+    # a second wave of their own.
+    want = slots // programs if slots // programs >= 2 else math.ceil(slots / programs)
     splits = max(1, min(want, tiles, max_splits))
     split_len = math.ceil(tiles / splits) * block_n
     return math.ceil(max(max_span, 1) / split_len), split_len
