@@ -481,7 +481,7 @@ def test_plan_decode_splits_fills_the_gpu_and_covers_the_context():
     splits, split_len = tk.plan_decode_splits(16, 8, 8192, block_n=64, num_sms=132)
     assert 1 < splits <= 8192 // 64 and split_len * (splits - 1) < 8192 <= split_len * splits
     # one wave: 16 splits x 8 heads = 128 programs <= 132 slots, not 17 x 8 = 136
-    assert tk.plan_decode_splits(1, 8, 32768, block_n=128, num_sms=132, programs_per_sm=1) == (16, 2048)
+    assert tk.plan_decode_splits(1, 8, 32768, block_n=64, num_sms=132, programs_per_sm=1) == (16, 2048)
     splits, split_len = tk.plan_decode_splits(4, 8, 100, block_n=64, num_sms=132)
     assert splits == 2 and split_len == 64  # never a split shorter than one tile
 
