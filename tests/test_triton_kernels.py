@@ -1,12 +1,19 @@
-"""Triton paged-attention kernels against a dense torch reference.
+"""Triton paged-attention kernels against a dense float64 reference.
 
-On a GPU the kernels run compiled, across realistic shapes (block size 16, GQA 1-8,
-head dims 64/128, contexts up to 32k, bf16/fp16). Without a GPU they run under
-Triton's interpreter (``TRITON_INTERPRET=1``) on small CPU shapes. Needs torch and
-triton; the module is skipped where either is missing (fleetlab's CPU venv).
+On a GPU the kernels run compiled, across realistic shapes (block sizes 8-64, GQA groups
+1-12 including 3, 5, 6 and 12, head dims 64/96/128/256, contexts up to 32k, bf16/fp16).
+Without a GPU they run under Triton's interpreter (``TRITON_INTERPRET=1``) on small CPU
+shapes. Needs torch and triton; the module is skipped where either is missing (fleetlab's
+CPU venv).
+
+Every cache slot outside every row's visible context holds NaN (or inf): never-written
+slots, the tail of each row's last block, and, with a sliding window, the positions no
+query of the row can see (whose whole blocks may be gone from the table: -1). A kernel
+that loads what it masks shows up as a non-finite output.
 
 Set ``FLEETLAB_TRITON_ERRORS=path.json`` to record the worst error seen per kernel
-and dtype (the H200 benchmark JSON carries them).
+and dtype (``path.json.gwN`` per worker under pytest-xdist; the H200 benchmark JSON
+carries them, merged).
 """
 
 from __future__ import annotations
@@ -40,13 +47,19 @@ def _record_worst_errors():
     yield
     path = os.environ.get("FLEETLAB_TRITON_ERRORS")
     if path:
-        with open(path, "w") as f:
+        worker = os.environ.get("PYTEST_XDIST_WORKER")  # one file per worker under pytest -n
+        with open(f"{path}.{worker}" if worker else path, "w") as f:
             json.dump(WORST, f, indent=1, sort_keys=True)
 
 
-def _check(name: str, out, ref, dtype) -> None:
-    """Compare with the float64 reference, keep the worst error, fail past tolerance."""
+def _check(name: str, out, ref, dtype, rows=None) -> None:
+    """Compare with the float64 reference, keep the worst error, fail past tolerance.
+
+    ``rows``: the packed tokens to compare (default all).
+    """
     out = out.double().cpu()
+    if rows is not None:
+        out, ref = out[rows], ref[rows]
     if not torch.isfinite(out).all():
         raise AssertionError(f"{name}: non-finite output")
     err = (out - ref).abs().max().item()
@@ -63,12 +76,21 @@ def _check(name: str, out, ref, dtype) -> None:
 # ---------------------------------------------------------------------------------
 
 
-def make_batch(query_lens, num_computed, *, block_size, num_heads, num_kv_heads, head_dim,
-               dtype, seed=0, spare_blocks=3):
-    """Random packed queries and a paged cache holding every row's full context.
+def _first_visible(seq_len: int, query_len: int, window) -> int:
+    """The earliest position any query of a row can see."""
+    return 0 if window is None else max(0, seq_len - query_len + 1 - window)
 
-    Blocks are handed out in a shuffled order (a fragmented pool); every slot no row
-    owns is NaN, so a kernel reading outside a context shows up as NaN.
+
+def make_batch(query_lens, num_computed, *, block_size, num_heads, num_kv_heads, head_dim,
+               dtype, seed=0, spare_blocks=3, window=None, poison=float("nan"), evict=True):
+    """Random packed queries and a paged cache holding every row's visible context.
+
+    Blocks are handed out in a shuffled order (a fragmented pool). Every slot outside
+    every row's visible context holds ``poison``: slots no row owns, the tail of each
+    row's last block, and (``window``) positions before the first one any query of the
+    row sees; with ``evict`` the blocks wholly before it leave the table (-1), as an
+    engine that frees them would. ``clean`` in the result is the same batch with
+    zeros instead of ``poison``.
     """
     gen = torch.Generator().manual_seed(seed)
     query_lens = list(query_lens)
@@ -78,54 +100,62 @@ def make_batch(query_lens, num_computed, *, block_size, num_heads, num_kv_heads,
     perm = torch.randperm(num_blocks, generator=gen)
     tables = torch.full((len(seq_lens), max(blocks_per_row) + 1), -1, dtype=torch.int32)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.full(shape, float("nan"), dtype=torch.float32)
-    value_cache = torch.full(shape, float("nan"), dtype=torch.float32)
+    key_cache = torch.full(shape, poison, dtype=torch.float32)
+    value_cache = torch.full(shape, poison, dtype=torch.float32)
     used = 0
-    for row, (n, s) in enumerate(zip(blocks_per_row, seq_lens)):
+    for row, (n, s, q) in enumerate(zip(blocks_per_row, seq_lens, query_lens)):
         ids = perm[used:used + n]
         used += n
+        first = _first_visible(s, q, window)
         tables[row, :n] = ids.to(torch.int32)
-        pos = torch.arange(s)
+        if evict:
+            tables[row, :first // block_size] = -1
+        pos = torch.arange(first, s)
         slots = ids[pos // block_size] * block_size + pos % block_size
-        key_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(s, num_kv_heads, head_dim, generator=gen)
-        value_cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(s, num_kv_heads, head_dim, generator=gen)
+        for cache in (key_cache, value_cache):
+            cache.view(-1, num_kv_heads, head_dim)[slots] = torch.randn(len(pos), num_kv_heads, head_dim, generator=gen)
     cu = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(query_lens), 0)
     query = torch.randn(int(cu[-1]), num_heads, head_dim, generator=gen)
-    return {
+    batch = {
         "query": query.to(DEVICE, dtype), "key_cache": key_cache.to(DEVICE, dtype),
         "value_cache": value_cache.to(DEVICE, dtype), "block_tables": tables.to(DEVICE),
         "seq_lens_kv": torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), "cu_seqlens_q": cu.to(DEVICE),
+        "window": window,
     }
+    batch["clean"] = {k: (torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0) if k.endswith("cache") else v)
+                      for k, v in batch.items()}
+    return batch
 
 
 def dense_reference(batch, *, scale, sliding_window=None, sinks=None):
-    """Per row: gather the context through the block table, softmax(q k^T) v in float64."""
-    q_all = batch["query"].double()
-    kc, vc = batch["key_cache"].double(), batch["value_cache"].double()
-    tables, cu = batch["block_tables"].long(), batch["cu_seqlens_q"].cpu().long()
+    """Per row: gather the visible context through the block table, softmax(q k^T) v in float64."""
+    q_all = batch["query"].double().cpu()
+    kc, vc = batch["key_cache"].double().cpu(), batch["value_cache"].double().cpu()
+    tables, cu = batch["block_tables"].long().cpu(), batch["cu_seqlens_q"].cpu().long()
     block_size, num_kv_heads = kc.shape[1], kc.shape[2]
     group = q_all.shape[1] // num_kv_heads
     out = torch.zeros_like(q_all)
     for row, seq_len in enumerate(batch["seq_lens_kv"].cpu().tolist()):
-        pos = torch.arange(seq_len, device=q_all.device)
+        q = q_all[cu[row]:cu[row + 1]]  # [q_len, Hq, D]
+        pos = torch.arange(_first_visible(seq_len, q.shape[0], sliding_window), seq_len)
         blocks = tables[row, pos // block_size]
+        assert (blocks >= 0).all()
         k = kc[blocks, pos % block_size].repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = vc[blocks, pos % block_size].repeat_interleave(group, dim=1)
-        q = q_all[cu[row]:cu[row + 1]]  # [q_len, Hq, D]
-        q_pos = torch.arange(seq_len - q.shape[0], seq_len, device=q_all.device)
+        q_pos = torch.arange(seq_len - q.shape[0], seq_len)
         seen = pos[None, :] <= q_pos[:, None]
         if sliding_window is not None:
             seen &= pos[None, :] > q_pos[:, None] - sliding_window
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         scores = scores.masked_fill(~seen, float("-inf"))
         if sinks is not None:
-            sink_col = sinks.double()[:, None, None].expand(-1, q.shape[0], 1)
+            sink_col = sinks.double().cpu()[:, None, None].expand(-1, q.shape[0], 1)
             probs = torch.softmax(torch.cat([scores, sink_col], -1), -1)[..., :-1]
         else:
             probs = torch.softmax(scores, -1)
         out[cu[row]:cu[row + 1]] = torch.einsum("hqk,khd->qhd", probs, v)
-    return out.cpu()
+    return out
 
 
 # ---------------------------------------------------------------------------------
@@ -136,24 +166,33 @@ if ON_GPU:
     DTYPES = [torch.bfloat16, torch.float16]
     # (block_size, num_kv_heads, group, head_dim)
     SHAPES = [(16, 8, 1, 128), (16, 4, 2, 64), (16, 2, 3, 128), (16, 8, 4, 128), (16, 2, 8, 64),
-              (32, 1, 5, 128), (64, 2, 8, 128)]
+              (32, 1, 5, 128), (64, 2, 8, 128), (8, 2, 6, 128), (16, 2, 12, 64), (16, 4, 4, 96),
+              (16, 2, 4, 256), (16, 16, 1, 64)]
     DECODE_LENS = [1, 15, 16, 17, 33, 1000, 4099]
     LONG_DECODE_LENS = [32768, 20001, 2048, 1]
     PREFILL = ([15, 16, 17, 1, 300], [0, 16, 47, 5, 700])  # (query_lens, num_computed)
+    # query lengths of multi-token decode rows (speculative verification: k + 1 tokens)
+    MULTI = ([2, 1, 4, 8, 16, 3, 7], [40, 1, 999, 15, 3000, 0, 64])
+    PREFILL_TILES = [None, (64, 32, 4, 2), (128, 128, 8, 2)]  # (block_m, block_n, warps, stages)
+    WINDOWS = [None, 1, 5, 40, 700]
 else:
     DTYPES = [torch.float32, torch.float16]
-    SHAPES = [(4, 2, 1, 16), (16, 1, 3, 32), (4, 1, 4, 16)]
+    SHAPES = [(4, 2, 1, 16), (16, 1, 3, 32), (4, 1, 4, 16), (8, 1, 6, 24)]
     DECODE_LENS = [1, 3, 4, 5, 16, 17, 41]
     LONG_DECODE_LENS = []
     PREFILL = ([3, 4, 5, 1, 9], [0, 4, 7, 5, 13])
+    MULTI = ([2, 1, 4, 5, 3], [9, 1, 30, 0, 16])
+    PREFILL_TILES = [None, (16, 16, 4, 1), (32, 16, 4, 1)]
+    WINDOWS = [None, 1, 5, 12]
 
 SHAPE_IDS = [f"bs{b}-kv{k}-g{g}-d{d}" for b, k, g, d in SHAPES]
+TILE_IDS = ["default" if t is None else "m{}-n{}-w{}-s{}".format(*t) for t in PREFILL_TILES]
 
 
-def _batch_for(shape, dtype, query_lens, num_computed, seed=0):
+def _batch_for(shape, dtype, query_lens, num_computed, seed=0, **kwargs):
     block_size, num_kv_heads, group, head_dim = shape
     return make_batch(query_lens, num_computed, block_size=block_size, num_heads=num_kv_heads * group,
-                      num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, seed=seed)
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, seed=seed, **kwargs)
 
 
 def _edge_lens(block_size):
@@ -163,6 +202,29 @@ def _edge_lens(block_size):
 
 def _poisoned_out(batch):
     return torch.full_like(batch["query"], float("nan"))
+
+
+def _sinks(num_heads, use):
+    return torch.randn(num_heads, generator=torch.Generator().manual_seed(3)).to(DEVICE) if use else None
+
+
+def _tile_kwargs(tiles):
+    return {} if tiles is None else dict(zip(("block_m", "block_n", "num_warps", "num_stages"), tiles))
+
+
+def _paged(batch, *, num_decodes, scale, window=None, sinks=None, max_decode_query_len=None):
+    """``paged_attention`` on ``batch`` with host bounds computed as the backend does."""
+    cu = batch["cu_seqlens_q"].cpu().tolist()
+    lens = batch["seq_lens_kv"].cpu().tolist()
+    q_lens = [b - a for a, b in zip(cu, cu[1:])]
+    return tk.paged_attention(
+        batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+        batch["seq_lens_kv"], batch["cu_seqlens_q"], num_decodes=num_decodes,
+        num_decode_tokens=cu[num_decodes], max_query_len=max(q_lens[num_decodes:], default=0),
+        max_decode_query_len=max(q_lens[:num_decodes], default=0) if max_decode_query_len is None
+        else max_decode_query_len,
+        max_decode_seq_len=max(lens[:num_decodes], default=0), scale=scale, sliding_window=window,
+        sinks=sinks, out=_poisoned_out(batch))
 
 
 # ---------------------------------------------------------------------------------
@@ -207,44 +269,184 @@ def test_decode_matches_dense(shape, dtype, num_splits):
     _check("decode", out, dense_reference(batch, scale=scale), dtype)
 
 
+@pytest.mark.parametrize("heads_per_program", [1, 2, 4])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_several_kv_heads_per_program(heads_per_program, num_splits):
+    """Block-diagonal queries over the K/V of adjacent kv heads give each head its own answer."""
+    shape = (16, 16, 1, 64) if ON_GPU else (4, 4, 1, 16)
+    dtype = DTYPES[0]
+    lens = _edge_lens(shape[0])
+    batch = _batch_for(shape, dtype, [1] * len(lens), [n - 1 for n in lens], seed=2)
+    scale = shape[3] ** -0.5
+    out = tk.decode_attention(
+        batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+        batch["seq_lens_kv"], max_seq_len=max(lens), scale=scale, num_splits=num_splits,
+        heads_per_program=heads_per_program, out=_poisoned_out(batch))
+    _check("decode", out, dense_reference(batch, scale=scale), dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None], ids=["one-split", "three-splits", "planned"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-def test_prefill_chunks_match_dense(shape, dtype):
+def test_multi_token_decode_matches_dense(shape, dtype, num_splits):
+    """Decode rows of 1..R query tokens (speculative verification), causal among themselves."""
+    query_lens, num_computed = MULTI
+    if max(query_lens) * shape[2] > tk.MAX_DECODE_ROWS:
+        query_lens = [min(q, tk.MAX_DECODE_ROWS // shape[2]) for q in query_lens]
+    batch = _batch_for(shape, dtype, query_lens, num_computed, seed=13)
+    scale = shape[3] ** -0.5
+    seq_lens = [c + q for c, q in zip(num_computed, query_lens)]
+    out = tk.decode_attention(
+        batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+        batch["seq_lens_kv"], max_seq_len=max(seq_lens), scale=scale, num_splits=num_splits,
+        num_rows=len(query_lens), cu_seqlens_q=batch["cu_seqlens_q"], max_query_len=max(query_lens),
+        out=_poisoned_out(batch))
+    _check("multi_decode", out, dense_reference(batch, scale=scale), dtype)
+
+
+@pytest.mark.parametrize("merge_tile", [None, 1], ids=["one-load", "split-by-split"])
+@pytest.mark.parametrize("use_sinks", [False, True], ids=["no-sinks", "sinks"])
+def test_many_splits_merge_in_one_launch(monkeypatch, use_sinks, merge_tile):
+    """Tens of splits per row, merged by the last one to finish, in chunks or one by one."""
+    shape = SHAPES[2]
+    if merge_tile is not None:
+        monkeypatch.setattr(tk, "_MERGE_TILE", merge_tile)
+    query_lens, num_computed = [1, 3, 2, 1], [0, 150, 298, 70]
+    batch = _batch_for(shape, DTYPES[0], query_lens, num_computed, seed=31)
+    sinks = _sinks(shape[1] * shape[2], use_sinks)
+    scale = shape[3] ** -0.5
+    out = tk.decode_attention(
+        batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+        batch["seq_lens_kv"], max_seq_len=300, scale=scale, sinks=sinks, num_splits=19, block_n=16,
+        num_rows=4, cu_seqlens_q=batch["cu_seqlens_q"], max_query_len=3, out=_poisoned_out(batch))
+    _check("multi_decode", out, dense_reference(batch, scale=scale, sinks=sinks), DTYPES[0])
+
+
+@pytest.mark.parametrize("tiles", PREFILL_TILES, ids=TILE_IDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_prefill_chunks_match_dense(shape, dtype, tiles):
+    if tiles is not None and 4 * tiles[1] * shape[3] * tiles[3] > 200 * 1024:
+        pytest.skip("K/V stages exceed an H200's shared memory at this head_dim")
     query_lens, num_computed = PREFILL
     batch = _batch_for(shape, dtype, query_lens, num_computed, seed=7)
     scale = shape[3] ** -0.5
     out = tk.prefill_attention(
         batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
         batch["seq_lens_kv"], batch["cu_seqlens_q"], first_row=0, num_rows=len(query_lens),
-        max_query_len=max(query_lens), scale=scale, out=_poisoned_out(batch))
+        max_query_len=max(query_lens), scale=scale, out=_poisoned_out(batch), **_tile_kwargs(tiles))
     _check("prefill", out, dense_reference(batch, scale=scale), dtype)
 
 
-@pytest.mark.parametrize("window", [None, 1, 5, 40])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("tiles", PREFILL_TILES[1:], ids=TILE_IDS[1:])
+def test_prefill_tile_boundaries(tiles, window):
+    """Contexts at every offset from a K/V tile edge, chunks at every offset from a query tile
+    edge: the unmasked and masked key ranges must meet exactly."""
+    block_m, block_n = tiles[:2]
+    shape = (16, 2, 3, 64) if ON_GPU else (4, 1, 3, 16)
+    tokens = block_m // shape[2]
+    num_computed = list(range(block_n + 1))
+    query_lens = [1 + (7 * i) % (2 * tokens + 2) for i in num_computed]
+    dtype = DTYPES[0]
+    batch = _batch_for(shape, dtype, query_lens, num_computed, seed=29, window=window)
+    scale = shape[3] ** -0.5
+    out = tk.prefill_attention(
+        batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+        batch["seq_lens_kv"], batch["cu_seqlens_q"], first_row=0, num_rows=len(query_lens),
+        max_query_len=max(query_lens), scale=scale, sliding_window=window, out=_poisoned_out(batch),
+        **_tile_kwargs(tiles))
+    _check("prefill", out, dense_reference(batch, scale=scale, sliding_window=window), dtype)
+
+
+@pytest.mark.parametrize("tiles", PREFILL_TILES, ids=TILE_IDS)
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("use_sinks", [False, True], ids=["no-sinks", "sinks"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mixed_batch_with_window_and_sinks(dtype, use_sinks, window):
-    """Decode rows first, then prefill chunks, through the one ``paged_attention`` entry."""
+def test_mixed_batch_with_window_and_sinks(dtype, use_sinks, window, tiles):
+    """Single- and multi-token decode rows first, then prefill chunks, through ``paged_attention``."""
     shape = SHAPES[2]
-    query_lens = [1, 1, 1] + PREFILL[0]
-    num_computed = [0, shape[0], 3 * shape[0] + 2] + PREFILL[1]
-    batch = _batch_for(shape, dtype, query_lens, num_computed, seed=11)
-    num_heads = shape[1] * shape[2]
-    sinks = torch.randn(num_heads, generator=torch.Generator().manual_seed(3)).to(DEVICE) if use_sinks else None
+    query_lens = [1, 3, 1, 2] + PREFILL[0]
+    num_computed = [0, shape[0], 3 * shape[0] + 2, 5] + PREFILL[1]
+    batch = _batch_for(shape, dtype, query_lens, num_computed, seed=11, window=window)
+    sinks = _sinks(shape[1] * shape[2], use_sinks)
     scale = shape[3] ** -0.5
-    seq_lens = [c + q for c, q in zip(num_computed, query_lens)]
-    out = tk.paged_attention(
-        batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
-        batch["seq_lens_kv"], batch["cu_seqlens_q"], num_decodes=3, max_query_len=max(query_lens),
-        max_decode_seq_len=max(seq_lens[:3]), scale=scale, sliding_window=window, sinks=sinks,
-        out=_poisoned_out(batch))
+    if tiles is None:
+        out = _paged(batch, num_decodes=4, scale=scale, window=window, sinks=sinks)
+    else:  # the same batch, the prefill rows with explicit tiles
+        out = _paged(batch, num_decodes=4, scale=scale, window=window, sinks=sinks)
+        tk.prefill_attention(
+            batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+            batch["seq_lens_kv"], batch["cu_seqlens_q"], first_row=4, num_rows=len(query_lens) - 4,
+            max_query_len=max(query_lens), scale=scale, sliding_window=window, sinks=sinks, out=out,
+            **_tile_kwargs(tiles))
     ref = dense_reference(batch, scale=scale, sliding_window=window, sinks=sinks)
     _check("mixed", out, ref, dtype)
 
 
+@pytest.mark.parametrize("part", ["decode-only", "multi-decode-only", "prefill-only"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_with_an_empty_part(dtype, part):
+    shape = SHAPES[1]
+    if part == "prefill-only":
+        query_lens, num_computed, num_decodes = PREFILL[0], PREFILL[1], 0
+    elif part == "decode-only":
+        query_lens, num_computed = [1] * 4, [0, 7, shape[0], 33]
+        num_decodes = 4
+    else:
+        query_lens, num_computed = MULTI
+        num_decodes = len(query_lens)
+    batch = _batch_for(shape, dtype, query_lens, num_computed, seed=17)
+    scale = shape[3] ** -0.5
+    out = _paged(batch, num_decodes=num_decodes, scale=scale)
+    _check("mixed", out, dense_reference(batch, scale=scale), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_decode_rows_fall_back_to_the_prefill_kernel(dtype):
+    """Decode rows with more query tokens x heads than a decode program holds still come out right."""
+    shape = (16, 2, 12, 64) if ON_GPU else (8, 1, 12, 16)
+    query_lens = [tk.MAX_DECODE_ROWS // shape[2] + 1, 2, 1]
+    batch = _batch_for(shape, dtype, query_lens, [5, 40, 17], seed=19)
+    scale = shape[3] ** -0.5
+    out = _paged(batch, num_decodes=3, scale=scale)
+    _check("multi_decode", out, dense_reference(batch, scale=scale), dtype)
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("window", [None, 3, 21])
+@pytest.mark.parametrize("use_sinks", [False, True], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[0]], ids=[SHAPE_IDS[1], SHAPE_IDS[0]])
+def test_masked_slots_never_reach_the_output(shape, use_sinks, window, poison):
+    """Issue #14: a cache holding NaN/inf everywhere outside every row's visible context
+    (slots never written, the last block's tail, positions before the window, evicted
+    blocks as -1 table entries) gives the same finite output as a clean cache, for
+    decode, multi-token decode and prefill rows, with windows and sinks."""
+    dtype = DTYPES[1]
+    query_lens = [1, 1, 3, 2, 1] + PREFILL[0]
+    num_computed = [0, 2 * shape[0] + 3, 4 * shape[0] + 1, 7, 30] + PREFILL[1]
+    batch = _batch_for(shape, dtype, query_lens, num_computed, seed=23, window=window,
+                       poison=float(poison), evict=True)
+    sinks = _sinks(shape[1] * shape[2], use_sinks)
+    scale = shape[3] ** -0.5
+    outs = []
+    for b in (batch, batch["clean"]):
+        for num_splits in (1, 3):
+            out = _paged(b, num_decodes=0, scale=scale, window=window, sinks=sinks)  # all rows on the prefill kernel
+            tk.decode_attention(  # then the five decode rows on the decode kernel
+                b["query"], b["key_cache"], b["value_cache"], b["block_tables"], b["seq_lens_kv"],
+                max_seq_len=int(b["seq_lens_kv"][:5].max()), scale=scale, sliding_window=window, sinks=sinks,
+                num_splits=num_splits, num_rows=5, cu_seqlens_q=b["cu_seqlens_q"], max_query_len=3, out=out)
+            outs.append(out)
+    ref = dense_reference(batch, scale=scale, sliding_window=window, sinks=sinks)
+    _check("poisoned_cache", outs[0], ref, dtype)
+    _check("poisoned_cache", outs[1], ref, dtype)
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])  # same bits as a clean cache
+
+
 @pytest.mark.skipif(not LONG_DECODE_LENS, reason="long contexts only on a GPU (the interpreter is slow)")
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(16, 8, 4, 128), (16, 8, 8, 64), (16, 8, 1, 128)], ids=str)
+@pytest.mark.parametrize("shape", [(16, 8, 4, 128), (16, 8, 8, 64), (16, 8, 1, 128), (16, 16, 1, 64)], ids=str)
 def test_long_context_decode(shape, dtype):
     lens = LONG_DECODE_LENS
     batch = _batch_for(shape, dtype, [1] * len(lens), [n - 1 for n in lens], seed=5)
@@ -256,27 +458,45 @@ def test_long_context_decode(shape, dtype):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="long chunks only on a GPU (the interpreter is slow)")
+@pytest.mark.parametrize("window", [None, 1000])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_long_prefill_chunk_over_long_context(dtype):
+def test_long_prefill_chunk_over_long_context(dtype, window):
     shape = (16, 8, 4, 128)
-    batch = _batch_for(shape, dtype, [512, 777, 64], [3584, 0, 9000], seed=9)
+    query_lens, num_computed = [512, 777, 64, 2048], [3584, 0, 9000, 0]
+    batch = _batch_for(shape, dtype, query_lens, num_computed, seed=9, window=window)
     scale = shape[3] ** -0.5
     out = tk.prefill_attention(
         batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
-        batch["seq_lens_kv"], batch["cu_seqlens_q"], first_row=0, num_rows=3, max_query_len=777,
-        scale=scale, out=_poisoned_out(batch))
-    _check("prefill", out, dense_reference(batch, scale=scale), dtype)
+        batch["seq_lens_kv"], batch["cu_seqlens_q"], first_row=0, num_rows=4, max_query_len=2048,
+        scale=scale, sliding_window=window, out=_poisoned_out(batch))
+    _check("prefill", out, dense_reference(batch, scale=scale, sliding_window=window), dtype)
 
 
 def test_plan_decode_splits_fills_the_gpu_and_covers_the_context():
     splits, split_len = tk.plan_decode_splits(1, 8, 32768, block_n=64, num_sms=132)
     assert splits > 1 and split_len % 64 == 0 and splits * split_len >= 32768
     assert tk.plan_decode_splits(256, 8, 4096, block_n=64, num_sms=132) == (1, 4096)
-    assert tk.plan_decode_splits(17, 8, 4096, block_n=64, num_sms=132) == (1, 4096)  # >= one program/SM
+    assert tk.plan_decode_splits(33, 8, 4096, block_n=64, num_sms=132) == (1, 4096)  # >= two programs/SM
+    assert tk.plan_decode_splits(17, 8, 4096, block_n=64, num_sms=132, programs_per_sm=1) == (1, 4096)
     splits, split_len = tk.plan_decode_splits(16, 8, 8192, block_n=64, num_sms=132)
     assert 1 < splits <= 8192 // 64 and split_len * (splits - 1) < 8192 <= split_len * splits
+    # one wave: 16 splits x 8 heads = 128 programs <= 132 slots, not 17 x 8 = 136
+    assert tk.plan_decode_splits(1, 8, 32768, block_n=64, num_sms=132, programs_per_sm=1) == (16, 2048)
     splits, split_len = tk.plan_decode_splits(4, 8, 100, block_n=64, num_sms=132)
     assert splits == 2 and split_len == 64  # never a split shorter than one tile
+
+
+def test_split_counters_are_left_at_zero():
+    """The merging program of each split decode resets its counter for the next launch."""
+    shape = SHAPES[0]
+    lens = [5, 40, 17]
+    batch = _batch_for(shape, DTYPES[0], [1] * len(lens), [n - 1 for n in lens])
+    for _ in range(2):
+        tk.decode_attention(
+            batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+            batch["seq_lens_kv"], max_seq_len=max(lens), scale=1.0, num_splits=4)
+    counters = tk._split_counters(batch["query"], len(lens) * shape[1])
+    assert int(counters.abs().sum()) == 0
 
 
 def test_bad_inputs_raise_named_errors():
@@ -293,6 +513,11 @@ def test_bad_inputs_raise_named_errors():
                             sinks=torch.zeros(3, device=DEVICE))
     with pytest.raises(ValueError, match="sliding_window"):
         tk.decode_attention(batch["query"], *args, max_seq_len=5, scale=1.0, sliding_window=0)
+    with pytest.raises(ValueError, match="max_query_len"):
+        tk.decode_attention(batch["query"], *args, max_seq_len=5, scale=1.0,
+                            cu_seqlens_q=batch["cu_seqlens_q"], max_query_len=tk.MAX_DECODE_ROWS + 1)
+    with pytest.raises(ValueError, match="heads_per_program"):
+        tk.decode_attention(batch["query"], *args, max_seq_len=5, scale=1.0, heads_per_program=3)
     with pytest.raises(ValueError, match="key_cache"):
         tk.store_kv(batch["query"], batch["query"], batch["key_cache"][0], batch["value_cache"][0],
                     torch.zeros(2, dtype=torch.int64, device=DEVICE))

@@ -12,7 +12,7 @@ Triton launches on Paddle tensors through Paddle's PyTorch proxy
 asks for streams and devices. The kernels module itself imports neither framework.
 
 Status: the kernels are verified and timed on an H200 with torch tensors
-(``tests/test_triton_kernels.py``, ``fleetlab/bench/triton_decode.py``). This Paddle
+(``tests/test_triton_kernels.py``, ``fleetlab/bench/triton_attention.py``). This Paddle
 path could not be run where it was written (no GPU build of Paddle there).
 """
 
@@ -77,19 +77,30 @@ class TritonBackend(AttentionBackend):
                            sliding_window=sliding_window, sinks=sinks)
 
     def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
-        """Decode kernel on rows ``[0, num_decodes)``, prefill kernel on the rest."""
+        """Decode kernel on rows ``[0, num_decodes)`` (1..R query tokens each), prefill kernel on the rest.
+
+        The host bounds the kernels plan with come from the metadata's numpy arrays
+        (no device-to-host sync), once per step: later layers reuse ``metadata.scratch``.
+        """
         if int(key_cache.shape[1]) != metadata.block_size:
             raise ValueError(
                 f"cache block size {int(key_cache.shape[1])} differs from metadata.block_size "
                 f"{metadata.block_size}"
             )
-        num_decodes = metadata.num_decodes
-        lens = metadata.seq_lens_kv_host
+        plan = metadata.scratch.get("triton_plan")
+        if plan is None:
+            nd = metadata.num_decodes
+            query_lens, lens = metadata.query_lens_host, metadata.seq_lens_kv_host
+            plan = metadata.scratch["triton_plan"] = {
+                "num_decodes": nd,
+                "num_decode_tokens": metadata.num_decode_tokens,
+                "max_decode_query_len": int(query_lens[:nd].max()) if nd else 0,
+                "max_decode_seq_len": int(lens[:nd].max()) if nd else 0,
+                "max_query_len": int(query_lens[nd:].max()) if len(query_lens) > nd else 0,
+            }
         return self._kernels.paged_attention(
             query.contiguous(), key_cache, value_cache, metadata.block_tables, metadata.seq_lens_kv,
-            metadata.cu_seqlens_q, num_decodes=num_decodes, max_query_len=metadata.max_query_len,
-            max_decode_seq_len=int(lens[:num_decodes].max()) if num_decodes else 0,
-            scale=scale, sliding_window=sliding_window, sinks=sinks,
+            metadata.cu_seqlens_q, scale=scale, sliding_window=sliding_window, sinks=sinks, **plan,
         )
 
 

@@ -1,4 +1,4 @@
-"""Triton kernels for paged attention: store K/V, decode (split-K), packed prefill.
+"""Triton kernels for paged attention: store K/V, decode (split-K, multi-token), packed prefill.
 
 This module imports with Triton alone: no Paddle, and no torch at import time. The
 host wrappers only use what torch and Paddle tensors both offer (``.shape``,
@@ -13,8 +13,15 @@ Layouts (DESIGN.md):
   query / out              ``[T, num_heads, head_dim]`` packed, row ``i`` owns tokens
                            ``[cu_seqlens_q[i], cu_seqlens_q[i+1])``
   seq_lens_kv              int32 ``[B]`` context length after this step's writes
-Decode rows come first: rows ``[0, num_decodes)`` have one query token each, so decode
-token ``i`` is row ``i``.
+Decode rows come first: rows ``[0, num_decodes)`` carry one query token each (decode
+token ``i`` is row ``i``), or up to ``MAX_DECODE_ROWS // group`` tokens each (speculative
+verification: ``k + 1`` tokens, causal among themselves); the decode kernel reads each
+row's K/V once for all of them.
+
+Masked positions contribute nothing, whatever the cache holds there (stale slots of
+reused blocks, the unused tail of the last block, NaN): a key or value no query of a
+tile may see is never loaded, and block-table entries past a row's context (-1) are
+never used as addresses.
 
 Numerics: scores and softmax in fp32 (base-2 exponent, ``scale * log2(e)`` folded
 into the scores), the probabilities are cast to the cache dtype for the ``P @ V``
@@ -29,11 +36,13 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+MAX_SPLITS = 64  # context splits per decode row, at most
 
 # ---------------------------------------------------------------------------------
 # Kernels
@@ -72,112 +81,233 @@ def _kv_tile_offsets(block_tables_ptr, row_table, n, n_mask, kv_head,
 
 
 @triton.jit
+def _normalize(acc, m, l, sinks_ptr, heads, m_valid, USE_SINKS: tl.constexpr):
+    """``acc / l`` per row; a sink adds ``exp(sink)`` to the denominator (both in base 2 here)."""
+    den = l
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=m_valid, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m, sink)
+        rescale = tl.exp2(m - m_all)  # m = -inf (nothing seen) gives 0, not NaN
+        acc = acc * rescale[:, None]
+        den = l * rescale + tl.exp2(sink - m_all)
+    return acc / tl.where(den > 0, den, 1.0)[:, None]
+
+
+@triton.jit
 def _decode_kernel(
-    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr,
-    out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, sinks_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
     scale_log2, window, split_len, num_splits,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
-    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, MAX_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, DIRECT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, SPLIT: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Program (row, kv_head, split): the GROUP query heads of one kv head over one split.
+    """Program (row, group of HEADS kv heads, split): all query tokens of one decode row.
 
-    With ``DIRECT`` (a single split) the normalised output is written straight to
-    ``out``; otherwise the split's normalised partial output and its log2-sum-exp go
-    to ``part_o [B, H, S, D]`` / ``part_lse [B, H, S]`` for ``_decode_reduce_kernel``.
+    The tile's ``BLOCK_M`` rows are (query token, kv head of the program, query head of
+    its GQA group) triples, so each K/V tile is read once for every query token and
+    query head that uses it. With ``HEADS > 1`` the program reads the K/V of several
+    adjacent kv heads as one ``[BLOCK_N, HEADS * HEAD_DIM]`` tile (longer contiguous
+    runs per token) and multiplies a block-diagonal query (each row non-zero only in
+    its own head's columns); the output keeps each row's own head's columns.
+
+    Query token ``i`` of a row with ``q`` tokens sits at position ``seq_len - q + i`` and
+    sees keys ``<=`` its position (window: ``(p - w, p]``). Only keys visible to some
+    token of the row are loaded: a cache may hold anything (NaN) elsewhere.
+
+    ``SPLIT``: the context is cut into ``num_splits`` splits; each program writes its
+    normalised partial output and log2-sum-exp, and the last program of a (row, heads)
+    to finish (an atomic counter, reset afterwards) merges them (``_merge_splits``): no
+    second launch.
     """
     row = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    hg = tl.program_id(1)
     split = tl.program_id(2)
+    if MAX_Q == 1:
+        q_start = row
+        q_len = 1
+    else:
+        q_start = tl.load(cu_seqlens_q_ptr + row)
+        q_len = tl.load(cu_seqlens_q_ptr + row + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + row)
-    start = 0
+    first_pos = seq_len - q_len  # position of the row's first query token
+    lo = split * split_len
     if USE_WINDOW:
-        start = tl.maximum(seq_len - window, 0)
-    lo = start + split * split_len
+        lo += tl.maximum(first_pos + 1 - window, 0)
     hi = tl.minimum(lo + split_len, seq_len)
 
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, BLOCK_D)
-    heads = kv_head * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    part_row = (row * NUM_HEADS + heads) * num_splits + split
-    if lo >= hi:  # this split lies past the row's context: an empty partial
-        if not DIRECT:
-            tl.store(part_lse_ptr + part_row, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g_mask)
-        return
+    ROWS: tl.constexpr = GROUP * HEADS  # tile rows per query token
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = offs_m // ROWS
+    heads = hg * ROWS + offs_m % ROWS  # query head of each tile row
+    m_valid = (tok < q_len) & (offs_m < MAX_Q * ROWS)
+    q_pos = first_pos + tok
+    offs_c = tl.arange(0, BLOCK_D)
+    if HEADS == 1:
+        d = offs_c
+        own = m_valid[:, None] & (offs_c < HEAD_DIM)[None, :]
+    else:  # column c belongs to kv head c // HEAD_DIM of the program
+        d = offs_c % HEAD_DIM
+        own = m_valid[:, None] & ((offs_c // HEAD_DIM)[None, :] == ((offs_m // GROUP) % HEADS)[:, None])
+    c_valid = offs_c < HEADS * HEAD_DIM
+    tok_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(q_ptr + tok_rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=own, other=0.0)
 
-    d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row_table = row.to(tl.int64) * stride_bt
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         n_mask = n < hi
-        offs = _kv_tile_offsets(block_tables_ptr, row_table, n, n_mask, kv_head,
+        offs = _kv_tile_offsets(block_tables_ptr, row_table, n, n_mask, hg * HEADS,
                                 stride_c_blk, stride_c_tok, stride_c_head, BLOCK_SIZE)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        kv_mask = n_mask[:, None] & c_valid[None, :]
+        k = tl.load(key_cache_ptr + offs[:, None] + offs_c[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + offs[:, None] + offs_c[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(n_mask[None, :], s, float("-inf"))
-        # The first token of every tile is valid, so m_new is finite here.
+        seen = n_mask[None, :]
+        if MAX_Q > 1:  # causal among the row's own new tokens
+            seen = seen & (n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            seen = seen & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
-    if DIRECT:
-        den = l
-        if USE_SINKS:
-            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * 1.4426950408889634
-            m_all = tl.maximum(m, sink)
-            acc = acc * tl.exp2(m - m_all)[:, None]
-            den = l * tl.exp2(m - m_all) + tl.exp2(sink - m_all)
-        o = acc / den[:, None]
-        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    if SPLIT:
+        # Partials keep only the MERGE_ROWS leading tile rows (the valid ones), so the
+        # merge below works on a small tile and loads SPLIT_CHUNK splits at once.
+        pid = row * tl.num_programs(1) + hg
+        part = (pid * num_splits + split).to(tl.int64) * MERGE_ROWS + offs_m
+        keep = offs_m < MERGE_ROWS
+        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=keep)
+        tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_c[None, :],
+                 acc / tl.where(l > 0, l, 1.0)[:, None], mask=own & keep[:, None])
+        tl.debug_barrier()  # every thread's partial is written before the counter moves
+        finished = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if finished == num_splits - 1:  # the last split of this (row, heads) to finish merges them all
+            _merge_splits(part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len,
+                          stride_ot, stride_oh, GROUP, HEADS, MAX_Q, HEAD_DIM, BLOCK_D, MERGE_ROWS,
+                          SPLIT_CHUNK, MAX_SPLITS, USE_SINKS)
+            tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next launch
     else:
-        o = acc / l[:, None]
-        tl.store(part_o_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], o,
-                 mask=g_mask[:, None] & d_mask[None, :])
-        tl.store(part_lse_ptr + part_row, m + tl.log2(l), mask=g_mask)
+        o = _normalize(acc, m, l, sinks_ptr, heads, m_valid, USE_SINKS)
+        tl.store(out_ptr + tok_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=own)
 
 
 @triton.jit
-def _decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, num_splits, stride_ot, stride_oh,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+def _merge_splits(
+    part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, MAX_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr,
     USE_SINKS: tl.constexpr,
 ):
-    """Program (row, head): merge the splits' partial outputs by their log-sum-exp."""
-    row = tl.program_id(0)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    base = (row * NUM_HEADS + head) * num_splits
-    lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    live = lse > float("-inf")  # empty splits wrote -inf and no output
-    m = tl.max(lse, 0)
-    if USE_SINKS:
-        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
-        m = tl.maximum(m, sink)
-    w = tl.where(live, tl.exp2(lse - m), 0.0)
-    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=live[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
-    den = tl.sum(w, 0)
-    if USE_SINKS:
-        den += tl.exp2(sink - m)
-    o = tl.sum(o * w[:, None], 0) / den
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    """Merge the splits' normalised partial outputs by their log2-sum-exp, ``SPLIT_CHUNK``
+    splits per load (independent loads in flight, not one round trip per split). Every
+    split wrote its rows (zeros and -inf when it saw nothing)."""
+    ROWS: tl.constexpr = GROUP * HEADS
+    offs_r = tl.arange(0, MERGE_ROWS)
+    offs_c = tl.arange(0, BLOCK_D)
+    offs_s = tl.arange(0, SPLIT_CHUNK)
+    tok = offs_r // ROWS
+    heads = hg * ROWS + offs_r % ROWS
+    r_valid = (tok < q_len) & (offs_r < MAX_Q * ROWS)
+    if HEADS == 1:
+        d = offs_c
+        own = r_valid[:, None] & (offs_c < HEAD_DIM)[None, :]
+    else:
+        d = offs_c % HEAD_DIM
+        own = r_valid[:, None] & ((offs_c // HEAD_DIM)[None, :] == ((offs_r // GROUP) % HEADS)[:, None])
+    first = (pid * num_splits).to(tl.int64)
+    # Every split's log2-sum-exp in one load: the global max and denominator come first,
+    # so the chunks of partial outputs below are independent loads (no rescaling).
+    offs_all = tl.arange(0, MAX_SPLITS)
+    lse_all = tl.load(part_lse_ptr + (first + offs_all)[:, None] * MERGE_ROWS + offs_r[None, :],
+                      mask=(offs_all < num_splits)[:, None] & r_valid[None, :], other=float("-inf"),
+                      cache_modifier=".cg")
+    m = tl.max(lse_all, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l = tl.sum(tl.exp2(lse_all - m_safe[None, :]), 0)
+    acc = tl.zeros([MERGE_ROWS, BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, SPLIT_CHUNK):
+        s_idx = s0 + offs_s
+        rows = (first + s_idx)[:, None] * MERGE_ROWS + offs_r[None, :]  # [SPLIT_CHUNK, MERGE_ROWS]
+        s_ok = s_idx < num_splits
+        lse = tl.load(part_lse_ptr + rows, mask=s_ok[:, None] & r_valid[None, :], other=float("-inf"),
+                      cache_modifier=".cg")
+        o = tl.load(part_o_ptr + rows[:, :, None] * BLOCK_D + offs_c[None, None, :],
+                    mask=s_ok[:, None, None] & own[None, :, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(o * tl.exp2(lse - m_safe[None, :])[:, :, None], 0)
+    o = _normalize(acc, m, l, sinks_ptr, heads, r_valid, USE_SINKS)
+    tok_rows = (q_start + tok).to(tl.int64)
+    tl.store(out_ptr + tok_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=own)
+
+
+@triton.jit
+def _prefill_tile(
+    acc, m, l, q, q_pos, n0, lo, hi, key_cache_ptr, value_cache_ptr, block_tables_ptr, row_table, kv_head,
+    offs_d, scale_log2, window, stride_c_blk, stride_c_tok, stride_c_head,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One K/V tile of the prefill loop (online softmax).
+
+    ``MASKED``: keys outside ``[lo, hi)`` are neither loaded nor counted, and each query
+    sees only keys at or before its position (and inside its window). Unmasked tiles
+    (every key visible to every query of the tile) skip all of that.
+    """
+    n = n0 + tl.arange(0, BLOCK_N)
+    d_mask = offs_d < HEAD_DIM
+    if MASKED:
+        n_mask = (n >= lo) & (n < hi)
+        offs = _kv_tile_offsets(block_tables_ptr, row_table, n, n_mask, kv_head,
+                                stride_c_blk, stride_c_tok, stride_c_head, BLOCK_SIZE)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        seen = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
+        if USE_WINDOW:
+            seen = seen & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        v = tl.load(value_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        blk = tl.load(block_tables_ptr + row_table + n // BLOCK_SIZE)
+        offs = blk.to(tl.int64) * stride_c_blk + (n % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
+        if HEAD_DIM == BLOCK_D:
+            k = tl.load(key_cache_ptr + offs[:, None] + offs_d[None, :])
+        else:
+            k = tl.load(key_cache_ptr + offs[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        m_new = tl.maximum(m, tl.max(qk, 1) * scale_log2)
+        p = tl.exp2(qk * scale_log2 - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        if HEAD_DIM == BLOCK_D:
+            v = tl.load(value_cache_ptr + offs[:, None] + offs_d[None, :])
+        else:
+            v = tl.load(value_cache_ptr + offs[:, None] + offs_d[None, :], mask=d_mask[None, :], other=0.0)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_new, l
 
 
 @triton.jit
@@ -191,17 +321,20 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Program (row, query tile, kv_head): a chunk's queries over the row's paged context.
+    """Program (query tile, kv_head, row): a chunk's queries over the row's paged context.
 
     The tile's ``BLOCK_M`` rows are (query token, head of the kv group) pairs, so the
     GROUP heads sharing a kv head read each K/V tile once. A query at position ``p``
     sees keys ``[0, p]`` (window: ``(p - w, p]``): causal inside the chunk, full over
-    the context cached by earlier steps.
+    the context cached by earlier steps. The key range splits in three (FlashAttention-2
+    style): a masked band at the window's lower edge, unmasked tiles every query of the
+    tile sees whole, and a masked band on the causal diagonal; keys no query of the tile
+    sees are skipped. The last query tiles (most keys) are launched first.
     """
     TOKENS: tl.constexpr = BLOCK_M // GROUP
-    row = tl.program_id(0) + first_row
-    tile = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    tile = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = tl.program_id(2) + first_row
     q_start = tl.load(cu_seqlens_q_ptr + row)
     q_len = tl.load(cu_seqlens_q_ptr + row + 1) - q_start
     t0 = tile * TOKENS
@@ -220,45 +353,45 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=m_valid[:, None] & d_mask[None, :], other=0.0)
     q_pos = context + tok
-    hi = tl.minimum(seq_len, context + t0 + TOKENS)
+    first = context + t0  # position of the tile's first and last query
+    last = context + tl.minimum(t0 + TOKENS, q_len) - 1
+    hi = last + 1
     lo = 0
+    full_lo = 0
     if USE_WINDOW:
-        lo = tl.maximum(context + t0 - window + 1, 0)
+        lo = tl.maximum(first - window + 1, 0)
+        full_lo = tl.maximum(last - window + 1, 0)
+    full_hi = full_lo + (tl.maximum(first + 1 - full_lo, 0) // BLOCK_N) * BLOCK_N
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     row_table = row.to(tl.int64) * stride_bt
-    for n0 in range(lo, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = n < hi
-        offs = _kv_tile_offsets(block_tables_ptr, row_table, n, n_mask, kv_head,
-                                stride_c_blk, stride_c_tok, stride_c_head, BLOCK_SIZE)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(key_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(value_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        seen = n_mask[None, :] & (n[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            seen = seen & (n[None, :] > q_pos[:, None] - window)
-        s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+    for n0 in range(lo, full_lo, BLOCK_N):  # window's lower edge
+        acc, m, l = _prefill_tile(acc, m, l, q, q_pos, n0, lo, full_lo, key_cache_ptr, value_cache_ptr,
+                                  block_tables_ptr, row_table, kv_head, offs_d, scale_log2, window,
+                                  stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                                  True, USE_WINDOW, DOT_PRECISION)
+    for n0 in range(full_lo, full_hi, BLOCK_N):  # seen whole by every query of the tile
+        acc, m, l = _prefill_tile(acc, m, l, q, q_pos, n0, lo, hi, key_cache_ptr, value_cache_ptr,
+                                  block_tables_ptr, row_table, kv_head, offs_d, scale_log2, window,
+                                  stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                                  False, USE_WINDOW, DOT_PRECISION)
+    for n0 in range(full_hi, hi, BLOCK_N):  # the causal diagonal
+        acc, m, l = _prefill_tile(acc, m, l, q, q_pos, n0, full_hi, hi, key_cache_ptr, value_cache_ptr,
+                                  block_tables_ptr, row_table, kv_head, offs_d, scale_log2, window,
+                                  stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
+                                  True, USE_WINDOW, DOT_PRECISION)
 
-    den = l
-    if USE_SINKS:
-        sink = tl.load(sinks_ptr + heads, mask=m_valid, other=0.0).to(tl.float32) * 1.4426950408889634
-        m_all = tl.maximum(m, sink)
-        acc = acc * tl.exp2(m - m_all)[:, None]
-        den = l * tl.exp2(m - m_all) + tl.exp2(sink - m_all)
-    o = acc / tl.where(den > 0, den, 1.0)[:, None]
+    o = _normalize(acc, m, l, sinks_ptr, heads, m_valid, USE_SINKS)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _zero_kernel(ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(ptr + offs, tl.zeros([BLOCK], tl.int32), mask=offs < n)
 
 
 # ---------------------------------------------------------------------------------
@@ -270,6 +403,10 @@ _DTYPES = ("float16", "bfloat16", "float32")
 
 def _dtype_name(t) -> str:
     return str(t.dtype).rsplit(".", 1)[-1]
+
+
+def _elem_bytes(t) -> int:
+    return 4 if _dtype_name(t) == "float32" else 2
 
 
 def _float32_like(t):
@@ -368,90 +505,209 @@ def _check_sinks(sinks, num_heads: int):
         raise ValueError(f"sinks must be [num_heads={num_heads}]; got {_shape(sinks)}")
 
 
+class DecodeConfig(NamedTuple):
+    """Knobs of the decode kernel: K/V tokens per tile, warps, pipeline depth, programs per
+    multiprocessor the split planner aims for, and kv heads per program."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int
+    heads_per_program: int
+
+
+class PrefillConfig(NamedTuple):
+    """Knobs of the prefill kernel: tile rows (query tokens x GQA heads), K/V tokens per tile,
+    warps and pipeline depth."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
+                  max_query_len: int = 1, kv_heads_contiguous: bool = True, num_rows: int = 1024,
+                  max_span: int = 0, num_sms: int = 132) -> DecodeConfig:
+    """The decode kernel's default knobs for a shape (a table measured on an H200, bf16).
+
+    - ``heads_per_program > 1`` (several adjacent kv heads per program) pays where one
+      head's row of K is short (MHA at head_dim 64: 128 bytes per token and head).
+    - ``num_stages`` counts the block-table load as a stage of its own: 3 leaves one K/V
+      tile in flight per program, 5 two, 7 three. A large batch (several programs per
+      multiprocessor) hides latency with programs and wants 3; a batch whose contexts
+      are split (one program per multiprocessor) wants 5 and, over long contexts,
+      128-token tiles; rows of several query tokens want 5 once they fill more than 16
+      tile rows.
+    - ``programs_per_sm`` 1: the split merge costs more than a second program per
+      multiprocessor gains (and a 128-token, 5-stage program fills one alone).
+    """
+    heads = 1
+    if kv_heads_contiguous and max_query_len == 1 and group == 1:
+        while (heads * 2 * head_dim * elem_bytes <= 256 and num_kv_heads % (heads * 2) == 0):
+            heads *= 2
+    wide = elem_bytes * head_dim * heads > 256  # head_dim 256 or fp32: half the tile
+    groups = num_kv_heads // heads
+    if num_rows * groups >= 2 * num_sms:  # no split
+        return DecodeConfig(32 if wide else 64, 4, 5 if max_query_len * group * heads > 16 else 3, 2, heads)
+    long = max_span >= 8192 and max_query_len == 1
+    block_n = (64 if wide else 128) if long else (32 if wide else 64)
+    return DecodeConfig(block_n, 4, 5, 1, heads)
+
+
+def prefill_config(head_dim: int, group: int, elem_bytes: int, num_programs: int,
+                   max_query_len: int = 2048, num_sms: int = 132) -> PrefillConfig:
+    """The prefill kernel's default knobs for a shape (a table measured on an H200, bf16).
+
+    ``num_programs``: programs the launch would have with 128-row tiles. Long chunks and
+    launches that leave multiprocessors idle (a chunk after a long context) want 64-token
+    K/V tiles on 8 warps, pipelined 5 deep; shorter chunks 32-token tiles on 4 warps.
+    """
+    if elem_bytes * head_dim > 256:  # head_dim 256 (or fp32): registers and shared memory run short
+        return PrefillConfig(64, 32, 4, 2)
+    if num_programs < num_sms or max_query_len >= 4096:
+        return PrefillConfig(128, 64, 8, 5)
+    return PrefillConfig(128, 32, 4, 4)
+
+
 def plan_decode_splits(
     num_rows: int, num_kv_heads: int, max_span: int, *, block_n: int, num_sms: int,
-    programs_per_sm: int = 2, max_splits: int = 64,
+    programs_per_sm: int = 2, max_splits: int = MAX_SPLITS,
 ) -> tuple[int, int]:
     """Choose how to split each row's context (flash-decoding): ``(num_splits, split_len)``.
 
-    One program handles one (row, kv head, split). A batch with at least one program
-    per multiprocessor is not split (a split costs a second launch and a partial
-    write, and measured slower on an H200). A smaller batch gets its contexts cut into
+    One program handles one (row, kv head group, split); ``num_kv_heads`` here counts
+    programs per row and split. A batch with ``programs_per_sm`` programs per
+    multiprocessor or more is not split. A smaller batch gets its contexts cut into
     splits of ``split_len`` tokens (a multiple of ``block_n``) until about
-    ``programs_per_sm * num_sms`` programs run, never below one tile per split. The
-    default 2 is one wave of the default kernel (three stages of 64-token bf16 K/V
-    tiles at head_dim 128 leave room for two programs per H200 multiprocessor); more
-    splits pay for a partial wave, as measured at batch 16 (``benchmarks/results``).
+    ``programs_per_sm * num_sms`` programs run (rounded down, so that no partial second
+    wave of programs follows the first), never below one tile per split. The
+    splits merge inside the same launch (the last one to finish merges), so a split
+    costs a partial write and read, not a second launch.
     """
     programs = max(1, num_rows * num_kv_heads)
     tiles = max(1, math.ceil(max_span / block_n))
-    want = 1 if programs >= num_sms else math.ceil(programs_per_sm * num_sms / programs)
+    slots = programs_per_sm * num_sms
+    # Round down where that still splits: a few programs past the last slot would run as
+    # a second wave of their own.
+    want = slots // programs if slots // programs >= 2 else math.ceil(slots / programs)
     splits = max(1, min(want, tiles, max_splits))
     split_len = math.ceil(tiles / splits) * block_n
     return math.ceil(max(max_span, 1) / split_len), split_len
+
+
+_COUNTERS: dict[str, object] = {}
+
+
+def _split_counters(like, n: int):
+    """A zeroed int32 buffer of at least ``n`` counters on ``like``'s device, kept across calls.
+
+    The decode kernel's merging program resets each counter it used, so the buffer
+    stays zero between launches (one stream at a time may use it: the engine's case).
+    """
+    key = str(getattr(like, "place", None) or getattr(like, "device", None))
+    buf = _COUNTERS.get(key)
+    if buf is None or _shape(buf)[0] < n:
+        size = max(1024, _next_pow2(n))
+        int32 = importlib.import_module(type(like).__module__.split(".")[0]).int32
+        buf = like.new_empty((size,), dtype=int32)
+        _zero_kernel[(math.ceil(size / 1024),)](buf, size, BLOCK=1024)
+        _COUNTERS[key] = buf
+    return buf
+
+
+MAX_DECODE_ROWS = 128  # query tokens x query heads one decode program can hold
+_MERGE_TILE = 8192  # fp32 elements of partial output the split merge loads at once
 
 
 def decode_attention(
     query, key_cache, value_cache, block_tables, seq_lens_kv, *,
     max_seq_len: int, scale: float, sliding_window: int | None = None, sinks=None, out=None,
     num_rows: int | None = None, num_splits: int | None = None,
-    block_n: int = 64, num_warps: int = 4, num_stages: int = 3, programs_per_sm: int = 2,
+    cu_seqlens_q=None, max_query_len: int = 1,
+    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    programs_per_sm: int | None = None, heads_per_program: int | None = None,
 ):
-    """Decode attention over block tables: one query token per row, GQA, split-K.
+    """Decode attention over block tables: 1..R query tokens per row, GQA, split-K.
 
     Args:
-      query: ``[T, num_heads, head_dim]``; token ``i < B`` is row ``i``'s single query
-        (the leading rows of a decode-first packed batch). ``block_tables [>=B, max_blocks]``
-        int32 and ``seq_lens_kv [>=B]`` int32 describe the rows' contexts.
-      num_rows: ``B``, the number of decode rows (default ``T``); tokens past it are
+      query: ``[T, num_heads, head_dim]``. Without ``cu_seqlens_q`` token ``i < B`` is
+        row ``i``'s single query (the leading rows of a decode-first packed batch); with
+        it, row ``i`` owns tokens ``[cu_seqlens_q[i], cu_seqlens_q[i+1])`` (a speculative
+        verification row: ``k + 1`` tokens), the last at position ``seq_lens_kv[i] - 1``,
+        causal among themselves. Each row's K/V is read once for all its tokens.
+        ``block_tables [>=B, max_blocks]`` int32 and ``seq_lens_kv [>=B]`` int32 describe
+        the rows' contexts.
+      num_rows: ``B``, the number of decode rows (default ``T``); other tokens are
         neither read nor written, so a packed batch needs no slicing.
       max_seq_len: a host upper bound on ``seq_lens_kv[:B]`` (plans the splits, no sync).
+      max_query_len: a host upper bound on the rows' query lengths (``cu_seqlens_q`` given);
+        ``max_query_len * group`` may not pass ``MAX_DECODE_ROWS``.
       num_splits: force this many context splits (default: ``plan_decode_splits``).
-      block_n / num_warps / num_stages / programs_per_sm: tuning knobs.
-    Returns ``out [T, num_heads, head_dim]`` (rows ``[0, B)`` written; in place when given).
+      block_n / num_warps / num_stages / programs_per_sm / heads_per_program: tuning
+        knobs (default: ``decode_config``).
+    Returns ``out [T, num_heads, head_dim]`` (the rows' tokens written; in place when given).
     """
     _, block_size, num_kv_heads, head_dim = _check_cache(key_cache, value_cache)
     num_heads, group = _check_query(query, key_cache, num_kv_heads, head_dim)
     _check_sinks(sinks, num_heads)
     window = _window_arg(sliding_window)
+    max_q = int(max_query_len) if cu_seqlens_q is not None else 1
+    if max_q < 1 or max_q * group > MAX_DECODE_ROWS:
+        raise ValueError(f"max_query_len {max_query_len} x group {group} must lie in [1, {MAX_DECODE_ROWS}]")
     num_rows = _shape(query)[0] if num_rows is None else int(num_rows)
     out = query.new_empty(_shape(query)) if out is None else out
     if num_rows == 0:
         return out
-    max_span = min(int(max_seq_len), window) if window else int(max_seq_len)
+    contiguous_heads = key_cache.stride()[2] == head_dim
+    max_span = int(max_seq_len)
+    if window:
+        max_span = min(max_span, window + max_q - 1)
+    cfg = decode_config(head_dim, group, num_kv_heads, _elem_bytes(query), max_q, contiguous_heads,
+                        num_rows, max_span, _num_sms())
+    cfg = DecodeConfig(*(cfg[i] if v is None else int(v) for i, v in enumerate(
+        (block_n, num_warps, num_stages, programs_per_sm, heads_per_program))))
+    heads = cfg.heads_per_program
+    if num_kv_heads % heads or (heads > 1 and not contiguous_heads) or max_q * group * heads > MAX_DECODE_ROWS:
+        raise ValueError(f"heads_per_program {heads} must divide num_kv_heads {num_kv_heads}, with the "
+                         "kv heads of a token contiguous and at most MAX_DECODE_ROWS tile rows")
+    head_groups = num_kv_heads // heads
     if num_splits is None:
         num_splits, split_len = plan_decode_splits(
-            num_rows, num_kv_heads, max_span, block_n=block_n, num_sms=_num_sms(),
-            programs_per_sm=programs_per_sm)
+            num_rows, head_groups, max_span, block_n=cfg.block_n, num_sms=_num_sms(),
+            programs_per_sm=cfg.programs_per_sm)
     else:
-        split_len = math.ceil(max(max_span, 1) / (int(num_splits) * block_n)) * block_n
+        if not 1 <= int(num_splits) <= MAX_SPLITS:
+            raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}]; got {num_splits}")
+        split_len = math.ceil(max(max_span, 1) / (int(num_splits) * cfg.block_n)) * cfg.block_n
         num_splits = math.ceil(max(max_span, 1) / split_len)
-    direct = num_splits == 1
-    if direct:
-        part_o = part_lse = out  # unused by the kernel
-    else:
+    block_m = max(16, _next_pow2(max_q * group * heads))
+    block_d = _next_pow2(heads * head_dim)
+    merge_rows = _next_pow2(max_q * group * heads)
+    split_chunk = max(1, min(_next_pow2(num_splits), _MERGE_TILE // (merge_rows * block_d)))
+    split = num_splits > 1
+    if split:
         f32 = _float32_like(query)
-        part_o = query.new_empty((num_rows, num_heads, num_splits, head_dim), dtype=f32)
-        part_lse = query.new_empty((num_rows, num_heads, num_splits), dtype=f32)
+        parts = num_rows * head_groups * num_splits * merge_rows
+        part_o = query.new_empty((parts, block_d), dtype=f32)
+        part_lse = query.new_empty((parts,), dtype=f32)
+        counters = _split_counters(query, num_rows * head_groups)
+    else:
+        part_o = part_lse = counters = out  # unused by the kernel
     cs = key_cache.stride()
-    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
+    _decode_kernel[(num_rows, head_groups, num_splits)](
         query, key_cache, value_cache, block_tables, seq_lens_kv,
-        sinks if sinks is not None else query, out, part_o, part_lse,
+        cu_seqlens_q if cu_seqlens_q is not None else seq_lens_kv,
+        sinks if sinks is not None else query, out, part_o, part_lse, counters,
         float(scale) * LOG2E, window, split_len, num_splits,
         query.stride()[0], query.stride()[1], out.stride()[0], out.stride()[1],
         cs[0], cs[1], cs[2], block_tables.stride()[0],
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, _next_pow2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        USE_WINDOW=bool(window), USE_SINKS=sinks is not None, DIRECT=direct,
-        DOT_PRECISION=_dot_precision(query), num_warps=num_warps, num_stages=num_stages,
+        GROUP=group, HEADS=heads, MAX_Q=max_q, BLOCK_M=block_m,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
+        USE_WINDOW=bool(window), USE_SINKS=sinks is not None, SPLIT=split,
+        MERGE_ROWS=merge_rows, SPLIT_CHUNK=split_chunk, MAX_SPLITS=MAX_SPLITS,
+        DOT_PRECISION=_dot_precision(query), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if not direct:
-        _decode_reduce_kernel[(num_rows, num_heads)](
-            part_o, part_lse, sinks if sinks is not None else part_lse, out, num_splits,
-            out.stride()[0], out.stride()[1],
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim),
-            BLOCK_S=max(2, _next_pow2(num_splits)), USE_SINKS=sinks is not None, num_warps=4,
-        )
     return out
 
 
@@ -459,7 +715,8 @@ def prefill_attention(
     query, key_cache, value_cache, block_tables, seq_lens_kv, cu_seqlens_q, *,
     first_row: int, num_rows: int, max_query_len: int, scale: float,
     sliding_window: int | None = None, sinks=None, out=None,
-    block_m: int = 64, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None,
 ):
     """Attention of packed prefill chunks over the paged cache (causal in the chunk).
 
@@ -468,6 +725,8 @@ def prefill_attention(
     [T, num_heads, head_dim]``, at positions ``seq_lens_kv[i] - q_len + j``; their K/V
     are already in the cache. ``max_query_len`` (host int) bounds the rows' query
     lengths. Other tokens of ``out`` are left untouched. Returns ``out [T, H, D]``.
+    ``block_m`` / ``block_n`` / ``num_warps`` / ``num_stages``: tuning knobs (default:
+    ``prefill_config``).
     """
     _, block_size, num_kv_heads, head_dim = _check_cache(key_cache, value_cache)
     num_heads, group = _check_query(query, key_cache, num_kv_heads, head_dim)
@@ -476,9 +735,13 @@ def prefill_attention(
     out = query.new_empty(_shape(query)) if out is None else out
     if num_rows <= 0 or max_query_len <= 0:
         return out
-    block_m = max(block_m, _next_pow2(group))
-    tokens_per_tile = block_m // group
-    grid = (int(num_rows), math.ceil(int(max_query_len) / tokens_per_tile), num_kv_heads)
+    big_tiles = num_rows * num_kv_heads * math.ceil(max_query_len * group / 128)
+    cfg = prefill_config(head_dim, group, _elem_bytes(query), big_tiles, int(max_query_len), _num_sms())
+    cfg = PrefillConfig(*(cfg[i] if v is None else int(v) for i, v in enumerate(
+        (block_m, block_n, num_warps, num_stages))))
+    bm = max(cfg.block_m, _next_pow2(group))
+    tokens_per_tile = bm // group
+    grid = (math.ceil(int(max_query_len) / tokens_per_tile), num_kv_heads, int(num_rows))
     cs = key_cache.stride()
     _prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, seq_lens_kv, cu_seqlens_q,
@@ -487,8 +750,8 @@ def prefill_attention(
         query.stride()[0], query.stride()[1], out.stride()[0], out.stride()[1],
         cs[0], cs[1], cs[2], block_tables.stride()[0],
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, USE_WINDOW=bool(window), USE_SINKS=sinks is not None,
-        DOT_PRECISION=_dot_precision(query), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_M=bm, BLOCK_N=cfg.block_n, USE_WINDOW=bool(window), USE_SINKS=sinks is not None,
+        DOT_PRECISION=_dot_precision(query), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -497,20 +760,36 @@ def paged_attention(
     query, key_cache, value_cache, block_tables, seq_lens_kv, cu_seqlens_q, *,
     num_decodes: int, max_query_len: int, max_decode_seq_len: int, scale: float,
     sliding_window: int | None = None, sinks=None, out=None,
+    num_decode_tokens: int | None = None, max_decode_query_len: int | None = None,
 ):
     """A whole decode-first packed batch: decode kernel for rows ``[0, num_decodes)``,
     prefill kernel for the rest. ``query``/``out`` ``[T, num_heads, head_dim]``.
 
     Host ints: ``max_query_len`` bounds the prefill rows' query lengths and
-    ``max_decode_seq_len`` the decode rows' context lengths.
+    ``max_decode_seq_len`` the decode rows' context lengths. ``num_decode_tokens``
+    (default ``num_decodes``) counts the decode rows' tokens: more than one per row
+    means multi-token decode rows (speculative verification), whose query lengths
+    ``max_decode_query_len`` bounds (default: the largest any split of the tokens allows).
+    Decode rows too long for the decode kernel (``MAX_DECODE_ROWS``) go to the prefill kernel.
     """
     out = query.new_empty(_shape(query)) if out is None else out
     num_reqs = _shape(seq_lens_kv)[0]
-    if num_decodes > 0:
+    num_decode_tokens = num_decodes if num_decode_tokens is None else int(num_decode_tokens)
+    if max_decode_query_len is None:
+        max_decode_query_len = num_decode_tokens - num_decodes + 1 if num_decodes else 0
+    group = _shape(query)[1] // _shape(key_cache)[2]
+    if num_decodes > 0 and max_decode_query_len * group > MAX_DECODE_ROWS:
+        prefill_attention(
+            query, key_cache, value_cache, block_tables, seq_lens_kv, cu_seqlens_q,
+            first_row=0, num_rows=num_decodes, max_query_len=max_decode_query_len,
+            scale=scale, sliding_window=sliding_window, sinks=sinks, out=out)
+    elif num_decodes > 0:
+        multi = num_decode_tokens > num_decodes
         decode_attention(
             query, key_cache, value_cache, block_tables, seq_lens_kv, num_rows=num_decodes,
             max_seq_len=max_decode_seq_len, scale=scale, sliding_window=sliding_window, sinks=sinks,
-            out=out)
+            out=out, cu_seqlens_q=cu_seqlens_q if multi else None,
+            max_query_len=max_decode_query_len if multi else 1)
     if num_reqs > num_decodes:
         prefill_attention(
             query, key_cache, value_cache, block_tables, seq_lens_kv, cu_seqlens_q,

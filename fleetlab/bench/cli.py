@@ -3,8 +3,9 @@
 Names: ``all`` (default: the engine benchmark), ``engine`` (fleetlab vs PaddleFormers
 generate, KV memory, prefix caching, step-time breakdown), ``reorder`` (condense +
 decode-first reorder cost), ``attention`` (reference paged attention), ``triton``
-(Triton decode kernel; needs a GPU with torch and triton), ``serve`` (an OpenAI-compatible
-server under Poisson traffic: TTFT / TPOT / ITL and throughput per request rate).
+(Triton paged-attention kernels: decode, multi-token decode, prefill; needs a GPU with
+torch and triton), ``serve`` (an OpenAI-compatible server under Poisson traffic: TTFT /
+TPOT / ITL and throughput per request rate).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ BENCHES = {
     "engine": "fleetlab.bench.engine",
     "reorder": "fleetlab.bench.reorder",
     "attention": "fleetlab.bench.attention",
-    "triton": "fleetlab.bench.triton_decode",
+    "triton": "fleetlab.bench.triton_attention",
     "serve": "fleetlab.bench.serving",
 }
 
