@@ -22,6 +22,9 @@ class EngineConfig:
     scheduling_policy: which waiting request runs next and who gets preempted.
     seed: seeds the per-request seeds of requests that do not set one.
     record_traces: keep a ``StepTrace`` of every step in ``LLM.traces``.
+    tensor_parallel_size: ranks the model is split over (Megatron-style heads and MLP
+      columns); > 1 needs a program started by ``python -m paddle.distributed.launch
+      --nproc_per_node N`` (see ``fleetlab.distributed``).
     """
 
     block_size: int = 16
@@ -37,6 +40,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     seed: int = 0
     record_traces: bool = False
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -50,7 +54,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when a setting is out of range."""
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

@@ -45,6 +45,11 @@ class LLM:
     def __init__(self, model, tokenizer=None, **config):
         self.config = cfg = EngineConfig.from_kwargs(**config)
         self.tokenizer = tokenizer
+        self.tensor_parallel = None  # this rank's TensorParallelState; every rank runs the scheduler
+        if cfg.tensor_parallel_size > 1:
+            from fleetlab.distributed.engine import TensorParallelState
+
+            self.tensor_parallel = TensorParallelState.prepare(model, cfg.tensor_parallel_size)
         if isinstance(model, PatchHandle):
             self.handle = model
         else:
@@ -62,6 +67,8 @@ class LLM:
     def _build(self, cfg: EngineConfig) -> None:
         backend_cls = type(self.handle.backend)
         _check_backend_needs(backend_cls, cfg)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.adapt_handle(self.handle)  # this rank's KV heads size the cache
         self.max_model_len = min(cfg.max_model_len or self.handle.max_model_len, self.handle.max_model_len)
         if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -80,6 +87,8 @@ class LLM:
                            max_blocks_per_seq=-(-self.max_model_len // cfg.block_size))
         self.runner = ModelRunner(self.handle, self.kv_cache, batch, reorder=reorder,
                                   decode_threshold=backend_cls.reorder_threshold)
+        if self.tensor_parallel is not None:
+            self.runner = self.tensor_parallel.wrap_runner(self.runner)
         self._requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._arrivals = itertools.count()
