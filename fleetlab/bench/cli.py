@@ -3,7 +3,8 @@
 Names: ``all`` (default: the engine benchmark), ``engine`` (fleetlab vs PaddleFormers
 generate, KV memory, prefix caching, step-time breakdown), ``reorder`` (condense +
 decode-first reorder cost), ``attention`` (reference paged attention), ``triton``
-(Triton decode kernel; needs a GPU with torch and triton).
+(Triton decode kernel; needs a GPU with torch and triton), ``tp`` (one process vs two
+tensor-parallel processes: step time and the share spent in all-reduce).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ BENCHES = {
     "reorder": "fleetlab.bench.reorder",
     "attention": "fleetlab.bench.attention",
     "triton": "fleetlab.bench.triton_decode",
+    "tp": "fleetlab.bench.tp",
 }
 
 

@@ -7,8 +7,8 @@ this rank's KV heads and bytes, its shard, step times, and its all-reduces (tota
 every call of one recorded step). Tests, the ``08_tensor_parallel`` notebook and
 ``bench tp`` read those files.
 
-``--kill-rank R --kill-at-step S`` makes rank ``R`` kill itself (SIGKILL) before step ``S``:
-the failure test.
+``--kill-rank R --kill-at-step S`` makes rank ``R`` kill itself (SIGKILL) before step ``S``,
+and ``--diverge-rank R`` gives rank ``R`` other prompts: the failure tests.
 """
 
 from __future__ import annotations
@@ -40,11 +40,14 @@ def run_family(family: str, tensor_parallel_size: int = 1, *, prompt_lens=PARITY
                num_blocks: int | None = PARITY["num_blocks"],
                max_num_batched_tokens: int = PARITY["max_num_batched_tokens"],
                max_num_seqs: int = PARITY["max_num_seqs"], model_overrides: dict | None = None,
-               record_step: int = 1, kill_at_step: int | None = None, prompt_seed: int = 1) -> dict:
+               record_step: int = 1, kill_at_step: int | None = None, kill_note: Path | None = None,
+               prompt_seed: int = 1) -> dict:
     """Serve the workload on ``tiny(family)`` with ``tensor_parallel_size`` ranks; return a report.
 
     The model is built with seed 0 on every rank (identical weights), then sharded by
     ``LLM``. ``record_step``: the step whose all-reduces are kept one by one.
+    ``kill_at_step``: SIGKILL this process before that step, first writing the wall time
+    (``time.time()``) to ``kill_note``.
     """
     from fleetlab import LLM, SamplingParams
     from fleetlab.models import tiny
@@ -63,6 +66,8 @@ def run_family(family: str, tensor_parallel_size: int = 1, *, prompt_lens=PARITY
     step = 0
     while llm.has_unfinished_requests():
         if kill_at_step is not None and step == kill_at_step:
+            if kill_note is not None:
+                Path(kill_note).write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         if tp is not None:
             tp.stats.recording = step == record_step
@@ -161,6 +166,8 @@ def main(argv=None) -> int:
     p.add_argument("--workload", default="{}", help="JSON of run_family keywords (prompt_lens, max_tokens, ...)")
     p.add_argument("--kill-rank", type=int, default=None)
     p.add_argument("--kill-at-step", type=int, default=None)
+    p.add_argument("--diverge-rank", type=int, default=None,
+                   help="this rank serves different prompts (of the same lengths): the agreement check must stop the job")
     p.add_argument("--check-fleet-layers", action="store_true")
     args = p.parse_args(argv)
 
@@ -170,15 +177,18 @@ def main(argv=None) -> int:
     tp_size = args.tensor_parallel_size or launched_world_size()
     kill = args.kill_at_step if args.kill_rank == rank else None
     workload = json.loads(args.workload)
+    if args.diverge_rank == rank:
+        workload["prompt_seed"] = workload.get("prompt_seed", 1) + 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     report = {"rank": rank, "tp_size": tp_size, "families": {}}
     t0 = time.perf_counter()
     for family in [f for f in args.families.split(",") if f]:
-        report["families"][family] = run_family(family, tp_size, kill_at_step=kill, **workload)
+        report["families"][family] = run_family(family, tp_size, kill_at_step=kill,
+                                                kill_note=out / f"killed_rank{rank}", **workload)
     report["seconds"] = time.perf_counter() - t0
     if args.check_fleet_layers:
         report["fleet_layers"] = check_fleet_layers(tp_size)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     print(f"rank {rank}/{tp_size}: wrote {out / f'rank{rank}.json'} in {report['seconds']:.1f} s")
     return 0
