@@ -19,7 +19,7 @@ from nbclient import NotebookClient
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 EXPECTED = ["00_tour", "01_attention_patching", "02_paged_kv_cache", "03_input_batch_reorder",
-            "04_decode_loop", "05_performance", "06_prototyping"]
+            "04_decode_loop", "05_performance", "06_prototyping", "08_tensor_parallel"]
 CELL_TIMEOUT_S = 180
 
 

@@ -143,7 +143,8 @@ def table(result: dict) -> str:
               if r["tp_size"] > 1 else "0")
         share = f"{100 * r['all_reduce_share']:.0f}% of serving time" if r["tp_size"] > 1 else "-"
         lines.append(f"| {r['name']} | {r['decode_step_ms']:.1f} ms | {r['prefill_step_ms']:.1f} ms | {ar} | "
-                     f"{share} | {r['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB ({r['num_kv_heads_per_rank']} KV heads) |")
+                     f"{share} | {r['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB "
+                     f"({r['num_kv_heads_per_rank']} KV heads) |")
     return "\n".join(lines)
 
 
@@ -159,6 +160,7 @@ def main(argv=None) -> int:
           f"requests x {result['workload']['max_tokens']} tokens; {m['processor']}, {m['cpu_count']} cores, "
           f"Paddle {m['paddle']}, load {m['load_average']}\n")
     print(table(result))
-    print(f"\ntokens identical across runs and ranks: {result['identical_tokens'] and all(r['ranks_identical'] for r in result['runs'])}")
+    same = result["identical_tokens"] and all(r["ranks_identical"] for r in result["runs"])
+    print(f"\ntokens identical across runs and ranks: {same}")
     print(f"wrote {Path(args.out) / 'tp.json'}")
     return 0

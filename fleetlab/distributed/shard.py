@@ -87,6 +87,34 @@ def plan_for(model, tensor_parallel_size: int) -> ShardPlan:
     return plan_shards(heads, kv_heads, head_dim, ffn, tensor_parallel_size)
 
 
+def weight_table(model, tensor_parallel_size: int) -> list[dict]:
+    """Each projection of one decoder layer: its full weight shape, one rank's shape, how it
+    is split (``"column"``: no communication; ``"row"``: an all-reduce follows), and what the
+    slice holds. Pure arithmetic on the config -- nothing is sharded."""
+    family, heads, kv, d, ffn = model_dims(model)
+    plan = plan_shards(heads, kv, d, ffn, tensor_parallel_size)
+    s = plan.ranks[0]
+    hidden = int(model.config.hidden_size)
+    qh, kvh, f = s.num_heads, s.num_kv_heads, s.intermediate_size
+    if family == "fleet":
+        rows = [("linear_qkv", [hidden, (heads + 2 * kv) * d], [hidden, (qh + 2 * kvh) * d], "column",
+                 "this rank's q heads, then its k and v heads"),
+                ("linear_proj", [heads * d, hidden], [qh * d, hidden], "row", "rows of this rank's q heads"),
+                ("linear_fc1", [hidden, 2 * ffn], [hidden, 2 * f], "column", "this rank's gate and up columns"),
+                ("linear_fc2", [ffn, hidden], [f, hidden], "row", "rows of this rank's MLP columns")]
+    else:
+        rows = [("q_proj", [hidden, heads * d], [hidden, qh * d], "column", "this rank's q heads"),
+                ("k_proj", [hidden, kv * d], [hidden, kvh * d], "column", "the k heads its q heads read"),
+                ("v_proj", [hidden, kv * d], [hidden, kvh * d], "column", "the v heads its q heads read"),
+                ("o_proj", [heads * d, hidden], [qh * d, hidden], "row", "rows of this rank's q heads"),
+                ("gate_proj", [hidden, ffn], [hidden, f], "column", "this rank's MLP columns"),
+                ("up_proj", [hidden, ffn], [hidden, f], "column", "this rank's MLP columns"),
+                ("down_proj", [ffn, hidden], [f, hidden], "row", "rows of this rank's MLP columns")]
+    return [{"projection": n, "full": full, "per_rank": local, "split": split,
+             "after": "all-reduce" if split == "row" else "-", "holds": what}
+            for n, full, local, split, what in rows]
+
+
 def shard_model(model, tp, layers: str = "manual") -> ShardedModel:
     """Shard ``model`` in place for rank ``tp.rank`` of ``tp.size`` and return what was done.
 

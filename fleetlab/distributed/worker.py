@@ -167,7 +167,7 @@ def main(argv=None) -> int:
     p.add_argument("--kill-rank", type=int, default=None)
     p.add_argument("--kill-at-step", type=int, default=None)
     p.add_argument("--diverge-rank", type=int, default=None,
-                   help="this rank serves different prompts (of the same lengths): the agreement check must stop the job")
+                   help="this rank serves other prompts (same lengths): the agreement check must stop the job")
     p.add_argument("--check-fleet-layers", action="store_true")
     args = p.parse_args(argv)
 

@@ -139,3 +139,35 @@ def draw_tp_step_times(result: dict):
         ax.set_ylabel("ms per step")
         ax.set_title(f"{'decode-only' if kind == 'decode' else 'with prefill'} steps (lower is better)", fontsize=9)
     return fig
+
+
+def draw_rank_steps(reports: Sequence[dict], title: str = ""):
+    """Every step of a launched run, per rank: step milliseconds (bars, gid
+    ``"step:<rank>:<step>"``) with the part inside all-reduces hatched, and the step's
+    scheduled tokens on a second axis. ``reports``: one worker report per rank (same family)."""
+    fig = Figure(figsize=(10.0, 3.2), layout="constrained")
+    ax = fig.add_subplot()
+    n = len(reports)
+    width = 0.8 / n
+    for r, rep in enumerate(reports):
+        steps = np.arange(len(rep["step_s"]))
+        total = np.array(rep["step_s"]) * 1e3
+        ar = np.array([c[1] for c in rep["step_all_reduce"]]) * 1e3
+        x = steps + (r - (n - 1) / 2) * width
+        for s in steps:
+            ax.bar(x[s], total[s], width, color=rank_color(r), gid=f"step:{r}:{s}",
+                   label=f"rank {r}" if s == 0 else None)
+        ax.bar(x, ar, width, color="none", edgecolor="black", hatch="///", linewidth=0.5,
+               label="inside all-reduce" if r == 0 else None)
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("ms")
+    ax2 = ax.twinx()
+    ax2.plot(np.arange(len(reports[0]["step_num_tokens"])), reports[0]["step_num_tokens"], "k.-", linewidth=0.8,
+             label="tokens in the step")
+    ax2.set_ylabel("tokens scheduled")
+    ax2.set_ylim(0, max(reports[0]["step_num_tokens"]) * 1.4)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, frameon=False, loc="upper right", ncols=2)
+    ax.set_title(title or "each step on each rank (same steps, same tokens)", fontsize=9)
+    return fig
