@@ -116,6 +116,7 @@ def _summarize(name: str, tp_size: int, threads: int, ranks: list[dict], wall_s:
             "all_reduce_calls": calls, "all_reduce_per_step": int(comm[0, 0, 0]),
             "all_reduce_s": float(ar_s.sum()), "all_reduce_share": float(ar_s.sum() / step_s.sum()),
             "all_reduce_ms_per_call": float(ar_s.sum() / calls * 1e3),
+            "all_reduce_alone_ms": float(np.mean([r["all_reduce_alone_ms"] for r in ranks])),
             "decode_all_reduce_ms": float(ar_s[~prefill][1:].mean() * 1e3) if (~prefill).sum() > 1 else float("nan"),
             "prefill_all_reduce_ms": float(ar_s[prefill].mean() * 1e3) if prefill.any() else float("nan"),
             "recorded_step": r0["recorded_all_reduces"],
@@ -139,7 +140,8 @@ def table(result: dict) -> str:
     lines = ["| run | decode step | step with prefill | all-reduces per step | time in all-reduce | "
              "KV cache per rank |", "|---|---|---|---|---|---|"]
     for r in result["runs"]:
-        ar = (f"{r['all_reduce_per_step']} ({r['all_reduce_ms_per_call']:.2f} ms each)"
+        ar = (f"{r['all_reduce_per_step']} ({r['all_reduce_ms_per_call']:.2f} ms each in steps, "
+              f"{r['all_reduce_alone_ms']:.2f} ms alone)"
               if r["tp_size"] > 1 else "0")
         share = f"{100 * r['all_reduce_share']:.0f}% of serving time" if r["tp_size"] > 1 else "-"
         lines.append(f"| {r['name']} | {r['decode_step_ms']:.1f} ms | {r['prefill_step_ms']:.1f} ms | {ar} | "

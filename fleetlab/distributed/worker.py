@@ -115,7 +115,24 @@ def run_family(family: str, tensor_parallel_size: int = 1, *, prompt_lens=PARITY
             "mlp_columns": list(sharded.shard.mlp_columns), "layers": sharded.layers,
             "weight_shapes": {k: [list(a), list(b)] for k, (a, b) in sharded.weight_shapes.items()},
         })
+        # After the totals above are read: the probe's calls are not the run's.
+        report["all_reduce_alone_ms"] = all_reduce_latency_ms(tp, [max_num_seqs, int(model.config.hidden_size)])
     return report
+
+
+def all_reduce_latency_ms(tp, shape, calls: int = 100) -> float:
+    """Median milliseconds of one all-reduce of a float32 ``shape`` tensor, ranks in lockstep
+    and nothing else to do: the exchange alone, without the waiting a serving step adds."""
+    import paddle
+
+    x = paddle.ones(shape, dtype="float32")
+    times = []
+    for i in range(calls + 5):
+        t0 = time.perf_counter()
+        tp.all_reduce(x, "latency probe")
+        if i >= 5:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
 
 
 def check_fleet_layers(tp_size: int) -> dict:
