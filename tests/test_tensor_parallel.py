@@ -219,3 +219,35 @@ def test_demo_with_two_ranks_launches_itself_and_answers_like_one_process(capsys
     assert "paddle.distributed.launch --nproc_per_node 2" in proc.stdout
     assert [ln for ln in proc.stdout.splitlines() if " -> " in ln] == alone
     assert "tensor parallel: 2 ranks on gloo" in proc.stdout and "KV heads [0] of 2" in proc.stdout
+
+
+# ----- bench tp and the drawings -----
+
+@pytest.mark.slow
+def test_bench_tp_tiny_runs_one_and_two_processes_and_draws(tmp_path):
+    from fleetlab.bench.cli import BENCHES
+    from fleetlab.bench.tp import run, table
+
+    assert BENCHES["tp"] == "fleetlab.bench.tp"
+    result = run("tiny", tmp_path)
+    assert [r["name"] for r in result["runs"]] == ["tp1 x 1 thread", "tp1 x 2 threads", "tp2 x 1 thread"]
+    assert result["identical_tokens"] and all(r["ranks_identical"] for r in result["runs"])
+    tp2 = result["runs"][2]
+    assert tp2["all_reduce_per_step"] == 6 and 0 < tp2["all_reduce_share"] < 1 and tp2["all_reduce_alone_ms"] > 0
+    assert tp2["kv_cache_bytes_per_rank"] * 2 == result["runs"][0]["kv_cache_bytes_per_rank"]
+    assert (tmp_path / "tp_step_time.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "tp.json").read_text())["preset"] == "tiny"
+    assert table(result).count("\n| tp") == 3
+
+
+def test_shard_plan_drawing_colours_each_item_by_its_ranks():
+    from fleetlab.viz.tp import draw_shard_plan, rank_color
+
+    fig = draw_shard_plan([plan_shards(8, 2, 4, 64, 4)])
+    cells = {}
+    for patch in fig.axes[0].patches:
+        cells.setdefault(patch.get_gid(), []).append(patch.get_facecolor())
+    from matplotlib.colors import to_rgba
+
+    assert cells["query heads:5"] == [to_rgba(rank_color(2))]
+    assert cells["KV heads (cached):1"] == [to_rgba(rank_color(2)), to_rgba(rank_color(3))]  # replicated
