@@ -42,14 +42,15 @@ PRESETS = {
 RUNS = (("tp1 x 1 thread", 1, 1), ("tp1 x 2 threads", 1, 2), ("tp2 x 1 thread", 2, 1))
 
 
-def run(preset: str = "default", out: str | Path | None = None, timeout: float = 600) -> dict:
-    """Run the three configurations; return (and, with ``out``, write) the result dict."""
+def run(preset: str = "default", out: str | Path | None = None, timeout: float = 600, runs=RUNS) -> dict:
+    """Run the configurations ``runs`` (``(name, tp_size, threads)``; default all three);
+    return (and, with ``out``, write) the result dict."""
     from fleetlab.distributed.launch import launch
 
     cfg = PRESETS[preset]
     workload = {**cfg["workload"], "model_overrides": cfg["model_overrides"], "record_step": 3}
-    runs = []
-    for name, tp_size, threads in RUNS:
+    results = []
+    for name, tp_size, threads in runs:
         folder = Path(tempfile.mkdtemp(prefix="fleetlab-bench-tp-"))
         args = ["fleetlab.distributed.worker", "--out", str(folder / "out"), "--families", "llama",
                 "--tensor-parallel-size", str(tp_size), "--workload", json.dumps(workload)]
@@ -62,10 +63,10 @@ def run(preset: str = "default", out: str | Path | None = None, timeout: float =
             raise RuntimeError(f"bench tp: run {name!r} failed (exit {result.returncode}):\n{result.output[-3000:]}")
         ranks = [json.loads((folder / "out" / f"rank{r}.json").read_text())["families"]["llama"]
                  for r in range(tp_size)]
-        runs.append(_summarize(name, tp_size, threads, ranks, time.perf_counter() - t0))
-    tokens = [r.pop("tokens") for r in runs]
+        results.append(_summarize(name, tp_size, threads, ranks, time.perf_counter() - t0))
+    tokens = [r.pop("tokens") for r in results]
     result = {"schema_version": 1, "preset": preset, "machine": _machine(), "model": cfg["model_overrides"],
-              "workload": cfg["workload"], "runs": runs,
+              "workload": cfg["workload"], "runs": results,
               "identical_tokens": all(t == tokens[0] for t in tokens)}
     if out is not None:
         out = Path(out)

@@ -51,21 +51,19 @@ class TensorParallelState:
         self.check_every = check_every
 
     @classmethod
-    def prepare(cls, model, tensor_parallel_size: int, layers: str | None = None) -> TensorParallelState:
+    def prepare(cls, model, tensor_parallel_size: int) -> TensorParallelState:
         """Join the group and shard ``model`` (a model or a ``PatchHandle``) for this rank.
 
         Raises ``ValueError`` when the program was not launched with ``tensor_parallel_size``
-        processes, or when the model's heads or MLP columns do not split that many ways.
-        ``layers``: ``"manual"`` or ``"paddle"``; ``None`` picks ``"paddle"`` on NCCL, else ``"manual"``.
+        processes, or when the model's heads or MLP columns do not split that many ways. The
+        layers (manual, or Paddle's fleet layers) are the group's: see ``init_tensor_parallel``.
         """
         from fleetlab.distributed.shard import plan_for
 
         target = getattr(model, "model", model) if hasattr(model, "compute_logits") else model
         plan_for(target, tensor_parallel_size)  # an uneven split raises before any process group work
-        tp = init_tensor_parallel(tensor_parallel_size)
-        if layers is None:
-            layers = "paddle" if tp.backend == "nccl" else "manual"
-        sharded = shard_model(target, tp, layers=layers)
+        tp = init_tensor_parallel(tensor_parallel_size)  # an earlier call may have chosen its layers
+        sharded = shard_model(target, tp, layers=tp.layers)
         every = int(os.environ.get(CHECK_EVERY_ENV, "16"))
         if every < 0:
             raise ValueError(f"{CHECK_EVERY_ENV}={every} must be >= 0")

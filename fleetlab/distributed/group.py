@@ -59,14 +59,17 @@ class TensorParallelGroup:
 
     rank, size: this rank and the number of ranks. backend: ``"gloo"``, ``"nccl"``...
     group: the ``paddle.distributed`` group (``None`` when ``size == 1``).
-    stats: the :class:`CommStats` of this rank's all-reduces.
+    layers: ``"manual"`` or ``"paddle"``, the layers models are sharded into for this group.
+    stats: the :class:`CommStats` of the all-reduces made through :meth:`all_reduce` (the
+      ``"manual"`` layers; Paddle's ``RowParallelLinear`` reduces inside itself, uncounted).
     """
 
-    def __init__(self, rank: int, size: int, group=None, backend: str = "none"):
+    def __init__(self, rank: int, size: int, group=None, backend: str = "none", layers: str = "manual"):
         self.rank = rank
         self.size = size
         self.group = group
         self.backend = backend
+        self.layers = layers
         self.stats = CommStats()
 
     def all_reduce(self, x: paddle.Tensor, name: str = "") -> paddle.Tensor:
@@ -139,14 +142,22 @@ def launched_rank() -> int:
 _GROUPS: dict[int, TensorParallelGroup] = {}
 
 
-def init_tensor_parallel(tensor_parallel_size: int) -> TensorParallelGroup:
+def init_tensor_parallel(tensor_parallel_size: int, layers: str = "auto") -> TensorParallelGroup:
     """Join (once per process) the group of ``tensor_parallel_size`` launched ranks.
 
     ``1`` returns a single-rank group without touching ``paddle.distributed``. Otherwise the
     program must have been started by ``paddle.distributed.launch`` with exactly that many
     processes, or a ``ValueError`` says how to start it. On a GPU build each rank is put on
     its own device (``gpu:<local rank>``) before anything is allocated.
+
+    ``layers`` picks the tensor-parallel layers the model will be sharded into (the group's
+    ``layers``): ``"manual"`` joins with ``paddle.distributed.init_parallel_env``;
+    ``"paddle"`` joins with ``fleet.init`` (model-parallel degree ``N``), which Paddle's
+    ``ColumnParallelLinear``/``RowParallelLinear`` need; ``"auto"``: ``"paddle"`` on NCCL,
+    ``"manual"`` on gloo (where ``RowParallelLinear`` cannot run).
     """
+    if layers not in ("auto", "manual", "paddle"):
+        raise ValueError(f"tensor parallel layers={layers!r} must be 'auto', 'manual' or 'paddle'")
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"engine config: tensor_parallel_size={tensor_parallel_size!r} must be an int >= 1")
     if tensor_parallel_size in _GROUPS:
@@ -168,9 +179,33 @@ def init_tensor_parallel(tensor_parallel_size: int) -> TensorParallelGroup:
         local = int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")))
         paddle.set_device(f"gpu:{local}")
     t0 = time.perf_counter()
-    group = dist.init_parallel_env()  # returns the existing default group when already joined
     backend = os.environ.get("PADDLE_DISTRI_BACKEND") or ("nccl" if paddle.is_compiled_with_cuda() else "gloo")
-    tp = TensorParallelGroup(dist.get_rank(), dist.get_world_size(), group, backend)
-    logger.info("joined %r in %.2f s", tp, time.perf_counter() - t0)
+    if layers == "auto":
+        layers = "paddle" if backend == "nccl" else "manual"
+    if layers == "paddle":
+        group = _join_with_fleet(tensor_parallel_size)
+        tp = TensorParallelGroup(group.rank, group.nranks, group, backend)
+    else:
+        group = dist.init_parallel_env()  # returns the existing default group when already joined
+        tp = TensorParallelGroup(dist.get_rank(), dist.get_world_size(), group, backend)
+    tp.layers = layers
+    logger.info("joined %r (%s layers) in %.2f s", tp, layers, time.perf_counter() - t0)
     _GROUPS[tensor_parallel_size] = tp
     return tp
+
+
+def _join_with_fleet(tensor_parallel_size: int):
+    """``fleet.init`` with model-parallel degree ``N``; returns its model-parallel group.
+
+    ``mp_async_allreduce`` + ``mp_skip_c_identity`` make ``ColumnParallelLinear`` skip
+    ``c_identity`` (an identity in the forward pass; it exists for the backward all-reduce),
+    the setting under which it was seen to run on CPU too.
+    """
+    from paddle.distributed import fleet
+
+    strategy = fleet.DistributedStrategy()
+    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": tensor_parallel_size, "pp_degree": 1}
+    strategy.hybrid_configs["mp_configs"].mp_async_allreduce = True
+    strategy.hybrid_configs["mp_configs"].mp_skip_c_identity = True
+    fleet.init(is_collective=True, strategy=strategy)
+    return fleet.get_hybrid_communicate_group().get_model_parallel_group()

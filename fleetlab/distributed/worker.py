@@ -41,13 +41,14 @@ def run_family(family: str, tensor_parallel_size: int = 1, *, prompt_lens=PARITY
                max_num_batched_tokens: int = PARITY["max_num_batched_tokens"],
                max_num_seqs: int = PARITY["max_num_seqs"], model_overrides: dict | None = None,
                record_step: int = 1, kill_at_step: int | None = None, kill_note: Path | None = None,
-               prompt_seed: int = 1) -> dict:
+               prompt_seed: int = 1, temperature: float = 0.0, top_k: int = 0) -> dict:
     """Serve the workload on ``tiny(family)`` with ``tensor_parallel_size`` ranks; return a report.
 
     The model is built with seed 0 on every rank (identical weights), then sharded by
     ``LLM``. ``record_step``: the step whose all-reduces are kept one by one.
     ``kill_at_step``: SIGKILL this process before that step, first writing the wall time
-    (``time.time()``) to ``kill_note``.
+    (``time.time()``) to ``kill_note``. ``temperature > 0`` samples instead (each request's
+    seed drawn by the engine from ``EngineConfig.seed``, as for any request without one).
     """
     from fleetlab import LLM, SamplingParams
     from fleetlab.models import tiny
@@ -60,8 +61,8 @@ def run_family(family: str, tensor_parallel_size: int = 1, *, prompt_lens=PARITY
     tp = llm.tensor_parallel.tp if llm.tensor_parallel else None
     if tp is not None:
         tp.stats.reset()  # the group outlives one LLM: count this run's all-reduces only
-    ids = [llm.add_request(prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-           for p in prompts]
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, top_k=top_k)
+    ids = [llm.add_request(prompt_token_ids=p, sampling_params=sp) for p in prompts]
     outputs, step_s, step_comm, records = {}, [], [], []
     step = 0
     while llm.has_unfinished_requests():
@@ -144,18 +145,12 @@ def check_fleet_layers(tp_size: int) -> dict:
     "row": "ok" | error}``.
     """
     import paddle
-    from paddle.distributed import fleet
 
-    from fleetlab.distributed.group import TensorParallelGroup
+    from fleetlab.distributed.group import TensorParallelGroup, _join_with_fleet
     from fleetlab.distributed.layers import column_parallel, row_parallel
 
-    strategy = fleet.DistributedStrategy()
-    strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": tp_size, "pp_degree": 1}
-    strategy.hybrid_configs["mp_configs"].mp_async_allreduce = True
-    strategy.hybrid_configs["mp_configs"].mp_skip_c_identity = True
-    fleet.init(is_collective=True, strategy=strategy)
-    group = fleet.get_hybrid_communicate_group().get_model_parallel_group()
-    tp = TensorParallelGroup(group.rank, group.nranks, group, "gloo")
+    group = _join_with_fleet(tp_size)  # what init_tensor_parallel(N, layers="paddle") does
+    tp = TensorParallelGroup(group.rank, group.nranks, group, "gloo", layers="paddle")
     full = paddle.arange(8 * 16, dtype="float32").reshape([8, 16]) / 100
     x = paddle.linspace(-1, 1, 3 * 8).reshape([1, 3, 8])
     cols = full[:, tp.rank * 16 // tp_size:(tp.rank + 1) * 16 // tp_size]
@@ -178,7 +173,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fleetlab.distributed.worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for rank<r>.json")
-    p.add_argument("--families", default="fleet,llama")
+    p.add_argument("--families", default="fleet,llama",
+                   help="comma-separated; 'fleet:sampled' samples (temperature 1, top-k 20) instead of greedy")
     p.add_argument("--tensor-parallel-size", type=int, default=None, help="default: the launched world size")
     p.add_argument("--workload", default="{}", help="JSON of run_family keywords (prompt_lens, max_tokens, ...)")
     p.add_argument("--kill-rank", type=int, default=None)
@@ -200,9 +196,11 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {"rank": rank, "tp_size": tp_size, "families": {}}
     t0 = time.perf_counter()
-    for family in [f for f in args.families.split(",") if f]:
-        report["families"][family] = run_family(family, tp_size, kill_at_step=kill,
-                                                kill_note=out / f"killed_rank{rank}", **workload)
+    for name in [f for f in args.families.split(",") if f]:
+        family, _, mode = name.partition(":")  # "fleet:sampled": temperature 1, top-k 20
+        sampling = {"temperature": 1.0, "top_k": 20} if mode == "sampled" else {}
+        report["families"][name] = run_family(family, tp_size, kill_at_step=kill,
+                                              kill_note=out / f"killed_rank{rank}", **workload, **sampling)
     report["seconds"] = time.perf_counter() - t0
     if args.check_fleet_layers:
         report["fleet_layers"] = check_fleet_layers(tp_size)
