@@ -159,7 +159,7 @@ def _report_tensor_parallel(llm, elapsed: float) -> None:
     state = llm.tensor_parallel
     tp, sharded = state.tp, state.sharded
     plan = sharded.plan
-    full_kv = llm.kv_cache.bytes_allocated * plan.num_kv_heads // (sharded.num_kv_heads * plan.kv_replicas)
+    full_kv = llm.kv_cache.bytes_allocated * plan.num_kv_heads // sharded.num_kv_heads
     print(f"\n  tensor parallel: {tp.size} ranks on {tp.backend} ({sharded.layers} layers); rank {tp.rank} holds "
           f"query heads {list(sharded.shard.q_heads)} of {plan.num_heads}, KV heads {list(sharded.shard.kv_heads)} "
           f"of {plan.num_kv_heads}, MLP columns {sharded.shard.mlp_columns[0]}:{sharded.shard.mlp_columns[1]} "
@@ -169,8 +169,8 @@ def _report_tensor_parallel(llm, elapsed: float) -> None:
     steps = llm.stats()["num_steps"]
     print(f"  all-reduces: {len(sharded.row_parallel)} per step ({len(sharded.row_parallel) // 2} layers x 2), "
           f"{tp.stats.num_calls} in all, {tp.stats.seconds:.2f} s = {tp.stats.seconds / elapsed:.0%} of the run "
-          f"({tp.stats.seconds / max(1, tp.stats.num_calls) * 1e3:.2f} ms each); ranks agreed at "
-          f"{llm.runner.num_checks} checked steps of {steps}")
+          f"({tp.stats.seconds / max(1, tp.stats.num_calls) * 1e3:.2f} ms each); the ranks agreed on "
+          f"all {llm.runner.num_checks} checked steps (of {steps})")
 
 
 def _device() -> str:
