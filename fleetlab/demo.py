@@ -3,6 +3,10 @@
 It prints each answer (arithmetic is checked), a timeline of which request ran a
 prefill chunk (P) or a decode (D) in each step, and the engine's figures: throughput,
 KV-cache utilization, prefix-cache hit rate and preemptions.
+
+``--tensor-parallel-size N`` splits the model over N processes. Started plainly, the demo
+starts itself again under ``python -m paddle.distributed.launch --nproc_per_node N`` (it
+prints that line); rank 0 prints, and adds what its shard holds and what the all-reduces cost.
 """
 
 from __future__ import annotations
@@ -69,7 +73,18 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=4)
     p.add_argument("--num-blocks", type=int, default=24)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over N processes (started through paddle.distributed.launch)")
     args = p.parse_args(argv)
+    tp_size = args.tensor_parallel_size
+    if tp_size > 1:
+        from fleetlab.distributed.group import init_tensor_parallel, launched_rank, launched_world_size
+
+        if launched_world_size() == 1:
+            return _relaunch(argv, tp_size)
+        init_tensor_parallel(tp_size)  # before the model is built: on GPUs each rank takes its own device
+        if launched_rank() != 0:  # every rank serves; rank 0 alone reports
+            return _serve_quietly(args)
 
     from fleetlab import LLM, SamplingParams
     from fleetlab.models import load_tiny
@@ -77,7 +92,7 @@ def main(argv=None) -> int:
     model, tok = load_tiny()
     llm = LLM(model, tok, block_size=args.block_size, num_blocks=args.num_blocks,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              record_traces=True)
+              record_traces=True, tensor_parallel_size=tp_size)
     prompts = make_prompts(args.num_prompts, args.seed)
     print(f"fleetlab demo: {len(prompts)} prompts, tiny trained Llama "
           f"({sum(int(w.numel()) for w in model.parameters()) / 1e6:.2f}M parameters), "
@@ -105,7 +120,57 @@ def main(argv=None) -> int:
     right = sum(check(p_, o.text) == "ok" for p_, o in zip(prompts, outs))
     total = sum(check(p_, o.text) != "" for p_, o in zip(prompts, outs))
     print(f"  arithmetic right: {right}/{total}")
+    if llm.tensor_parallel is not None:
+        _report_tensor_parallel(llm, elapsed)
     return 0
+
+
+def _relaunch(argv, tp_size: int) -> int:
+    """Run this demo again on ``tp_size`` ranks through Paddle's launcher, streaming rank 0."""
+    import sys
+    import tempfile
+
+    from fleetlab.distributed.launch import launch, launch_command, shell_line
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    log_dir = tempfile.mkdtemp(prefix="fleetlab-tp-demo-")
+    print("starting one process per rank:\n  " + shell_line(launch_command(["fleetlab", "demo", *argv], tp_size,
+                                                                           log_dir)) + "\n", flush=True)
+    result = launch(["fleetlab", "demo", *argv], tp_size, log_dir=log_dir, stream=True, timeout=3600)
+    if result.returncode:
+        print(f"\ntensor-parallel demo failed (exit {result.returncode}); every rank's log: {log_dir}/workerlog.*",
+              file=sys.stderr)
+    return result.returncode
+
+
+def _serve_quietly(args) -> int:
+    """A rank other than 0: serve the same prompts (same steps, same all-reduces), print nothing."""
+    from fleetlab import LLM, SamplingParams
+    from fleetlab.models import load_tiny
+
+    model, tok = load_tiny()
+    llm = LLM(model, tok, block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size)
+    llm.generate(make_prompts(args.num_prompts, args.seed), SamplingParams(max_tokens=24), use_tqdm=False)
+    return 0
+
+
+def _report_tensor_parallel(llm, elapsed: float) -> None:
+    state = llm.tensor_parallel
+    tp, sharded = state.tp, state.sharded
+    plan = sharded.plan
+    full_kv = llm.kv_cache.bytes_allocated * plan.num_kv_heads // sharded.num_kv_heads
+    print(f"\n  tensor parallel: {tp.size} ranks on {tp.backend} ({sharded.layers} layers); rank {tp.rank} holds "
+          f"query heads {list(sharded.shard.q_heads)} of {plan.num_heads}, KV heads {list(sharded.shard.kv_heads)} "
+          f"of {plan.num_kv_heads}, MLP columns {sharded.shard.mlp_columns[0]}:{sharded.shard.mlp_columns[1]} "
+          f"of {plan.intermediate_size}")
+    print(f"  KV cache on this rank: {llm.kv_cache.bytes_allocated / 1024:.0f} KiB "
+          f"(one process would hold {full_kv / 1024:.0f} KiB); block tables identical on every rank")
+    steps = llm.stats()["num_steps"]
+    print(f"  all-reduces: {len(sharded.row_parallel)} per step ({len(sharded.row_parallel) // 2} layers x 2), "
+          f"{tp.stats.num_calls} in all, {tp.stats.seconds:.2f} s = {tp.stats.seconds / elapsed:.0%} of the run "
+          f"({tp.stats.seconds / max(1, tp.stats.num_calls) * 1e3:.2f} ms each); the ranks agreed on "
+          f"all {llm.runner.num_checks} checked steps (of {steps})")
 
 
 def _device() -> str:

@@ -5,7 +5,8 @@ generate, KV memory, prefix caching, step-time breakdown), ``reorder`` (condense
 decode-first reorder cost), ``attention`` (reference paged attention), ``triton``
 (Triton paged-attention kernels: decode, multi-token decode, prefill; needs a GPU with
 torch and triton), ``serve`` (an OpenAI-compatible server under Poisson traffic: TTFT /
-TPOT / ITL and throughput per request rate).
+TPOT / ITL and throughput per request rate), ``tp`` (one process vs two tensor-parallel
+processes: step time and the share spent in all-reduce).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ BENCHES = {
     "attention": "fleetlab.bench.attention",
     "triton": "fleetlab.bench.triton_attention",
     "serve": "fleetlab.bench.serving",
+    "tp": "fleetlab.bench.tp",
 }
 
 

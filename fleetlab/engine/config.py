@@ -24,6 +24,9 @@ class EngineConfig:
     record_traces: keep a ``StepTrace`` of every step in ``LLM.traces``.
     speculative_config: None, or ``{"method": "ngram" | "draft", "num_speculative_tokens": k,
       ...}`` (see :class:`fleetlab.spec.config.SpeculativeConfig`).
+    tensor_parallel_size: ranks the model is split over (Megatron-style heads and MLP
+      columns); > 1 needs a program started by ``python -m paddle.distributed.launch
+      --nproc_per_node N`` (see ``fleetlab.distributed``).
     """
 
     block_size: int = 16
@@ -40,6 +43,7 @@ class EngineConfig:
     seed: int = 0
     record_traces: bool = False
     speculative_config: dict | None = None
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineConfig:
@@ -53,7 +57,7 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when a setting is out of range."""
-        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

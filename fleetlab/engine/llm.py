@@ -54,6 +54,11 @@ class LLM:
         self.config = cfg = EngineConfig.from_kwargs(**config)
         self.tokenizer = tokenizer
         self.spec_config = SpeculativeConfig.from_dict(cfg.speculative_config) if cfg.speculative_config else None
+        self.tensor_parallel = None  # this rank's TensorParallelState; every rank runs the scheduler
+        if cfg.tensor_parallel_size > 1:
+            from fleetlab.distributed.engine import TensorParallelState
+
+            self.tensor_parallel = TensorParallelState.prepare(model, cfg.tensor_parallel_size)
         self._owns_handle = not isinstance(model, PatchHandle)
         if not self._owns_handle:
             self.handle = model
@@ -77,6 +82,8 @@ class LLM:
     def _build(self, cfg: EngineConfig) -> None:
         backend_cls = type(self.handle.backend)
         _check_backend_needs(backend_cls, cfg)
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.adapt_handle(self.handle)  # this rank's KV heads size the cache
         self.max_model_len = min(cfg.max_model_len or self.handle.max_model_len, self.handle.max_model_len)
         if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -104,6 +111,8 @@ class LLM:
                            max_blocks_per_seq=-(-self.max_model_len // cfg.block_size))
         self.runner = ModelRunner(self.handle, self.kv_cache, batch, reorder=reorder,
                                   decode_threshold=decode_threshold, proposer=self.proposer)
+        if self.tensor_parallel is not None:
+            self.runner = self.tensor_parallel.wrap_runner(self.runner)
         self.processor = InputProcessor(
             self.tokenizer, vocab_size=self.handle.vocab_size, max_model_len=self.max_model_len,
             eos_token_id=self.handle.eos_token_id, block_size=cfg.block_size, num_blocks=num_blocks,

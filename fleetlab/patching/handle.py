@@ -56,6 +56,8 @@ class PatchHandle:
       num_layers, num_kv_heads, head_dim, dtype, vocab_size, max_model_len: what the engine
         needs to size the paged cache and check requests.
       sliding_windows: ``{layer_id: window}`` for layers with a sliding window.
+      tp_rank, tp_size: this process's tensor-parallel rank and the number of ranks; with
+        ``tp_size > 1``, ``num_kv_heads`` is this rank's share (set by ``fleetlab.distributed``).
     """
 
     def __init__(self, model, family: str, backend, layer_ids: dict[str, int], undo: list[Callable[[], None]],
@@ -76,6 +78,7 @@ class PatchHandle:
         self.dtype = dtype
         self.sliding_windows = dict(sliding_windows or {})
         self.eos_token_id = eos_token_id
+        self.tp_rank, self.tp_size = 0, 1
         self.patched = True
 
     def compute_logits(self, input_ids: paddle.Tensor, positions: paddle.Tensor,
