@@ -19,13 +19,14 @@ the count of tiles grows with the batch's size in tokens, never with its count o
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
 
-from fleetlab.attention.backend import AttentionBackend, current_device_kind, register_attention_backend
+from fleetlab.attention.backend import AttentionBackend, current_device_kind
 from fleetlab.attention.metadata import AttentionMetadata
+from fleetlab.device import upload
 from fleetlab.kv.paged_cache import gather_rows
 
 
@@ -116,8 +117,10 @@ class _TileIndex:
 
     query_index: int64 ``[B * Q]`` packed token of each query slot; kv_index: int64 rows of
     the cache (seen as ``[num_blocks * block_size * Hkv, D]``; whole blocks when ``Hkv == 1``)
-    that gather into ``[B, Hkv, L, D]``; visible: bool ``[B, 1, Q, 1, L]``; valid_index:
-    int64 real query slots, None when every slot is real.
+    that gather into ``[B, Hkv, L, D]``; visible: bool ``[B, 1, Q, 1, L]``; live: bool
+    ``[B, 1, L, 1]``, gathered keys inside the row's context (the rest are stale slots or
+    padding, whatever they hold); valid_index: int64 real query slots, None when every slot
+    is real.
     """
 
     tile: _Tile
@@ -125,6 +128,7 @@ class _TileIndex:
     query_index: paddle.Tensor
     kv_index: paddle.Tensor
     visible: paddle.Tensor
+    live: paddle.Tensor
     valid_index: paddle.Tensor | None
 
 
@@ -136,12 +140,21 @@ class _StepPlan:
     order: paddle.Tensor | None
 
 
+@dataclass(slots=True)
+class ReferenceMetadata(AttentionMetadata):
+    """The reference backend's per-step metadata: the common fields plus its tile plans,
+    one per layer shape (heads, window), built by the first layer of that shape and reused
+    by the others."""
+
+    plans: dict = field(default_factory=dict)
+
+
 def _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, place) -> _StepPlan:
-    """The plan for this step and layer shape: built by the step's first layer, kept in
-    ``metadata.scratch`` and reused by every later layer (they attend with the same metadata)."""
+    """The plan for this step and layer shape (memoized in a ``ReferenceMetadata``; planned
+    afresh for plain ``AttentionMetadata``)."""
     limits = tile_limits()
     key = (num_heads, num_kv_heads, head_dim, sliding_window, limits, str(place))
-    plans = metadata.scratch.setdefault("reference_plans", {})
+    plans = metadata.plans if isinstance(metadata, ReferenceMetadata) else {}
     if key not in plans:
         tiles = plan_tiles(metadata, num_heads, num_kv_heads * head_dim, sliding_window, limits)
         table = metadata.block_tables.astype("int64").flatten()
@@ -149,7 +162,7 @@ def _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, plac
         dest = np.concatenate([t.tokens[t.valid] for t in tiles])
         order = None
         if not np.array_equal(dest, np.arange(len(dest))):
-            order = paddle.to_tensor(np.argsort(dest), place=place)
+            order = upload(np.argsort(dest))
         plans[key] = _StepPlan(indexed, order)
     return plans[key]
 
@@ -158,7 +171,7 @@ def _index_tile(tile, table, metadata, num_kv_heads, sliding_window, place) -> _
     """Upload a tile's plan: query slots, the cache rows its keys come from, its mask."""
 
     def dev(array):
-        return paddle.to_tensor(array, place=place)
+        return upload(array)
 
     bs = metadata.block_size
     width = metadata.block_tables.shape[1]
@@ -167,8 +180,10 @@ def _index_tile(tile, table, metadata, num_kv_heads, sliding_window, place) -> _
     seq_len = tile.num_blocks * bs
     rows = _kv_row_index(blocks, len(tile.rows), bs, num_kv_heads)
     valid = None if tile.valid.all() else dev(np.flatnonzero(tile.valid.reshape(-1)))
+    key_pos = tile.first_block[:, None] * bs + np.arange(seq_len)[None, :]
+    live = dev((key_pos <= tile.qpos.max(axis=1, keepdims=True)).reshape(len(tile.rows), 1, seq_len, 1))
     return _TileIndex(tile, seq_len, dev(tile.tokens.reshape(-1)), blocks if rows is None else rows,
-                      _visible(tile, seq_len, bs, sliding_window, place), valid)
+                      _visible(tile, seq_len, bs, sliding_window, place), live, valid)
 
 
 def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: int,
@@ -236,7 +251,11 @@ def _attend_tile(q32, key_cache, value_cache, index: _TileIndex, sink_logits):
     q = q.reshape([num_rows, q_len, num_kv_heads, group, head_dim]).transpose([0, 2, 1, 3, 4])
     q = q.reshape([num_rows, num_kv_heads, q_len * group, head_dim])
     k = _gather_kv(key_cache, index.kv_index, num_rows, seq_len)
+    # Masked keys get weight 0, but 0 x NaN is NaN: a stale slot of a reused block (or block 0,
+    # read for a -1 table entry) may hold anything, so values outside the context become 0.
+    # Their scores are replaced by -inf below, whatever the keys hold.
     v = _gather_kv(value_cache, index.kv_index, num_rows, seq_len)
+    v = paddle.where(index.live, v, paddle.zeros([], "float32"))
 
     scores = paddle.matmul(q, k, transpose_y=True)  # [B, Hkv, Q*G, L]
     scores = scores.reshape([num_rows, num_kv_heads, q_len, group, seq_len])
@@ -291,10 +310,10 @@ def _visible(tile, seq_len, block_size, sliding_window, place):
     visible to a query at ``p`` iff ``j <= p`` (and ``j > p - w`` with a window). Every real
     query sees at least itself, so no softmax row is all -inf.
     """
-    key_pos = paddle.arange(seq_len, dtype="int64").unsqueeze(0) + paddle.to_tensor(
-        tile.first_block[:, None] * block_size, place=place)  # [B, L]
+    key_pos = paddle.arange(seq_len, dtype="int64").unsqueeze(0) + upload(
+        tile.first_block[:, None] * block_size)  # [B, L]
     key_pos = key_pos.unsqueeze(1)  # [B, 1, L]
-    query_pos = paddle.to_tensor(tile.qpos, place=place).unsqueeze(2)  # [B, Q, 1]
+    query_pos = upload(tile.qpos).unsqueeze(2)  # [B, Q, 1]
     visible = key_pos <= query_pos
     if sliding_window is not None:
         visible = paddle.logical_and(visible, key_pos > query_pos - sliding_window)
@@ -344,10 +363,12 @@ class ReferenceBackend(AttentionBackend):
     name = "reference"
     requires_reorder = False
 
+    def build_metadata(self, common: AttentionMetadata) -> ReferenceMetadata:
+        """The step's metadata with an empty plan memo the step's layers fill."""
+        return common.extend(ReferenceMetadata)
+
     def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
         """See :func:`paged_attention`."""
         return paged_attention(query, key_cache, value_cache, metadata, scale=scale,
                                sliding_window=sliding_window, sinks=sinks)
 
-
-register_attention_backend("reference", ReferenceBackend)

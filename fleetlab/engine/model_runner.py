@@ -23,6 +23,7 @@ import paddle
 
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
+from fleetlab.device import upload
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.runner_output import ModelRunnerOutput
 from fleetlab.engine.sampler import Sampler, SamplingTensors
@@ -133,7 +134,7 @@ class ModelRunner:
                                      block_tables_device=b.dev("block_table")[:, :max_blocks])
         row_of_token = np.repeat(np.arange(n), q)
         pos = c[row_of_token] + np.arange(md.num_tokens) - md.cu_seqlens_q_host[:-1][row_of_token]
-        input_ids = paddle.to_tensor(b.token_ids[row_of_token, pos].reshape(1, -1), dtype="int64")
+        input_ids = upload(b.token_ids[row_of_token, pos].reshape(1, -1), np.int64)
         # A row scores its last known token and each draft after it, once its chunk gets there.
         num_scored = np.where(c + q >= b.num_tokens[:n], b.num_spec_tokens[:n] + 1, 0).astype(np.int64)
         pos_row = np.repeat(np.arange(n), num_scored)
@@ -149,7 +150,7 @@ class ModelRunner:
         indices = inputs.logits_indices if len(inputs.logits_indices) else np.array([md.num_tokens - 1])
         with paddle.no_grad(), forward_context(md, self.kv_cache):
             logits = self.handle.compute_logits(inputs.input_ids, md.positions.reshape([1, -1]),
-                                                paddle.to_tensor(indices))
+                                                upload(indices))
         return logits.astype("float32") if logits.dtype != paddle.float32 else logits
 
     # ------------------------------------------------------------------ sampling and verification
@@ -195,7 +196,7 @@ class ModelRunner:
             if not b.ignore_eos[row] and b.eos_token_id[row] >= 0:
                 ids.append(int(b.eos_token_id[row]))
             banned[p] = ids
-        index = paddle.to_tensor(rows.astype(np.int64))
+        index = upload(rows, np.int64)
         return SamplingTensors(
             greedy=b.temperature[rows] == 0, temperature=paddle.gather(b.dev("temperature"), index),
             top_k=paddle.gather(b.dev("top_k"), index), top_p=paddle.gather(b.dev("top_p"), index),

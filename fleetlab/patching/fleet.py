@@ -50,7 +50,7 @@ class PagedCoreAttention(nn.Layer):
             raise ValueError(f"query holds {num_tokens} tokens but the step's metadata schedules "
                              f"{ctx.metadata.num_tokens}")
         out = self.backend.forward(
-            self.layer_id, query[0], key[0], value[0], ctx.kv_cache, ctx.metadata, scale=self.scale
+            self.layer_id, query[0], key[0], value[0], ctx.kv_cache, ctx.attn_metadata(self.backend), scale=self.scale
         )
         return out.reshape([1, num_tokens, num_heads * head_dim])
 

@@ -73,7 +73,7 @@ def fleetlab_attention(module, query, key, value, attention_mask=None, scaling=N
     # [1, heads, T, D] -> [T, heads, D]: the packed layout backends and the cache use.
     q, k, v = (x[0].transpose([1, 0, 2]) for x in (query, key, value))
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
-    out = backend.forward(layer_id, q, k, v, ctx.kv_cache, ctx.metadata, scale=scale,
+    out = backend.forward(layer_id, q, k, v, ctx.kv_cache, ctx.attn_metadata(backend), scale=scale,
                           sliding_window=getattr(module, WINDOW_ATTR), sinks=sink)
     return out.reshape([1, out.shape[0], -1]), None
 
