@@ -29,6 +29,7 @@ from fleetlab.engine.request import Request
 from fleetlab.engine.runner_output import ModelRunnerOutput
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
+from fleetlab.engine.side_data import normalize_prompt_embeds
 from fleetlab.engine.tracing import build_step_trace, rows_before
 from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.manager import KVCacheManager
@@ -145,11 +146,19 @@ class LLM:
     # ----- requests in -----
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: Sequence[int] | None = None, request_id: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, prompt_embeds=None) -> str:
         """Queue one request; returns its id. Raises ``ValueError`` naming the request and
-        the bad field before anything is queued."""
+        the bad field before anything is queued.
+
+        ``prompt_embeds``: side data such as image features, ``{prompt position: vector
+        [hidden_size]}`` (or ``[num_prompt_tokens, hidden_size]``) used instead of those
+        tokens' own embeddings (see :mod:`fleetlab.engine.side_data`).
+        """
         req = self.processor.process(prompt, sampling_params, prompt_token_ids, request_id, priority,
                                      self.scheduler.requests)
+        if prompt_embeds is not None:
+            req.prompt_embeds = normalize_prompt_embeds(req.request_id, prompt_embeds, req.num_prompt_tokens,
+                                                        self.handle.hidden_size)
         self.scheduler.add_request(req)
         return req.request_id
 

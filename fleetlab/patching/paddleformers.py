@@ -85,8 +85,12 @@ class PaddleFormersHandle(PatchHandle):
         super().__init__(model, spec.name, *args, **kwargs)
         self.spec = spec
 
+    def embed(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+        with paddle.no_grad():
+            return self.model.get_input_embeddings()(input_ids)
+
     def compute_logits(self, input_ids: paddle.Tensor, positions: paddle.Tensor,
-                       logits_indices: paddle.Tensor) -> paddle.Tensor:
+                       logits_indices: paddle.Tensor, inputs_embeds: paddle.Tensor | None = None) -> paddle.Tensor:
         """Run one packed step; logits ``[B, vocab]`` at ``logits_indices`` only.
 
         input_ids, positions: int64 ``[1, T]``; logits_indices: int64 ``[B]``. Must run
@@ -96,8 +100,8 @@ class PaddleFormersHandle(PatchHandle):
         """
         self._check_step(input_ids, positions, logits_indices)
         with paddle.no_grad():
-            hidden = self.model.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                                      return_dict=True)[0]
+            ids = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+            hidden = self.model.model(**ids, position_ids=positions, use_cache=False, return_dict=True)[0]
             rows = paddle.gather(hidden[0], logits_indices.astype("int64"), axis=0)
             logits = self.model.lm_head(rows.unsqueeze(0))[0]
             cap = getattr(self.model.config, "final_logit_softcapping", None)
