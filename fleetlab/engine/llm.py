@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fleetlab.attention.backend import get_attention_backend
+from fleetlab.device import check_model_dtype_runs
 from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.input_processor import InputProcessor
@@ -81,6 +82,7 @@ class LLM:
             raise
 
     def _build(self, cfg: EngineConfig) -> None:
+        check_model_dtype_runs(self.handle.dtype)
         backend_cls = type(self.handle.backend)
         _check_backend_needs(backend_cls, cfg)
         if self.tensor_parallel is not None:

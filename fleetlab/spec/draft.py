@@ -28,7 +28,7 @@ import paddle
 
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
-from fleetlab.device import upload
+from fleetlab.device import check_model_dtype_runs, upload
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.spec.proposer import ProposeInput, Proposer, register_proposer
 from fleetlab.spec.proposer_batch import ProposerInputBatch
@@ -46,10 +46,14 @@ class DraftModelProposer(Proposer):
         model = config.model
         self.handle = model if isinstance(model, PatchHandle) else patch_model(model, backend=context.backend)
         self._owns_patch = self.handle is not model
-        if self.handle.vocab_size != context.vocab_size:
+        try:
+            check_model_dtype_runs(self.handle.dtype, "speculative_config model")
+            if self.handle.vocab_size != context.vocab_size:
+                raise ValueError(f"speculative_config: field 'model' has vocabulary {self.handle.vocab_size}, "
+                                 f"the target {context.vocab_size}: a draft must share the target's tokenizer")
+        except ValueError:
             self.close()
-            raise ValueError(f"speculative_config: field 'model' has vocabulary {self.handle.vocab_size}, "
-                             f"the target {context.vocab_size}: a draft must share the target's tokenizer")
+            raise
         self.kv_cache = PagedKVCache.for_handle(self.handle, context.num_blocks, context.block_size)
         self.block_size = context.block_size
         self.decode_threshold = context.decode_threshold
