@@ -72,8 +72,6 @@ import dataclasses
 import datetime
 import json
 import logging
-import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -82,6 +80,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
+from fleetlab.bench.machine import load_average, machine_info
 from fleetlab.bench.report import STEP_KEYS, headline_table, write_plots
 from fleetlab.bench.workloads import Workload, mixed_workload, padded_batches, shared_prefix_workload
 
@@ -410,34 +409,6 @@ def bench_step_breakdown(cfg: BenchConfig) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- output
-def machine_info() -> dict:
-    """Where the figures were measured."""
-    import paddleformers
-
-    return {"platform": platform.platform(), "processor": _cpu_name(), "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "paddle": paddle.__version__,
-            "paddleformers": getattr(paddleformers, "__version__", "?"), "device": paddle.device.get_device(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load_average": _load_average()}
-
-
-def _load_average() -> list[float] | None:
-    """The machine's 1/5/15-minute load: above ``cpu_count`` means the figures were measured
-    while other work competed for the cores."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (OSError, AttributeError):
-        return None
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def run(cfg: BenchConfig, preset: str = "custom", argv=None) -> dict:
@@ -456,7 +427,7 @@ def run(cfg: BenchConfig, preset: str = "custom", argv=None) -> dict:
     result["throughput"], result["kv_memory"] = bench_throughput(cfg, workload)
     result["prefix_caching"] = bench_prefix_caching(cfg)
     result["step_breakdown"] = bench_step_breakdown(cfg)
-    result["machine"]["load_average_end"] = _load_average()
+    result["machine"]["load_average_end"] = load_average()
     result["plots"] = write_plots(result, out)
     result["elapsed_s"] = time.perf_counter() - start
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -38,14 +38,14 @@ import asyncio
 import datetime
 import json
 import math
-import os
-import platform
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from fleetlab.bench.machine import machine_info
 
 DEFAULT_RATES = (2.0, 8.0, 32.0, math.inf)
 
@@ -230,24 +230,6 @@ def table(result: dict) -> str:
     return "\n".join(rows)
 
 
-def machine_info() -> dict:
-    try:
-        load = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        load = None
-    return {"platform": platform.platform(), "processor": _cpu_name(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "load_average": load}
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _parse(argv):

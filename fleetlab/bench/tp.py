@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from fleetlab.bench.machine import machine_info
 
 PRESETS = {
     # ~12M parameters: matmuls big enough that splitting them shows, small enough for 2 cores.
@@ -65,7 +66,7 @@ def run(preset: str = "default", out: str | Path | None = None, timeout: float =
                  for r in range(tp_size)]
         results.append(_summarize(name, tp_size, threads, ranks, time.perf_counter() - t0))
     tokens = [r.pop("tokens") for r in results]
-    result = {"schema_version": 1, "preset": preset, "machine": _machine(), "model": cfg["model_overrides"],
+    result = {"schema_version": 1, "preset": preset, "machine": machine_info(), "model": cfg["model_overrides"],
               "workload": cfg["workload"], "runs": results,
               "identical_tokens": all(t == tokens[0] for t in tokens)}
     if out is not None:
@@ -126,14 +127,6 @@ def _summarize(name: str, tp_size: int, threads: int, ranks: list[dict], wall_s:
     return summary
 
 
-def _machine() -> dict:
-    import os
-
-    import paddle
-
-    return {"processor": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "paddle": paddle.__version__, "device": paddle.device.get_device(),
-            "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
 
 
 def table(result: dict) -> str:
