@@ -84,7 +84,7 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "enable_chunked_prefill", "record_traces"):
             setattr(self, name, bool_field(where, name, getattr(self, name)))
         if self.reorder is not None:
-            self.reorder = bool_field(where, "reorder (None, True or False)", self.reorder)
+            self.reorder = bool_field(where, "reorder", self.reorder)  # None: the backend decides
         for name in ("backend", "scheduling_policy"):
             if not isinstance(getattr(self, name), str):
                 raise FieldTypeError(f"{where} {name}={getattr(self, name)!r:.60} must be a str (a registered name)")

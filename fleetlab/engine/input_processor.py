@@ -109,13 +109,13 @@ class InputProcessor:
                                  f"{type(prompt).__name__}; token ids go in prompt_token_ids")
         if self.tokenizer is None:
             raise ValueError(f"{where} prompt is text but the LLM has no tokenizer")
-        out = self.tokenizer.encode(prompt)
+        out, name = self.tokenizer.encode(prompt), "tokenizer.encode(prompt)"
         if isinstance(out, Mapping):
             if "input_ids" not in out:
-                raise ValueError(f"{where} the tokenizer's encode(prompt) returned a mapping without 'input_ids' "
-                                 f"(keys {sorted(map(str, out))[:8]})")
-            out = out["input_ids"]
-        return token_ids_field(where, "prompt (the tokenizer's encode(prompt) output)", out)
+                raise ValueError(f"{where} {name} returned a mapping without 'input_ids' (keys "
+                                 f"{sorted(map(str, out))[:8]}); expected token ids or a mapping holding them")
+            out, name = out["input_ids"], name + "['input_ids']"
+        return token_ids_field(where, name, out)
 
     def _bound(self, rid, ids, sp: SamplingParams) -> SamplingParams:
         """Refuse what the batch row cannot hold; clamp what means the same clamped."""
