@@ -40,7 +40,7 @@ class EngineConfig:
     ``kv_cache_memory_bytes`` an int in ``[1, 2**63 - 1]``; ``seed`` an int in ``[0, 2**63 - 1]``;
     ``enable_prefix_caching``, ``enable_chunked_prefill`` and ``record_traces`` are
     ``True``/``False`` and ``reorder`` None/True/False (no other value counts as true);
-    ``backend`` and ``scheduling_policy`` are strs. numpy scalars count as the numbers they
+    ``backend`` is a str (a registered name). numpy scalars count as the numbers they
     hold (and are stored as Python ints); a ``bool`` is not an int.
     """
 
@@ -85,9 +85,8 @@ class EngineConfig:
             setattr(self, name, bool_field(where, name, getattr(self, name)))
         if self.reorder is not None:
             self.reorder = bool_field(where, "reorder", self.reorder)  # None: the backend decides
-        for name in ("backend", "scheduling_policy"):
-            if not isinstance(getattr(self, name), str):
-                raise FieldTypeError(f"{where} {name}={getattr(self, name)!r:.60} must be a str (a registered name)")
+        if not isinstance(self.backend, str):  # scheduling_policy may be a name or a policy instance
+            raise FieldTypeError(f"{where} backend={self.backend!r:.60} must be a str (a registered backend name)")
 
     def resolve_max_model_len(self, model_max_len: int) -> int:
         """The engine's ``max_model_len``: this config's, or the model's when unset or larger.
