@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fleetlab.attention.metadata import AttentionMetadata
@@ -17,10 +17,22 @@ from fleetlab.attention.metadata import AttentionMetadata
 
 @dataclass(slots=True)
 class ForwardContext:
-    """The state of one forward pass: the step's metadata and the paged KV cache."""
+    """The state of one forward pass: the step's metadata and the paged KV cache.
+
+    ``attn_metadata(backend)`` is the backend's own metadata for the step
+    (``backend.build_metadata(metadata)``), built by the first layer that asks and shared by
+    every later layer: per-step planning runs once per step, not once per layer.
+    """
 
     metadata: AttentionMetadata
     kv_cache: Any  # fleetlab.PagedKVCache
+    _built: dict = field(default_factory=dict)
+
+    def attn_metadata(self, backend) -> Any:
+        key = id(backend)
+        if key not in self._built:
+            self._built[key] = (backend, backend.build_metadata(self.metadata))  # keeps backend alive
+        return self._built[key][1]
 
 
 _STACK: list[ForwardContext] = []

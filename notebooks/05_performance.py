@@ -161,17 +161,22 @@ handle.unpatch()
 # so here we only *read* the decode kernel; it was tested and timed on an NVIDIA H200 (on
 # torch tensors), and its numbers are the `h200_triton` panel in section 1.
 #
-# One program handles one (row, KV head, split of the context). Read it with three ideas:
+# One program handles one (row, group of KV heads, split of the context). Read it with
+# four ideas:
 #
-# 1. **GQA for free**: the query heads that share a KV head are loaded together as a
-#    `[GROUP, head_dim]` tile, so each K/V tile is read from memory once for all of them;
+# 1. **GQA and multi-token rows for free**: the tile's rows are (query token, query head)
+#    pairs of one batch row, so each K/V tile is read from memory once for all the query
+#    heads sharing a KV head and for all the row's query tokens (a speculative-decoding
+#    verify row has `k + 1` of them, each masked causally against the others);
 # 2. **paging inside the loop**: `_kv_tile_offsets` turns logical positions into cache
 #    addresses through the block table — no gather into a contiguous copy first, which is
-#    why paging costs almost nothing (3x faster than gather-then-SDPA on the H200);
-# 3. **online softmax and split-K**: a running max `m`, a running sum `l` and an
-#    accumulator `acc` let the program stream over the context once; when a batch is too
-#    small to fill the GPU, the context is split over several programs whose partial
-#    results `_decode_reduce_kernel` merges by their log-sum-exp (flash-decoding).
+#    why paging costs almost nothing (3x faster than gather-then-SDPA on the H200); only
+#    keys inside the row's context are loaded, so stale slots can hold anything, even NaN;
+# 3. **online softmax**: a running max `m`, a running sum `l` and an accumulator `acc` let
+#    the program stream over the context once;
+# 4. **split-K**: when a batch is too small to fill the GPU, the context is split over
+#    several programs; the last one to finish merges their partial results by their
+#    log-sum-exp (`_merge_splits`, flash-decoding) inside the same launch.
 
 # %%
 from fleetlab.attention.source import kernel_source
@@ -181,13 +186,47 @@ print()
 print(kernel_source("_decode_kernel"))
 
 # %% [markdown]
+# ## 5. How often a step waits for the device
+#
+# On a GPU the CPU queues kernels and runs ahead. Reading a result back (`.numpy()`,
+# `.item()`, `int(t)`, `if t:`) makes the CPU wait until every queued kernel has finished,
+# and the GPU then sits idle until the CPU has planned and queued the next step: each read
+# serialises the two. Uploads do not wait, but each costs a launch and a copy. So a good
+# engine step reads once (the sampled token ids) and uploads a fixed number of arrays,
+# however many requests or layers it runs. `fleetlab.syncs.count_syncs()` counts both, with
+# the call site of each, here on the CPU (nothing waits here, but the calls are the same):
+
+# %%
+from fleetlab.syncs import count_syncs, describe
+
+counts = []
+with fleetlab.LLM(model, tokenizer, block_size=16, max_num_batched_tokens=64) as llm:
+    for prompt in ["count 12", "45+38=", "the old man", "7*8=", "count 50", "12+7="]:
+        llm.add_request(prompt, fleetlab.SamplingParams(max_tokens=8))
+    while llm.has_unfinished_requests():
+        with count_syncs() as log:
+            llm.step()
+        counts.append((log.num_reads, log.num_uploads))
+print("(reads, uploads) per step:", counts)
+print(describe(log))
+
+# %% [markdown]
+# One read per step (the sampler's), and the same number of uploads in every step whether
+# it runs six prompts or one decode: the InputBatch's device fields, the attention metadata,
+# the input ids, the positions to score and the reference attention's plan (all its tiles
+# in one copy per dtype). `tests/test_gpu_readiness.py` holds every step to that budget,
+# for the reference and Triton backends' host code; with a draft model for speculative
+# decoding a step reads twice (the accepted tokens, then the new drafts).
+
+# %% [markdown]
 # > **In vLLM / FastDeploy** the same measurements have names of their own.
 # >
 # > - vLLM measures these with `vllm bench throughput` (offline, like section 2) and
 # >   `vllm bench serve` (a server under load: TTFT, TPOT, throughput). Its Triton attention
 # >   backend reads the paged cache in one `unified_attention` kernel (a 2-D grid, or a 3-D
-# >   one that splits the context and reduces the parts, as `_decode_reduce_kernel` does
-# >   here); its step timings show up in its profiler and metrics.
+# >   one that splits the context and reduces the parts, as `_merge_splits` does here);
+# >   its step timings show up in its profiler and metrics, and its async scheduling hides
+# >   the one device read per step that section 5 counts.
 # > - FastDeploy's main GPU attention backend is `AppendAttentionBackend`: CUDA kernels
 # >   that append the step's K/V to the paged cache and attend over it, for the decode and
 # >   prefill parts of a mixed batch.

@@ -163,6 +163,8 @@ last_admission = max(a.step for a in viz.admissions(continuous_llm.traces))
 assert all(len(t.rows) == 4 for t in continuous_llm.traces if t.step <= last_admission)
 # "continuous batching needs about a third fewer steps"
 assert 0.25 <= 1 - continuous.num_steps / static.num_steps <= 0.4, (static.num_steps, continuous.num_steps)
+# Section 5: "One read per step ... and the same number of uploads in every step"
+assert counts and all(reads == 1 for reads, _ in counts) and len({u for _, u in counts}) == 1
 '''
 
 PROMISES["06_prototyping"] = '''

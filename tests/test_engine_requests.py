@@ -108,8 +108,8 @@ def test_an_error_found_mid_run_finishes_only_that_request(llm, monkeypatch):
     real = llm.handle.compute_logits
     poisoned = {"row": None}
 
-    def compute_logits(input_ids, positions, rows):
-        logits = real(input_ids, positions, rows)
+    def compute_logits(input_ids, positions, rows, inputs_embeds=None):
+        logits = real(input_ids, positions, rows, inputs_embeds)
         if llm.runner.batch.num_reqs == 3:  # poison request "1" once all three run
             row = llm.runner.batch.req_id_to_row[ids[1]]
             poisoned["row"] = row

@@ -1,5 +1,6 @@
 """Extension points: user attention backends and scheduling policies keep the engine's guarantees."""
 
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
@@ -8,6 +9,7 @@ from conftest import random_prompts
 
 from fleetlab import LLM, SamplingParams
 from fleetlab.attention.backend import AttentionBackend, get_attention_backend, register_attention_backend
+from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.attention.reference import paged_attention
 from fleetlab.engine.policies import PriorityPolicy
 from fleetlab.patching.parity import reference_greedy
@@ -66,13 +68,54 @@ def test_user_backend_runs_end_to_end_and_matches(fleet_model, workload, cls):
     assert mixed, "some step should mix decodes and prefills"
 
 
+@dataclass(slots=True)
+class PlanMetadata(AttentionMetadata):
+    """A backend's own per-step metadata: here, a plan and the number of layers that read it."""
+
+    kv_indptr: np.ndarray = None
+    reads: list = field(default_factory=list)
+
+
+class PlanningBackend(AttentionBackend):
+    """Builds a plan (CSR offsets of the rows' contexts) once per step; every layer reads it."""
+
+    name = "planning"
+    builds: ClassVar[list] = []
+
+    def build_metadata(self, common):
+        md = common.extend(PlanMetadata, kv_indptr=np.concatenate([[0], np.cumsum(common.seq_lens_kv_host)]))
+        type(self).builds.append(md)
+        return md
+
+    def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
+        metadata.reads.append(int(metadata.kv_indptr[-1]))
+        return paged_attention(query, key_cache, value_cache, metadata, scale=scale,
+                               sliding_window=sliding_window, sinks=sinks)
+
+
+def test_a_backend_builds_its_own_metadata_once_per_step(fleet_model, workload):
+    prompts, want = workload
+    register_attention_backend("planning", PlanningBackend)
+    PlanningBackend.builds.clear()
+    with LLM(fleet_model, backend="planning", block_size=4, max_num_batched_tokens=10, record_traces=True) as llm:
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)]
+        num_layers = llm.handle.num_layers
+        assert len(PlanningBackend.builds) == len(llm.traces)  # one plan per step ...
+    assert got == want
+    for md in PlanningBackend.builds:  # ... read by every layer of that step
+        assert md.reads == [int(md.seq_lens_kv_host.sum())] * num_layers
+
+
+def test_backends_register_lazily_by_module_path(fleet_model):
+    register_attention_backend("lazy-naive", "fleetlab.attention.naive:NaiveBackend")
+    from fleetlab.attention.naive import NaiveBackend
+
+    assert get_attention_backend("lazy-naive") is NaiveBackend
+    with pytest.raises(ValueError, match="module:Class"):
+        register_attention_backend("bad", "fleetlab.attention.naive")
+
+
 def test_backend_needs_the_engine_cannot_meet_fail_at_construction(fleet_model):
-    class NeedsMissingMetadata(RecordingBackend):
-        required_metadata = ("slot_mapping", "kv_indptr")
-
-    with pytest.raises(ValueError, match="kv_indptr"):
-        register_attention_backend("needs-missing", NeedsMissingMetadata)
-
     register_attention_backend(DecodeFirstBackend.name, DecodeFirstBackend)
     with pytest.raises(ValueError, match="requires decode-first"):
         LLM(fleet_model, backend=DecodeFirstBackend.name, reorder=False)

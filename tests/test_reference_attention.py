@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from fleetlab.attention import reference
 from fleetlab.attention.backend import get_attention_backend
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.attention.reference import ReferenceBackend, paged_attention
+from fleetlab.attention.naive import naive_paged_attention
+from fleetlab.attention.reference import ReferenceBackend, ReferenceMetadata, paged_attention
 from fleetlab.kv.paged_cache import PagedKVCache
 
 HQ, D, SCALE = 8, 4, 0.37
@@ -37,8 +38,10 @@ def dense_attention(q, k, v, positions, window=None, sinks=None):
 class World:
     """Requests with random full Q/K/V, their blocks scattered over a shuffled paged cache."""
 
-    def __init__(self, lengths, num_kv_heads, block_size, seed=0, dtype="float32"):
+    def __init__(self, lengths, num_kv_heads, block_size, seed=0, dtype="float32", attention=paged_attention,
+                 poison=None):
         rng = np.random.default_rng(seed)
+        self.attention = attention
         self.block_size = block_size
         need = [-(-n // block_size) for n in lengths]
         self.width = max(need)
@@ -52,6 +55,9 @@ class World:
         self.k = [rng.standard_normal((n, num_kv_heads, D)).astype("float32") for n in lengths]
         self.v = [rng.standard_normal((n, num_kv_heads, D)).astype("float32") for n in lengths]
         self.cache = PagedKVCache(1, len(physical), block_size, num_kv_heads, D, dtype=dtype)
+        if poison is not None:  # every slot holds garbage until a step writes it
+            for cache in (self.cache.key_cache(0), self.cache.value_cache(0)):
+                cache.set_value(paddle.full_like(cache, poison))
 
     def step(self, rows, window=None, sinks=None):
         """Run rows ``[(request, num_computed, query_len)]`` as one packed step; return per-row outputs."""
@@ -65,7 +71,7 @@ class World:
         q = np.concatenate([self.q[r][s] for r, s in pick])
         dtype = self.cache.dtype
         self.cache.write(0, paddle.to_tensor(k).astype(dtype), paddle.to_tensor(v).astype(dtype), md.slot_mapping)
-        out = paged_attention(paddle.to_tensor(q).astype(dtype), self.cache.key_cache(0),
+        out = self.attention(paddle.to_tensor(q).astype(dtype), self.cache.key_cache(0),
                               self.cache.value_cache(0), md, scale=SCALE, sliding_window=window,
                               sinks=None if sinks is None else paddle.to_tensor(sinks))
         out = out.astype("float32").numpy()
@@ -126,6 +132,55 @@ def test_mixed_batch_in_any_row_order(data):
     got = world.step(rows, window, sinks)
     for (r, c, n), out in zip(rows, got):
         np.testing.assert_allclose(out, world.expected(r, c, n, window, sinks), atol=1e-5)
+
+
+@FAST
+@given(data=st.data())
+def test_the_naive_attention_and_its_fast_sibling_agree(data):
+    lengths = data.draw(st.lists(st.integers(1, 14), min_size=1, max_size=5), label="lengths")
+    rows = [(r, n - q, q) for r, n in enumerate(lengths)
+            for q in [data.draw(st.one_of(st.just(1), st.integers(1, n)), label=f"q{r}")]]
+    window = data.draw(st.sampled_from([None, 2, 5]), label="window")
+    sinks = np.linspace(-1, 2, HQ).astype("float32") if data.draw(st.booleans(), label="sinks") else None
+    outs = []
+    for attention in (paged_attention, naive_paged_attention):
+        world = World(lengths, num_kv_heads=2, block_size=3, seed=len(lengths), attention=attention)
+        _prefill(world, rows)
+        outs.append(world.step(rows, window, sinks))
+    for fast, naive, (r, c, n) in zip(*outs, rows):
+        np.testing.assert_allclose(fast, naive, atol=1e-5)
+        np.testing.assert_allclose(naive, world.expected(r, c, n, window, sinks), atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", [paged_attention, naive_paged_attention], ids=["reference", "naive"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_garbage_outside_every_rows_context_changes_nothing(attention, poison):
+    # Rows of different lengths share tiles: a short row reads the padding of its tile (stale
+    # slots, and block 0 for its -1 table entries) -- all of it NaN or inf here.
+    lengths = [9, 2, 17, 5]
+    rows = [(0, 8, 1), (1, 0, 2), (2, 10, 7), (3, 4, 1)]
+    for window, sinks in ((None, None), (3, np.linspace(-1, 1, HQ).astype("float32"))):
+        clean = World(lengths, num_kv_heads=2, block_size=4, attention=attention)
+        dirty = World(lengths, num_kv_heads=2, block_size=4, attention=attention, poison=poison)
+        spare = sorted(set(range(1, dirty.cache.num_blocks)) - set(dirty.tables.ravel().tolist()))[0]
+        dirty.tables[dirty.tables == 0] = spare  # block 0: never written, but read for -1 entries
+        clean.tables[:] = dirty.tables
+        for world in (clean, dirty):
+            _prefill(world, rows)
+        for got, want in zip(dirty.step(rows, window, sinks), clean.step(rows, window, sinks)):
+            assert np.isfinite(got).all()
+            np.testing.assert_array_equal(got, want)
+
+
+def test_the_reference_backend_plans_once_per_layer_shape():
+    world = World([6, 3], num_kv_heads=2, block_size=4)
+    md = ReferenceBackend().build_metadata(AttentionMetadata.build([6, 3], [0, 0], world.tables, 4))
+    assert isinstance(md, ReferenceMetadata) and md.plans == {}
+    q = paddle.zeros([9, HQ, D])
+    for _ in range(3):  # three layers of one step
+        paged_attention(q, world.cache.key_cache(0), world.cache.value_cache(0), md, scale=SCALE)
+    paged_attention(q, world.cache.key_cache(0), world.cache.value_cache(0), md, scale=SCALE, sliding_window=2)
+    assert len(md.plans) == 2
 
 
 @pytest.mark.parametrize("window", [1, 3, 6, 100])  # shorter and longer than the context

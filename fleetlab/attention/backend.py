@@ -1,8 +1,11 @@
-"""Attention backends: the base class and the registry that ``backend=name`` looks up.
+"""Attention backends: the base class and the one lazy registry that ``backend=name`` looks up.
 
 A backend turns one layer's packed ``query/key/value`` into attention output over the
 paged cache. It declares what it needs from the engine as class attributes, so the
-engine can honour (or refuse) them before the first step.
+engine can honour (or refuse) them before the first step, and it owns its per-step
+metadata: :meth:`AttentionBackend.build_metadata` turns the step's common
+:class:`AttentionMetadata` into whatever its kernels want, once per step, and every
+layer of the step gets that object.
 """
 
 from __future__ import annotations
@@ -14,12 +17,12 @@ import paddle
 
 from fleetlab.attention.metadata import AttentionMetadata
 
-# Built-in backends live in modules that register themselves on import.
-_BUILTIN_MODULES = {
-    "reference": "fleetlab.attention.reference",
-    "triton": "fleetlab.attention.triton_backend",
+# name -> backend class, or "module:Class" for one not imported yet (imported on first use).
+_REGISTRY: dict[str, type[AttentionBackend] | str] = {
+    "reference": "fleetlab.attention.reference:ReferenceBackend",
+    "naive": "fleetlab.attention.naive:NaiveBackend",
+    "triton": "fleetlab.attention.triton_backend:TritonBackend",
 }
-_REGISTRY: dict[str, type[AttentionBackend]] = {}
 
 
 class AttentionBackend:
@@ -33,8 +36,6 @@ class AttentionBackend:
       supported_devices: Paddle device kinds it runs on (``"cpu"``, ``"gpu"``).
       supports_sliding_window / supports_sinks: features a model may ask for; patching
         a model that needs a missing one fails with an error naming the feature.
-      required_metadata: the ``AttentionMetadata`` fields it reads (checked when the
-        backend is registered, so a typo fails at once rather than mid-step).
 
     Shapes: ``query [T, num_heads, head_dim]``, ``key``/``value`` ``[T, num_kv_heads,
     head_dim]`` for the step's ``T`` packed tokens; output ``[T, num_heads, head_dim]``.
@@ -46,8 +47,6 @@ class AttentionBackend:
     supported_devices: ClassVar[tuple[str, ...]] = ("cpu", "gpu")
     supports_sliding_window: ClassVar[bool] = True
     supports_sinks: ClassVar[bool] = True
-    required_metadata: ClassVar[tuple[str, ...]] = (
-        "slot_mapping", "block_tables", "cu_seqlens_q", "seq_lens_kv", "positions")
 
     def __init__(self) -> None:
         device = current_device_kind()
@@ -58,6 +57,12 @@ class AttentionBackend:
                 f"attention backend {self.name!r} runs on {list(self.supported_devices)}, "
                 f"but Paddle's current device is {paddle.device.get_device()!r}{hint}"
             )
+
+    def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
+        """This backend's metadata for one step, built once (by the step's first attention
+        call) and passed to every layer. Default: the common metadata as it is; a backend
+        with a plan of its own returns ``common.extend(MyMetadata, plan=...)``."""
+        return common
 
     def forward(
         self,
@@ -94,32 +99,41 @@ def current_device_kind() -> str:
     return paddle.device.get_device().split(":")[0]
 
 
-def register_attention_backend(name: str, cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    """Make ``cls`` selectable as ``backend=name`` in ``LLM`` and ``patch_model``."""
-    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
-        raise TypeError(f"backend {name!r} must be a subclass of fleetlab.attention.backend.AttentionBackend")
-    if not isinstance(cls.reorder_threshold, int) or cls.reorder_threshold < 1:
-        raise ValueError(f"backend {name!r}: reorder_threshold must be an int >= 1")
-    provided = set(AttentionMetadata.__dataclass_fields__)
-    missing = [f for f in cls.required_metadata if f not in provided]
-    if missing:
-        raise ValueError(f"backend {name!r} reads metadata {missing} that the engine does not provide; "
-                         f"it provides {sorted(provided)}")
-    unknown = [d for d in cls.supported_devices if d not in ("cpu", "gpu", "xpu", "npu")]
-    if unknown:
-        raise ValueError(f"backend {name!r}: unknown device kinds {unknown} in supported_devices")
+def register_attention_backend(name: str, cls: type[AttentionBackend] | str) -> type[AttentionBackend] | str:
+    """Make ``cls`` selectable as ``backend=name`` in ``LLM`` and ``patch_model``.
+
+    ``cls``: an ``AttentionBackend`` subclass, or ``"module:Class"`` to import on first use.
+    """
+    if isinstance(cls, str):
+        if ":" not in cls:
+            raise ValueError(f"backend {name!r}: a lazy backend is spelled 'module:Class', got {cls!r}")
+    else:
+        _check_backend_class(name, cls)
     _REGISTRY[name] = cls
     return cls
 
 
+def _check_backend_class(name: str, cls) -> None:
+    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+        raise TypeError(f"backend {name!r} must be a subclass of fleetlab.attention.backend.AttentionBackend")
+    if not isinstance(cls.reorder_threshold, int) or cls.reorder_threshold < 1:
+        raise ValueError(f"backend {name!r}: reorder_threshold must be an int >= 1")
+    unknown = [d for d in cls.supported_devices if d not in ("cpu", "gpu", "xpu", "npu")]
+    if unknown:
+        raise ValueError(f"backend {name!r}: unknown device kinds {unknown} in supported_devices")
+
+
 def get_attention_backend(name: str) -> type[AttentionBackend]:
-    """The backend class registered as ``name`` (built-ins load on first use)."""
-    if name not in _REGISTRY and name in _BUILTIN_MODULES:
-        importlib.import_module(_BUILTIN_MODULES[name])
+    """The backend class registered as ``name`` (imported on first use)."""
     if name not in _REGISTRY:
-        known = sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
-        raise ValueError(f"unknown attention backend {name!r}; registered: {known}")
-    return _REGISTRY[name]
+        raise ValueError(f"unknown attention backend {name!r}; registered: {list_attention_backends()}")
+    entry = _REGISTRY[name]
+    if isinstance(entry, str):
+        module, _, attr = entry.partition(":")
+        entry = getattr(importlib.import_module(module), attr)
+        _check_backend_class(name, entry)
+        _REGISTRY[name] = entry
+    return entry
 
 
 def make_attention_backend(backend) -> AttentionBackend:
@@ -134,5 +148,5 @@ def make_attention_backend(backend) -> AttentionBackend:
 
 
 def list_attention_backends() -> list[str]:
-    """Names ``backend=`` accepts: registered backends and the built-ins not yet loaded."""
-    return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+    """Names ``backend=`` accepts."""
+    return sorted(_REGISTRY)

@@ -8,10 +8,12 @@ reorder, rows ``[0, num_decodes)`` are decodes and their tokens come first.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 import numpy as np
 import paddle
+
+from fleetlab.device import upload
 
 
 @dataclass(slots=True)
@@ -26,8 +28,9 @@ class AttentionMetadata:
                      (``num_computed_tokens + num_scheduled_tokens``).
       block_tables:  int32 ``[B, max_blocks_per_seq]`` physical block ids, unused entries -1.
     Host copies (numpy) of ``cu_seqlens_q`` and ``seq_lens_kv`` let backends plan their
-    work without a device-to-host sync; ``scratch`` lets a backend build that plan once per
-    step rather than once per layer.
+    work without a device-to-host sync. A backend that needs more (a plan of its kernels'
+    work) builds it once per step in ``AttentionBackend.build_metadata``, as a subclass of
+    this class (:meth:`extend`), and every layer of the step reads that.
     """
 
     positions: paddle.Tensor
@@ -42,8 +45,11 @@ class AttentionMetadata:
     max_seq_len: int
     cu_seqlens_q_host: np.ndarray
     seq_lens_kv_host: np.ndarray
-    # Per-step memo for backends: what the first layer plans, later layers reuse.
-    scratch: dict = field(default_factory=dict)
+
+    def extend(self, cls, **extra):
+        """This metadata as an instance of ``cls`` (a dataclass subclass of this class), with
+        the subclass's own fields set from ``extra``: how a backend adds its per-step plan."""
+        return cls(**{f.name: getattr(self, f.name) for f in fields(AttentionMetadata)}, **extra)
 
     @property
     def num_reqs(self) -> int:
@@ -110,7 +116,7 @@ class AttentionMetadata:
         num_decodes = int(np.argmin(is_decode)) if not is_decode.all() else len(query_lens)
 
         def dev(a):
-            return paddle.to_tensor(a, place=place)
+            return upload(a)
 
         return cls(
             positions=dev(positions.astype(np.int64)),

@@ -19,13 +19,14 @@ the count of tiles grows with the batch's size in tokens, never with its count o
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
 
-from fleetlab.attention.backend import AttentionBackend, current_device_kind, register_attention_backend
+from fleetlab.attention.backend import AttentionBackend, current_device_kind
 from fleetlab.attention.metadata import AttentionMetadata
+from fleetlab.device import upload
 from fleetlab.kv.paged_cache import gather_rows
 
 
@@ -116,8 +117,10 @@ class _TileIndex:
 
     query_index: int64 ``[B * Q]`` packed token of each query slot; kv_index: int64 rows of
     the cache (seen as ``[num_blocks * block_size * Hkv, D]``; whole blocks when ``Hkv == 1``)
-    that gather into ``[B, Hkv, L, D]``; visible: bool ``[B, 1, Q, 1, L]``; valid_index:
-    int64 real query slots, None when every slot is real.
+    that gather into ``[B, Hkv, L, D]``; visible: bool ``[B, 1, Q, 1, L]``; live: bool
+    ``[B, 1, L, 1]``, gathered keys inside the row's context (the rest are stale slots or
+    padding, whatever they hold); valid_index: int64 real query slots, None when every slot
+    is real.
     """
 
     tile: _Tile
@@ -125,6 +128,7 @@ class _TileIndex:
     query_index: paddle.Tensor
     kv_index: paddle.Tensor
     visible: paddle.Tensor
+    live: paddle.Tensor
     valid_index: paddle.Tensor | None
 
 
@@ -136,39 +140,87 @@ class _StepPlan:
     order: paddle.Tensor | None
 
 
+@dataclass(slots=True)
+class ReferenceMetadata(AttentionMetadata):
+    """The reference backend's per-step metadata: the common fields plus its tile plans,
+    one per layer shape (heads, window), built by the first layer of that shape and reused
+    by the others."""
+
+    plans: dict = field(default_factory=dict)
+
+
 def _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, place) -> _StepPlan:
-    """The plan for this step and layer shape: built by the step's first layer, kept in
-    ``metadata.scratch`` and reused by every later layer (they attend with the same metadata)."""
+    """The plan for this step and layer shape (memoized in a ``ReferenceMetadata``; planned
+    afresh for plain ``AttentionMetadata``). However many tiles, its host arrays go to the
+    device in two copies (one per dtype)."""
     limits = tile_limits()
     key = (num_heads, num_kv_heads, head_dim, sliding_window, limits, str(place))
-    plans = metadata.scratch.setdefault("reference_plans", {})
+    plans = metadata.plans if isinstance(metadata, ReferenceMetadata) else {}
     if key not in plans:
         tiles = plan_tiles(metadata, num_heads, num_kv_heads * head_dim, sliding_window, limits)
-        table = metadata.block_tables.astype("int64").flatten()
-        indexed = [_index_tile(t, table, metadata, num_kv_heads, sliding_window, place) for t in tiles]
+        packer = _Packer()
+        staged = [_stage_tile(t, metadata, packer) for t in tiles]
         dest = np.concatenate([t.tokens[t.valid] for t in tiles])
-        order = None
-        if not np.array_equal(dest, np.arange(len(dest))):
-            order = paddle.to_tensor(np.argsort(dest), place=place)
-        plans[key] = _StepPlan(indexed, order)
+        order = None if np.array_equal(dest, np.arange(len(dest))) else packer.add(np.argsort(dest))
+        packer.upload()
+        table = metadata.block_tables.astype("int64").flatten()
+        indexed = [_index_tile(t, parts, packer, table, metadata.block_size, num_kv_heads, sliding_window)
+                   for t, parts in zip(tiles, staged)]
+        plans[key] = _StepPlan(indexed, None if order is None else packer.get(order))
     return plans[key]
 
 
-def _index_tile(tile, table, metadata, num_kv_heads, sliding_window, place) -> _TileIndex:
-    """Upload a tile's plan: query slots, the cache rows its keys come from, its mask."""
+class _Packer:
+    """Collects host arrays, uploads them as one flat copy per dtype, hands back device views."""
 
-    def dev(array):
-        return paddle.to_tensor(array, place=place)
+    def __init__(self) -> None:
+        self._parts: dict[str, list[np.ndarray]] = {}
+        self._flat: dict[str, paddle.Tensor] = {}
 
+    def add(self, array) -> tuple:
+        array = np.ascontiguousarray(array)
+        parts = self._parts.setdefault(str(array.dtype), [])
+        offset = sum(p.size for p in parts)
+        parts.append(array.reshape(-1))
+        return str(array.dtype), offset, array.shape
+
+    def upload(self) -> None:
+        self._flat = {dtype: upload(np.concatenate(parts)) for dtype, parts in self._parts.items()}
+
+    def get(self, handle) -> paddle.Tensor:
+        dtype, offset, shape = handle
+        size = int(np.prod(shape))
+        return self._flat[dtype][offset : offset + size].reshape(list(shape))
+
+
+def _stage_tile(tile, metadata, packer: _Packer) -> dict:
+    """A tile's host arrays, handed to the packer: query slots, block-table cells, key starts,
+    query positions, which keys are inside each row's context, real query slots."""
     bs = metadata.block_size
     width = metadata.block_tables.shape[1]
-    cols = np.minimum(tile.first_block[:, None] + np.arange(tile.num_blocks)[None, :], width - 1)
-    blocks = paddle.gather(table, dev((tile.rows[:, None] * width + cols).reshape(-1))).clip(min=0)
     seq_len = tile.num_blocks * bs
-    rows = _kv_row_index(blocks, len(tile.rows), bs, num_kv_heads)
-    valid = None if tile.valid.all() else dev(np.flatnonzero(tile.valid.reshape(-1)))
-    return _TileIndex(tile, seq_len, dev(tile.tokens.reshape(-1)), blocks if rows is None else rows,
-                      _visible(tile, seq_len, bs, sliding_window, place), valid)
+    cols = np.minimum(tile.first_block[:, None] + np.arange(tile.num_blocks)[None, :], width - 1)
+    key_pos = tile.first_block[:, None] * bs + np.arange(seq_len)[None, :]
+    live = (key_pos <= tile.qpos.max(axis=1, keepdims=True)).reshape(len(tile.rows), 1, seq_len, 1)
+    return {
+        "tokens": packer.add(tile.tokens.reshape(-1).astype(np.int64)),
+        "cells": packer.add((tile.rows[:, None] * width + cols).reshape(-1).astype(np.int64)),
+        "key_start": packer.add((tile.first_block[:, None] * bs).astype(np.int64)),
+        "qpos": packer.add(tile.qpos.astype(np.int64)),
+        "live": packer.add(live),
+        "valid": None if tile.valid.all() else packer.add(np.flatnonzero(tile.valid.reshape(-1)).astype(np.int64)),
+    }
+
+
+def _index_tile(tile, parts, packer, table, block_size, num_kv_heads, sliding_window) -> _TileIndex:
+    """A tile's device-side plan, from the views of its uploaded host arrays."""
+    blocks = paddle.gather(table, packer.get(parts["cells"])).clip(min=0)
+    seq_len = tile.num_blocks * block_size
+    rows = _kv_row_index(blocks, len(tile.rows), block_size, num_kv_heads)
+    valid = None if parts["valid"] is None else packer.get(parts["valid"])
+    visible = _visible(tile, packer.get(parts["key_start"]), packer.get(parts["qpos"]), seq_len, sliding_window)
+    return _TileIndex(tile, seq_len, packer.get(parts["tokens"]), blocks if rows is None else rows,
+                      visible, packer.get(parts["live"]), valid)
 
 
 def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: int,
@@ -236,7 +288,11 @@ def _attend_tile(q32, key_cache, value_cache, index: _TileIndex, sink_logits):
     q = q.reshape([num_rows, q_len, num_kv_heads, group, head_dim]).transpose([0, 2, 1, 3, 4])
     q = q.reshape([num_rows, num_kv_heads, q_len * group, head_dim])
     k = _gather_kv(key_cache, index.kv_index, num_rows, seq_len)
+    # Masked keys get weight 0, but 0 x NaN is NaN: a stale slot of a reused block (or block 0,
+    # read for a -1 table entry) may hold anything, so values outside the context become 0.
+    # Their scores are replaced by -inf below, whatever the keys hold.
     v = _gather_kv(value_cache, index.kv_index, num_rows, seq_len)
+    v = paddle.where(index.live, v, paddle.zeros([], "float32"))
 
     scores = paddle.matmul(q, k, transpose_y=True)  # [B, Hkv, Q*G, L]
     scores = scores.reshape([num_rows, num_kv_heads, q_len, group, seq_len])
@@ -284,17 +340,16 @@ def _gather_kv(cache, kv_index, num_rows, seq_len):
     return x.astype("float32").reshape([num_rows, num_kv_heads, seq_len, head_dim])
 
 
-def _visible(tile, seq_len, block_size, sliding_window, place):
+def _visible(tile, key_start, query_pos, seq_len, sliding_window):
     """Boolean mask ``[B, 1, Q, 1, L]``: which gathered keys each query may attend to.
 
-    Gathered key ``l`` of a row sits at position ``first_block * block_size + l``; it is
-    visible to a query at ``p`` iff ``j <= p`` (and ``j > p - w`` with a window). Every real
-    query sees at least itself, so no softmax row is all -inf.
+    ``key_start [B, 1]``: position of each row's first gathered key; ``query_pos [B, Q]``.
+    Gathered key ``l`` of a row sits at position ``key_start + l``; it is visible to a query
+    at ``p`` iff ``j <= p`` (and ``j > p - w`` with a window). Every real query sees at
+    least itself, so no softmax row is all -inf.
     """
-    key_pos = paddle.arange(seq_len, dtype="int64").unsqueeze(0) + paddle.to_tensor(
-        tile.first_block[:, None] * block_size, place=place)  # [B, L]
-    key_pos = key_pos.unsqueeze(1)  # [B, 1, L]
-    query_pos = paddle.to_tensor(tile.qpos, place=place).unsqueeze(2)  # [B, Q, 1]
+    key_pos = (paddle.arange(seq_len, dtype="int64").unsqueeze(0) + key_start).unsqueeze(1)  # [B, 1, L]
+    query_pos = query_pos.unsqueeze(2)  # [B, Q, 1]
     visible = key_pos <= query_pos
     if sliding_window is not None:
         visible = paddle.logical_and(visible, key_pos > query_pos - sliding_window)
@@ -344,10 +399,12 @@ class ReferenceBackend(AttentionBackend):
     name = "reference"
     requires_reorder = False
 
+    def build_metadata(self, common: AttentionMetadata) -> ReferenceMetadata:
+        """The step's metadata with an empty plan memo the step's layers fill."""
+        return common.extend(ReferenceMetadata)
+
     def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
         """See :func:`paged_attention`."""
         return paged_attention(query, key_cache, value_cache, metadata, scale=scale,
                                sliding_window=sliding_window, sinks=sinks)
 
-
-register_attention_backend("reference", ReferenceBackend)

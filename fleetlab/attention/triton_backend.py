@@ -19,11 +19,23 @@ path could not be run where it was written (no GPU build of Paddle there).
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 from typing import ClassVar
 
 import paddle
 
-from fleetlab.attention.backend import AttentionBackend, register_attention_backend
+from fleetlab.attention.backend import AttentionBackend
+from fleetlab.attention.metadata import AttentionMetadata
+
+
+@dataclass(slots=True)
+class TritonMetadata(AttentionMetadata):
+    """The Triton backend's per-step metadata: the common fields plus the host-side bounds
+    its kernels are planned with (longest decode row, longest context, longest prefill chunk)."""
+
+    max_decode_query_len: int = 0
+    max_decode_seq_len: int = 0
+    max_prefill_query_len: int = 0
 
 
 def load_triton_kernels():
@@ -76,32 +88,30 @@ class TritonBackend(AttentionBackend):
         return self.attend(query, key_cache, value_cache, metadata, scale=scale,
                            sliding_window=sliding_window, sinks=sinks)
 
-    def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
-        """Decode kernel on rows ``[0, num_decodes)`` (1..R query tokens each), prefill kernel on the rest.
+    def build_metadata(self, common: AttentionMetadata) -> TritonMetadata:
+        """The bounds the kernels plan with, from the host arrays (no device-to-host sync)."""
+        nd = common.num_decodes
+        query_lens, lens = common.query_lens_host, common.seq_lens_kv_host
+        return common.extend(
+            TritonMetadata,
+            max_decode_query_len=int(query_lens[:nd].max()) if nd else 0,
+            max_decode_seq_len=int(lens[:nd].max()) if nd else 0,
+            max_prefill_query_len=int(query_lens[nd:].max()) if len(query_lens) > nd else 0,
+        )
 
-        The host bounds the kernels plan with come from the metadata's numpy arrays
-        (no device-to-host sync), once per step: later layers reuse ``metadata.scratch``.
-        """
+    def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
+        """Decode kernel on rows ``[0, num_decodes)`` (1..R query tokens each), prefill kernel on the rest."""
         if int(key_cache.shape[1]) != metadata.block_size:
             raise ValueError(
                 f"cache block size {int(key_cache.shape[1])} differs from metadata.block_size "
                 f"{metadata.block_size}"
             )
-        plan = metadata.scratch.get("triton_plan")
-        if plan is None:
-            nd = metadata.num_decodes
-            query_lens, lens = metadata.query_lens_host, metadata.seq_lens_kv_host
-            plan = metadata.scratch["triton_plan"] = {
-                "num_decodes": nd,
-                "num_decode_tokens": metadata.num_decode_tokens,
-                "max_decode_query_len": int(query_lens[:nd].max()) if nd else 0,
-                "max_decode_seq_len": int(lens[:nd].max()) if nd else 0,
-                "max_query_len": int(query_lens[nd:].max()) if len(query_lens) > nd else 0,
-            }
+        if not isinstance(metadata, TritonMetadata):
+            metadata = self.build_metadata(metadata)
         return self._kernels.paged_attention(
             query.contiguous(), key_cache, value_cache, metadata.block_tables, metadata.seq_lens_kv,
-            metadata.cu_seqlens_q, scale=scale, sliding_window=sliding_window, sinks=sinks, **plan,
+            metadata.cu_seqlens_q, scale=scale, sliding_window=sliding_window, sinks=sinks,
+            num_decodes=metadata.num_decodes, num_decode_tokens=metadata.num_decode_tokens,
+            max_decode_query_len=metadata.max_decode_query_len, max_decode_seq_len=metadata.max_decode_seq_len,
+            max_query_len=metadata.max_prefill_query_len,
         )
-
-
-register_attention_backend("triton", TritonBackend)

@@ -150,6 +150,6 @@ DEFAULT_FIELDS = FieldRegistry(
         _f("stop_token_ids", ("max_stop_ids",), "int64", "host", -1, "extra stop tokens, -1 unused"),
         _f("eos_token_id", (), "int64", "host", -1, "end-of-sequence token; -1 = none"),
         _f("prompt_embeds", (), "object", "host", None,
-           "side data bound to the request: {prompt position: embedding} replacing token embeddings"),
+           "side data bound to the request: (positions, embeddings) replacing prompt token embeddings"),
     ]
 )

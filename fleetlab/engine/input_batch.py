@@ -565,21 +565,20 @@ class InputBatch:
         return {req_id: values[row] for req_id, row in self._req_id_to_row.items()}
 
     def sync_to_device(self) -> None:
-        """Copy rows ``[0, num_reqs)`` of every device field to its Paddle mirror.
+        """Copy every device field to its Paddle mirror (rows ``[0, num_reqs)`` are then read).
 
         Called once per step after condense and reorder: one host-to-device copy per
-        device field no matter how many rows moved, and rows past ``num_reqs`` are never
-        read. Mirrors are persistent buffers, so their addresses stay fixed across steps
-        (what a captured CUDA graph needs), at the price of one extra on-device copy per
-        field: the rows are staged with ``to_tensor`` and then copied into the mirror.
+        device field no matter how many rows moved. ``set_value`` fills the mirror in
+        place, so its address stays fixed across steps (what a captured CUDA graph needs);
+        it copies the whole ``[max_num_seqs, ...]`` buffer, rows past ``num_reqs`` included
+        (they are never read), which costs less than staging a slice.
         """
         if self.has_holes:
             raise RuntimeError("sync_to_device needs a dense batch: call condense() first")
         n = self._num_rows
         if n:
             for name, mirror in self._dev.items():
-                staged = paddle.to_tensor(self._np[name][:n], place=self._place)
-                mirror[:n].copy_(staged, False)
+                mirror.set_value(self._np[name])  # in place: the mirror keeps its address
         self._synced_rows = n
 
     # ------------------------------------------------------------------ inspection

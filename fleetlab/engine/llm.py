@@ -18,6 +18,7 @@ import weakref
 from collections.abc import Sequence
 
 from fleetlab.attention.backend import get_attention_backend
+from fleetlab.device import check_model_dtype_runs
 from fleetlab.engine.checks import FieldTypeError, is_sequence
 from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.input_batch import InputBatch
@@ -28,6 +29,7 @@ from fleetlab.engine.request import Request
 from fleetlab.engine.runner_output import ModelRunnerOutput
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
+from fleetlab.engine.side_data import normalize_prompt_embeds
 from fleetlab.engine.tracing import build_step_trace, rows_before
 from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.manager import KVCacheManager
@@ -79,6 +81,7 @@ class LLM:
             raise
 
     def _build(self, cfg: EngineConfig) -> None:
+        check_model_dtype_runs(self.handle.dtype)
         backend_cls = type(self.handle.backend)
         _check_backend_needs(backend_cls, cfg)
         if self.tensor_parallel is not None:
@@ -144,11 +147,19 @@ class LLM:
     # ----- requests in -----
     def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                     prompt_token_ids: Sequence[int] | None = None, request_id: str | None = None,
-                    priority: int = 0) -> str:
+                    priority: int = 0, prompt_embeds=None) -> str:
         """Queue one request; returns its id. Raises ``ValueError`` naming the request and
-        the bad field before anything is queued."""
+        the bad field before anything is queued.
+
+        ``prompt_embeds``: side data such as image features, ``{prompt position: vector
+        [hidden_size]}`` (or ``[num_prompt_tokens, hidden_size]``) used instead of those
+        tokens' own embeddings (see :mod:`fleetlab.engine.side_data`).
+        """
         req = self.processor.process(prompt, sampling_params, prompt_token_ids, request_id, priority,
                                      self.scheduler.requests)
+        if prompt_embeds is not None:
+            req.prompt_embeds = normalize_prompt_embeds(req.request_id, prompt_embeds, req.num_prompt_tokens,
+                                                        self.handle.hidden_size)
         # A finished request keeps its batch row until the next step; its id may be reused now.
         self.runner.batch.remove_request(req.request_id, missing_ok=True)
         self.scheduler.add_request(req)

@@ -23,10 +23,12 @@ import paddle
 
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
+from fleetlab.device import upload
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.runner_output import ModelRunnerOutput
 from fleetlab.engine.sampler import Sampler, SamplingTensors
 from fleetlab.engine.scheduler_output import SchedulerOutput
+from fleetlab.engine.side_data import chunk_embeds
 from fleetlab.spec.proposer import ProposeInput, Proposer
 
 
@@ -36,7 +38,9 @@ class StepInputs:
 
     logits_indices: int64 ``[P]`` packed token index of each scored position;
     pos_row: ``[P]`` its batch row; pos_offset: ``[P]`` its index among its row's scored
-    positions (0 = the last known token, ``i`` = after ``i`` drafts).
+    positions (0 = the last known token, ``i`` = after ``i`` drafts);
+    embeds: None, or ``(packed token indices [m], vectors [m, hidden])`` replacing those
+    tokens' embeddings (side data of the rows' requests).
     """
 
     metadata: AttentionMetadata
@@ -44,6 +48,7 @@ class StepInputs:
     logits_indices: np.ndarray
     pos_row: np.ndarray
     pos_offset: np.ndarray
+    embeds: tuple | None = None
 
 
 class ModelRunner:
@@ -133,23 +138,39 @@ class ModelRunner:
                                      block_tables_device=b.dev("block_table")[:, :max_blocks])
         row_of_token = np.repeat(np.arange(n), q)
         pos = c[row_of_token] + np.arange(md.num_tokens) - md.cu_seqlens_q_host[:-1][row_of_token]
-        input_ids = paddle.to_tensor(b.token_ids[row_of_token, pos].reshape(1, -1), dtype="int64")
+        input_ids = upload(b.token_ids[row_of_token, pos].reshape(1, -1), np.int64)
         # A row scores its last known token and each draft after it, once its chunk gets there.
         num_scored = np.where(c + q >= b.num_tokens[:n], b.num_spec_tokens[:n] + 1, 0).astype(np.int64)
         pos_row = np.repeat(np.arange(n), num_scored)
         starts = np.concatenate([[0], np.cumsum(num_scored)[:-1]])
         pos_offset = np.arange(len(pos_row)) - starts[pos_row]
         logits_indices = md.cu_seqlens_q_host[1:][pos_row] - num_scored[pos_row] + pos_offset
-        return StepInputs(md, input_ids, logits_indices.astype(np.int64), pos_row, pos_offset)
+        return StepInputs(md, input_ids, logits_indices.astype(np.int64), pos_row, pos_offset,
+                          self._step_embeds(md, q, c))
+
+    def _step_embeds(self, md: AttentionMetadata, q: np.ndarray, c: np.ndarray) -> tuple | None:
+        """The step's embedding replacements, from the rows that carry side data (None if none)."""
+        side = self.batch.prompt_embeds[: len(q)]
+        parts = [chunk_embeds(side[row], int(md.cu_seqlens_q_host[row]), int(c[row]), int(q[row]))
+                 for row in np.flatnonzero(np.not_equal(side, None)).tolist()]
+        parts = [p for p in parts if len(p[0])]
+        if not parts:
+            return None
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def _forward(self, inputs: StepInputs) -> paddle.Tensor:
         """Logits ``[P, vocab]`` (float32) at the scored positions; the K/V of every token is written."""
         md = inputs.metadata
         # With nothing to score (every row mid-prompt), still run the model for its K/V writes.
         indices = inputs.logits_indices if len(inputs.logits_indices) else np.array([md.num_tokens - 1])
+        embeds = None
+        if inputs.embeds is not None:  # the model's own embeddings, with the side data written over
+            index, vectors = inputs.embeds
+            own = self.handle.embed(inputs.input_ids)[0]
+            embeds = paddle.scatter(own, upload(index), upload(vectors).astype(own.dtype)).unsqueeze(0)
         with paddle.no_grad(), forward_context(md, self.kv_cache):
             logits = self.handle.compute_logits(inputs.input_ids, md.positions.reshape([1, -1]),
-                                                paddle.to_tensor(indices))
+                                                upload(indices), inputs_embeds=embeds)
         return logits.astype("float32") if logits.dtype != paddle.float32 else logits
 
     # ------------------------------------------------------------------ sampling and verification
@@ -195,7 +216,7 @@ class ModelRunner:
             if not b.ignore_eos[row] and b.eos_token_id[row] >= 0:
                 ids.append(int(b.eos_token_id[row]))
             banned[p] = ids
-        index = paddle.to_tensor(rows.astype(np.int64))
+        index = upload(rows, np.int64)
         return SamplingTensors(
             greedy=b.temperature[rows] == 0, temperature=paddle.gather(b.dev("temperature"), index),
             top_k=paddle.gather(b.dev("top_k"), index), top_p=paddle.gather(b.dev("top_p"), index),

@@ -38,7 +38,8 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
-    prompt_embeds: dict | None = None  # prompt position -> embedding replacing the token's
+    # (positions int64 [m], embeddings float32 [m, hidden]) replacing those prompt tokens' embeddings
+    prompt_embeds: tuple | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None
@@ -60,6 +61,14 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """Leading tokens whose K/V depend on token ids alone, so the prefix cache may share
+        them: all of them, or those before the first position with a replaced embedding."""
+        if self.prompt_embeds is None:
+            return self.num_tokens
+        return int(self.prompt_embeds[0].min())
 
     @property
     def is_finished(self) -> bool:

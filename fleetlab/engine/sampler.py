@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import paddle
 
+from fleetlab.device import upload
+
 
 @dataclass(slots=True)
 class SamplingTensors:
@@ -50,8 +52,8 @@ class SamplingTensors:
                   draft_token_ids=None) -> SamplingTensors:
         """Build from host arrays (uploads the settings the sampler reads on the device)."""
         temperature = np.asarray(temperature, dtype=np.float32)
-        return cls(temperature == 0, paddle.to_tensor(temperature), paddle.to_tensor(np.asarray(top_k)),
-                   paddle.to_tensor(np.asarray(top_p, dtype=np.float32)), np.asarray(seeds),
+        return cls(temperature == 0, upload(temperature), upload(top_k),
+                   upload(top_p, np.float32), np.asarray(seeds),
                    np.asarray(draw_index), banned or [[] for _ in temperature],
                    None if draft_token_ids is None else np.asarray(draft_token_ids, dtype=np.int64))
 
@@ -115,14 +117,14 @@ class Sampler:
 
     def _sample_rows(self, logits, st: SamplingTensors, rows: np.ndarray, drafts: np.ndarray):
         """Rejection-sample the non-greedy positions ``rows``; returns device ``(drawn, accepted)``."""
-        index = paddle.to_tensor(rows)
+        index = upload(rows)
         probs = self._probs(paddle.gather(logits, index, axis=0), paddle.gather(st.temperature, index),
                             paddle.gather(st.top_k, index), paddle.gather(st.top_p, index))
         u = np.array([[uniform_for(st.seeds[r], st.draw_index[r]), accept_uniform_for(st.seeds[r], st.draw_index[r])]
                       for r in rows], dtype=np.float32)
-        u = paddle.to_tensor(u)
-        has_draft = paddle.to_tensor(drafts >= 0)
-        draft_col = paddle.to_tensor(np.maximum(drafts, 0)).unsqueeze(-1)
+        u = upload(u)
+        has_draft = upload(drafts >= 0)
+        draft_col = upload(np.maximum(drafts, 0)).unsqueeze(-1)
         p_draft = paddle.take_along_axis(probs, draft_col, axis=-1).squeeze(-1)
         accepted = paddle.logical_and(has_draft, self.accept(p_draft, u[:, 1]))
         is_draft = paddle.logical_and(paddle.arange(probs.shape[-1], dtype="int64").unsqueeze(0) == draft_col,
@@ -151,7 +153,7 @@ class Sampler:
         mask = np.zeros(logits.shape, dtype=bool)
         for row, ids in enumerate(banned):
             mask[row, ids] = True
-        return paddle.where(paddle.to_tensor(mask), paddle.full_like(logits, float("-inf")), logits)
+        return paddle.where(upload(mask), paddle.full_like(logits, float("-inf")), logits)
 
     @staticmethod
     def _probs(logits, temperature, top_k, top_p) -> paddle.Tensor:

@@ -36,8 +36,8 @@ class NewRequestData:
 
     Sent on admission, after a preemption (``num_computed_tokens`` restarts from the
     prefix-cache hits), and when a running request was left out of the previous step.
-    ``prompt_embeds`` (optional): ``{prompt position: float32 [hidden_size] array}``
-    replacing the token embedding at those positions.
+    ``prompt_embeds`` (optional): ``(positions int64 [m], embeddings float32 [m, hidden])``
+    replacing the token embeddings at those prompt positions.
     """
 
     req_id: str
@@ -46,7 +46,7 @@ class NewRequestData:
     sampling: RowSampling
     block_ids: list[int]
     num_computed_tokens: int
-    prompt_embeds: dict | None = None
+    prompt_embeds: tuple | None = None
 
 
 @dataclass(slots=True)

@@ -53,8 +53,9 @@ class KVCacheManager:
     Args:
       pool: the block pool (``num_blocks`` blocks of ``block_size`` tokens).
 
-    A request is anything with ``request_id``, ``all_token_ids``, ``num_tokens`` and
-    ``num_computed_tokens`` (the scheduler's ``Request``).
+    A request is anything with ``request_id``, ``all_token_ids``, ``num_tokens``,
+    ``num_computed_tokens`` and ``num_cacheable_tokens`` (the scheduler's ``Request``: tokens
+    past a replaced embedding are never shared, their K/V depend on more than token ids).
     """
 
     def __init__(self, pool: BlockPool):
@@ -104,7 +105,7 @@ class KVCacheManager:
         the hit rate (a request that cannot be admitted is looked up again next step); the
         scheduler counts the query once, on admission, with :meth:`record_lookup`.
         """
-        hits = self.pool.lookup(request.all_token_ids, record_stats=False)
+        hits = self.pool.lookup(request.all_token_ids[: request.num_cacheable_tokens], record_stats=False)
         return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
 
     def record_lookup(self, request, num_hit_tokens: int) -> None:
@@ -150,7 +151,7 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if hits:
             self._num_cached[rid] = len(blocks) - len(new_blocks)
-        self._cache_known_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        self._cache_known_blocks(request, min(num_computed + num_new_tokens, request.num_cacheable_tokens))
         return KVCacheBlocks(tuple(hits) + tuple(new_blocks))
 
     def _cache_known_blocks(self, request, num_tokens: int) -> None:

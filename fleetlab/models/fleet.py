@@ -189,16 +189,18 @@ class FleetForCausalLM(nn.Layer):
         if config.dtype != "float32":
             self.to(dtype=config.dtype)
 
-    def hidden_states(self, input_ids: paddle.Tensor, position_ids: paddle.Tensor | None = None):
+    def hidden_states(self, input_ids: paddle.Tensor, position_ids: paddle.Tensor | None = None,
+                      inputs_embeds: paddle.Tensor | None = None):
         """Final-norm hidden states ``[b, s, hidden]`` for ``input_ids [b, s]``.
 
         ``position_ids [b, s]`` defaults to ``0..s-1`` per row; a packed batch of several
-        requests passes each token's position within its own request.
+        requests passes each token's position within its own request. ``inputs_embeds``
+        ``[b, s, hidden]``, when given, is used instead of embedding ``input_ids``.
         """
         if position_ids is None:
             position_ids = paddle.arange(input_ids.shape[1], dtype="int64").expand(input_ids.shape)
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta)
-        hidden = self.embedding(input_ids)
+        hidden = self.embedding(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.decoder.layers:
             hidden = layer(hidden, cos, sin)
         return self.decoder.final_layernorm(hidden)
@@ -214,9 +216,10 @@ def tiny_fleet(seed: int = 0, **overrides) -> FleetForCausalLM:
     ``overrides`` replace :class:`FleetConfig` fields (an unknown name raises ``TypeError``).
     Paddle's global random state is restored afterwards, as in ``tiny_paddleformers``.
     """
-    from fleetlab.models.small import _seeded
+    from fleetlab.models.small import _seeded, check_dtype
 
     config = dataclasses.replace(FleetConfig(), **overrides)
+    config.dtype = check_dtype(config.dtype)
     with _seeded(seed):
         model = FleetForCausalLM(config)
     model.eval()

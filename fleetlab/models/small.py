@@ -55,14 +55,16 @@ TINY_FAMILIES = tuple(_FAMILIES)
 
 
 def tiny_paddleformers(family: str, seed: int = 0, **overrides):
-    """A small random-init PaddleFormers causal LM of ``family``, float32, in eval mode.
+    """A small random-init PaddleFormers causal LM of ``family``, in eval mode.
 
     Args:
       family: one of ``TINY_FAMILIES`` (``"llama"``, ``"ernie4_5"``, ``"phi3"``,
         ``"gemma3"``, ``"gpt_oss"``).
       seed: the weights are a pure function of ``(family, seed, overrides)``; Paddle's
         global random state is restored afterwards.
-      overrides: config fields to change (e.g. ``num_hidden_layers=2``, ``sliding_window=4``).
+      overrides: config fields to change (e.g. ``num_hidden_layers=2``, ``sliding_window=4``);
+        ``dtype="bfloat16"`` or ``"float16"`` casts the (float32-initialised) weights. Half
+        precision runs on a GPU only: ``LLM`` refuses it on a CPU, naming dtype and device.
 
     Token ids: pad 0, bos 1, eos 2, all inside the 128-token vocabulary.
     """
@@ -77,11 +79,25 @@ def tiny_paddleformers(family: str, seed: int = 0, **overrides):
     if "layer_types" in kwargs and "layer_types" not in overrides:
         n = kwargs["num_hidden_layers"]
         kwargs["layer_types"] = [_MIXED[i % len(_MIXED)] for i in range(n)]
+    dtype = check_dtype(kwargs.pop("dtype", "float32"))
     with _seeded(seed), _default_dtype("float32"):
-        config = getattr(pft, config_name)(**kwargs)
+        config = getattr(pft, config_name)(**kwargs, dtype=dtype)
         model = getattr(pft, model_name)(config)
+    if dtype != "float32":
+        model.to(dtype=dtype)  # initialised in float32 (the same weights for every dtype), then cast
     model.eval()
     return model
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_dtype(dtype) -> str:
+    """A supported model dtype's name; ``ValueError`` naming ``dtype`` otherwise."""
+    name = str(dtype).removeprefix("paddle.")
+    if name not in DTYPES:
+        raise ValueError(f"tiny models: dtype={dtype!r} is not supported; choose one of {list(DTYPES)}")
+    return name
 
 
 @contextlib.contextmanager

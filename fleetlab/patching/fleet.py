@@ -50,7 +50,7 @@ class PagedCoreAttention(nn.Layer):
             raise ValueError(f"query holds {num_tokens} tokens but the step's metadata schedules "
                              f"{ctx.metadata.num_tokens}")
         out = self.backend.forward(
-            self.layer_id, query[0], key[0], value[0], ctx.kv_cache, ctx.metadata, scale=self.scale
+            self.layer_id, query[0], key[0], value[0], ctx.kv_cache, ctx.attn_metadata(self.backend), scale=self.scale
         )
         return out.reshape([1, num_tokens, num_heads * head_dim])
 
@@ -58,7 +58,11 @@ class PagedCoreAttention(nn.Layer):
 class FleetPatchHandle(PatchHandle):
     """:class:`PatchHandle` of a patched Fleet-style model (see :func:`patch_fleet_model`)."""
 
-    def compute_logits(self, input_ids, positions, logits_indices):
+    def embed(self, input_ids):
+        with paddle.no_grad():
+            return self.model.embedding(input_ids)
+
+    def compute_logits(self, input_ids, positions, logits_indices, inputs_embeds=None):
         """Logits ``[B, vocab]`` at ``logits_indices [B]`` of the packed step ``input_ids [1, T]``.
 
         ``positions`` int64 ``[1, T]``; must run inside ``forward_context``. The output
@@ -67,7 +71,7 @@ class FleetPatchHandle(PatchHandle):
         """
         self._check_step(input_ids, positions, logits_indices)
         with paddle.no_grad():
-            hidden = self.model.hidden_states(input_ids, position_ids=positions)  # [1, T, hidden]
+            hidden = self.model.hidden_states(input_ids, position_ids=positions, inputs_embeds=inputs_embeds)
             rows = paddle.gather(hidden[0], logits_indices.astype("int64"), axis=0)  # [B, hidden]
             return self.model.output_layer(rows)
 

@@ -82,14 +82,24 @@ class PatchHandle:
         self.patched = True
 
     def compute_logits(self, input_ids: paddle.Tensor, positions: paddle.Tensor,
-                       logits_indices: paddle.Tensor) -> paddle.Tensor:
+                       logits_indices: paddle.Tensor, inputs_embeds: paddle.Tensor | None = None) -> paddle.Tensor:
         """Run the packed step and return logits at ``logits_indices`` only.
 
         input_ids, positions: int64 ``[1, T]``; logits_indices: int64 ``[B]`` indices into
-        the ``T`` tokens (each row's last scheduled token). Returns float ``[B, vocab]``.
-        Must be called inside ``forward_context``.
+        the ``T`` tokens (each row's last scheduled token). ``inputs_embeds`` ``[1, T, hidden]``
+        replaces the model's own token embeddings (side data such as image features, see
+        :meth:`embed`). Returns float ``[B, vocab]``. Must be called inside ``forward_context``.
         """
         raise NotImplementedError
+
+    def embed(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+        """The model's own input embeddings ``[1, T, hidden]`` of ``input_ids [1, T]``."""
+        raise NotImplementedError
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the input embeddings (what ``prompt_embeds`` vectors must have)."""
+        return int(self.embed(paddle.zeros([1, 1], dtype="int64")).shape[-1])
 
     def _check_step(self, input_ids, positions, logits_indices) -> None:
         """Raise, naming the problem, unless the handle is patched and the step is well formed.

@@ -73,7 +73,7 @@ def fleetlab_attention(module, query, key, value, attention_mask=None, scaling=N
     # [1, heads, T, D] -> [T, heads, D]: the packed layout backends and the cache use.
     q, k, v = (x[0].transpose([1, 0, 2]) for x in (query, key, value))
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
-    out = backend.forward(layer_id, q, k, v, ctx.kv_cache, ctx.metadata, scale=scale,
+    out = backend.forward(layer_id, q, k, v, ctx.kv_cache, ctx.attn_metadata(backend), scale=scale,
                           sliding_window=getattr(module, WINDOW_ATTR), sinks=sink)
     return out.reshape([1, out.shape[0], -1]), None
 
@@ -85,8 +85,12 @@ class PaddleFormersHandle(PatchHandle):
         super().__init__(model, spec.name, *args, **kwargs)
         self.spec = spec
 
+    def embed(self, input_ids: paddle.Tensor) -> paddle.Tensor:
+        with paddle.no_grad():
+            return self.model.get_input_embeddings()(input_ids)
+
     def compute_logits(self, input_ids: paddle.Tensor, positions: paddle.Tensor,
-                       logits_indices: paddle.Tensor) -> paddle.Tensor:
+                       logits_indices: paddle.Tensor, inputs_embeds: paddle.Tensor | None = None) -> paddle.Tensor:
         """Run one packed step; logits ``[B, vocab]`` at ``logits_indices`` only.
 
         input_ids, positions: int64 ``[1, T]``; logits_indices: int64 ``[B]``. Must run
@@ -96,8 +100,8 @@ class PaddleFormersHandle(PatchHandle):
         """
         self._check_step(input_ids, positions, logits_indices)
         with paddle.no_grad():
-            hidden = self.model.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                                      return_dict=True)[0]
+            ids = {"input_ids": input_ids} if inputs_embeds is None else {"inputs_embeds": inputs_embeds}
+            hidden = self.model.model(**ids, position_ids=positions, use_cache=False, return_dict=True)[0]
             rows = paddle.gather(hidden[0], logits_indices.astype("int64"), axis=0)
             logits = self.model.lm_head(rows.unsqueeze(0))[0]
             cap = getattr(self.model.config, "final_logit_softcapping", None)

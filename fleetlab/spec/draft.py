@@ -28,6 +28,7 @@ import paddle
 
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
+from fleetlab.device import check_model_dtype_runs, upload
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.spec.proposer import ProposeInput, Proposer, register_proposer
 from fleetlab.spec.proposer_batch import ProposerInputBatch
@@ -45,10 +46,14 @@ class DraftModelProposer(Proposer):
         model = config.model
         self.handle = model if isinstance(model, PatchHandle) else patch_model(model, backend=context.backend)
         self._owns_patch = self.handle is not model
-        if self.handle.vocab_size != context.vocab_size:
+        try:
+            check_model_dtype_runs(self.handle.dtype, "speculative_config model")
+            if self.handle.vocab_size != context.vocab_size:
+                raise ValueError(f"speculative_config: field 'model' has vocabulary {self.handle.vocab_size}, "
+                                 f"the target {context.vocab_size}: a draft must share the target's tokenizer")
+        except ValueError:
             self.close()
-            raise ValueError(f"speculative_config: field 'model' has vocabulary {self.handle.vocab_size}, "
-                             f"the target {context.vocab_size}: a draft must share the target's tokenizer")
+            raise
         self.kv_cache = PagedKVCache.for_handle(self.handle, context.num_blocks, context.block_size)
         self.block_size = context.block_size
         self.decode_threshold = context.decode_threshold
@@ -84,7 +89,7 @@ class DraftModelProposer(Proposer):
         q = (upto - computed)[rows]
         ids = np.concatenate([token_ids[r, computed[r] : upto[r]] for r in rows.tolist()])
         scored = np.flatnonzero(proposing[rows])  # catch-up rows that propose, in row order
-        logits = self._forward(batch, rows, q, computed[rows], paddle.to_tensor(ids.reshape(1, -1)), scored)
+        logits = self._forward(batch, rows, q, computed[rows], upload(ids.reshape(1, -1)), scored)
         computed[rows] = upto[rows]
         prop_rows = rows[scored]
         if len(prop_rows) == 0:  # the catch-up alone keeps the draft's cache in step
@@ -93,12 +98,12 @@ class DraftModelProposer(Proposer):
         for i in range(1, int(inputs.max_drafts[prop_rows].max())):
             keep = np.flatnonzero(inputs.max_drafts[prop_rows] > i)
             sub = prop_rows[keep]
-            prev = paddle.gather(drafts[-1], paddle.to_tensor(keep)) if len(keep) < len(prop_rows) else drafts[-1]
+            prev = paddle.gather(drafts[-1], upload(keep)) if len(keep) < len(prop_rows) else drafts[-1]
             logits = self._forward(batch, sub, np.ones(len(sub), np.int64), computed[sub], prev.reshape([1, -1]),
                                    np.arange(len(sub)))
             computed[sub] += 1
             step = paddle.full([len(prop_rows)], -1, dtype="int64")
-            drafts.append(paddle.scatter(step, paddle.to_tensor(keep), paddle.argmax(logits, axis=-1)))
+            drafts.append(paddle.scatter(step, upload(keep), paddle.argmax(logits, axis=-1)))
         host = paddle.stack(drafts, axis=1).numpy()  # [num proposing rows, max drafts]: one read
         out = {}
         req_ids = batch.req_ids
@@ -118,7 +123,7 @@ class DraftModelProposer(Proposer):
         md = AttentionMetadata.build(query_lens, num_computed, tables, self.block_size, self.decode_threshold,
                                      block_tables_device=device_tables)
         last = md.cu_seqlens_q_host[1:][scored].astype(np.int64) - 1
-        last = paddle.to_tensor(last if len(last) else np.array([md.num_tokens - 1]))  # never an empty gather
+        last = upload(last if len(last) else np.array([md.num_tokens - 1]))  # never an empty gather
         with paddle.no_grad(), forward_context(md, self.kv_cache):
             return self.handle.compute_logits(input_ids.astype("int64"), md.positions.reshape([1, -1]), last)
 

@@ -1,0 +1,189 @@
+"""GPU readiness, proven as far as a CPU can: a host-sync budget per step, dtypes that mean what
+they say, every tensor on the model's device."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import paddle
+import pytest
+from conftest import random_prompts
+
+import fleetlab
+from fleetlab import LLM, SamplingParams
+from fleetlab.attention import reference
+from fleetlab.attention import triton_backend as tb
+from fleetlab.engine.sampler import Sampler, SamplingTensors
+from fleetlab.models import tiny
+from fleetlab.patching import patch_model
+from fleetlab.syncs import count_syncs, describe
+
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_k=20, seed=3)
+# Uploads per step: 6 device fields of the InputBatch, 4 metadata arrays, input ids, logits
+# indices, the sampler's row index, and the reference attention's plan (2: one per dtype) --
+# plus up to 4 when some rows sample (uniforms, drafts, a banned-token mask).
+UPLOAD_BUDGET = 15
+SAMPLING_EXTRA = 4
+
+
+def steps_with_syncs(llm, prompts, sp):
+    for p in prompts:
+        llm.add_request(prompt_token_ids=p, sampling_params=sp)
+    logs = []
+    while llm.has_unfinished_requests():
+        with count_syncs() as log:
+            llm.step()
+        logs.append(log)
+    return logs
+
+
+@pytest.mark.parametrize("num_requests,num_layers,tile_scale", [(2, 1, 1), (9, 3, 1), (24, 3, 1), (24, 2, 64)])
+def test_a_step_reads_the_device_once_and_uploads_a_fixed_number(monkeypatch, num_requests, num_layers,
+                                                                  tile_scale):
+    if tile_scale > 1:  # tiny tiles: many per step, yet their uploads stay the same
+        small = reference.TileLimits(reference.CPU_TILE_LIMITS.score_elements // tile_scale,
+                                     reference.CPU_TILE_LIMITS.kv_elements // tile_scale, 8)
+        monkeypatch.setattr(reference, "tile_limits", lambda: small)
+    model = tiny("fleet", seed=1, num_layers=num_layers)
+    prompts = random_prompts(np.resize([5, 30, 9, 17], num_requests).tolist(), seed=num_requests)
+    with LLM(model, block_size=4, max_num_batched_tokens=48) as llm:
+        logs = steps_with_syncs(llm, prompts, GREEDY)
+    for log in logs:
+        assert log.num_reads == 1, describe(log)  # the sampled token ids, nothing else
+        assert log.num_uploads <= UPLOAD_BUDGET, describe(log)
+        assert [e.site.split(":")[0] for e in log.reads] == ["engine/sampler.py"]
+
+
+def test_sampling_adds_a_fixed_number_of_uploads_and_no_read(fleet_model):
+    prompts = random_prompts([5, 12, 7, 9, 3, 11], seed=2)
+    with LLM(fleet_model, block_size=4) as llm:
+        logs = steps_with_syncs(llm, prompts, SAMPLED)
+    assert all(log.num_reads == 1 for log in logs)
+    assert max(log.num_uploads for log in logs) <= UPLOAD_BUDGET + SAMPLING_EXTRA
+
+
+@pytest.mark.parametrize("method,reads", [("ngram", 1), ("draft", 2)])
+def test_speculation_reads_the_accepted_ids_and_a_draft_models_drafts(fleet_model, method, reads):
+    spec = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    if method == "draft":
+        spec["model"] = tiny("fleet", seed=0, num_layers=1)
+    prompts = [p * 3 for p in random_prompts([4, 6, 3], seed=3, vocab=30)]
+    with LLM(fleet_model, block_size=4, speculative_config=spec) as llm:
+        logs = steps_with_syncs(llm, prompts, GREEDY)
+        assert llm.stats()["num_draft_tokens"] > 0
+    assert max(log.num_reads for log in logs) == reads
+
+
+class StubKernels:
+    """The Triton kernels' interface in plain Paddle, so the backend's host code runs on a CPU.
+
+    The kernels themselves (tested on an H200 against float64) are not the subject here: what
+    is, is that ``TritonBackend`` plans and launches them without a device-to-host read.
+    """
+
+    def store_kv(self, key, value, key_cache, value_cache, slot_mapping):
+        pass
+
+    def paged_attention(self, query, *args, **kwargs):
+        return paddle.zeros_like(query)
+
+
+def test_the_triton_backends_host_code_never_reads_the_device(fleet_model, monkeypatch):
+    monkeypatch.setattr(tb.TritonBackend, "supported_devices", ("cpu", "gpu"))
+    monkeypatch.setattr(tb, "load_triton_kernels", lambda: StubKernels())
+    prompts = random_prompts([5, 17, 3, 9], seed=4)
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    with LLM(fleet_model, backend="triton", block_size=4, max_num_batched_tokens=16, speculative_config=spec,
+             record_traces=True) as llm:
+        logs = steps_with_syncs(llm, prompts, GREEDY)
+        assert any(t.reordered and t.num_decodes for t in llm.traces)
+    for log in logs:
+        assert log.num_reads == 1 and log.num_uploads <= UPLOAD_BUDGET - 2, describe(log)
+
+
+def test_count_syncs_sees_each_kind_once_with_its_call_site():
+    t = paddle.to_tensor([1.5, 2.0])
+    with count_syncs() as log:
+        t.numpy()
+        t[0].item()  # item() goes through numpy(): still one read
+        float(t[0])
+        if t[1] > 0:
+            pass
+        t.set_value(np.zeros(2, np.float32))
+        paddle.assign(np.ones(2, np.float32))
+        paddle.assign(t)  # a device copy, not an upload
+    assert [e.api for e in log.reads] == ["numpy", "item", "__float__", "__bool__"]
+    assert [e.api for e in log.uploads] == ["set_value", "assign"]
+    assert all("test_gpu_readiness.py" in e.site for e in log.events)
+    assert log.by_site("read")
+
+
+# ---------------------------------------------------------------- dtypes
+@pytest.mark.parametrize("family", ["llama", "fleet"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_tiny_models_take_the_dtype_they_are_given(family, dtype):
+    model = tiny(family, dtype=dtype)
+    assert {str(p.dtype) for p in model.parameters()} == {f"paddle.{dtype}"}
+    with pytest.raises(ValueError, match=f"dtype '{dtype}' cannot run on device 'cpu'"):
+        LLM(model)
+    assert "_fleetlab_patch" not in model.__dict__  # the failed construction unpatched it
+
+
+def test_an_unknown_dtype_is_refused():
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        tiny("llama", dtype="int8")
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_kv_cache_stores_the_models_dtype(dtype):
+    handle = patch_model(tiny("llama", dtype=dtype))
+    try:
+        cache = fleetlab.PagedKVCache.for_handle(handle, num_blocks=4, block_size=2)
+        assert cache.dtype == dtype and cache.key_cache(0).dtype == getattr(paddle, dtype)
+    finally:
+        handle.unpatch()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_sampler_works_in_float32_whatever_the_logits(dtype):
+    logits = paddle.to_tensor(np.random.default_rng(0).normal(size=(6, 50)).astype(np.float32))
+    n = 6
+    st = SamplingTensors.from_host(np.r_[np.zeros(3), np.ones(3)].astype(np.float32), np.zeros(n, np.int64),
+                                   np.ones(n, np.float32), np.arange(n), np.zeros(n, np.int64))
+    want = Sampler()(logits.astype(dtype).astype("float32"), st)
+    assert (Sampler()(logits.astype(dtype), st) == want).all()
+
+
+# ---------------------------------------------------------------- device placement
+def test_every_tensor_a_step_creates_is_on_the_models_device(fleet_model, monkeypatch):
+    model_place = str(next(iter(fleet_model.parameters())).place)
+    seen = []
+
+    def recording(fn):
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            seen.append((fn.__name__, str(out.place)))
+            return out
+        return wrapper
+
+    for name in ("empty", "zeros", "full", "ones", "arange", "to_tensor", "zeros_like", "full_like", "assign"):
+        monkeypatch.setattr(paddle, name, recording(getattr(paddle, name)))
+    spec = {"method": "draft", "num_speculative_tokens": 2, "model": tiny("fleet", seed=0, num_layers=1)}
+    with LLM(fleet_model, block_size=4, speculative_config=spec) as llm:
+        llm.generate(prompt_token_ids=random_prompts([5, 9], seed=5), sampling_params=SAMPLED, use_tqdm=False)
+    assert seen and {place for _, place in seen} == {model_place}
+
+
+def test_no_engine_code_names_a_device():
+    """No hard-coded CPU: the engine uses Paddle's current device (the model's)."""
+    root = Path(fleetlab.__file__).parent
+    allowed = {"device.py", "quiet.py", "cpu_tuning.py"}
+    pattern = re.compile(r"CPUPlace\(|CUDAPlace\(|set_device\(|device=['\"](cpu|gpu)")
+    offenders = [f"{p.relative_to(root)}:{i}" for p in root.rglob("*.py")
+                 if p.name not in allowed and not p.is_relative_to(root / "bench") and
+                 not p.is_relative_to(root / "distributed")
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert offenders == []
