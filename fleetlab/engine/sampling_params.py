@@ -65,7 +65,7 @@ class SamplingParams:
         where = f"request {request_id!r}: sampling field"
         max_tokens = int_field(where, "max_tokens", self.max_tokens, 1)
         temperature = float_field(where, "temperature", self.temperature, 0.0, FLOAT32_MAX,
-                                  note=" (0 = greedy; below 1e-5 counts as greedy)")
+                                  note=f" (0 = greedy; below {MIN_TEMPERATURE:g} counts as greedy)")
         top_p = float_field(where, "top_p", self.top_p, 0.0, 1.0, low_open=True)
         if np.float32(top_p) == 0:  # the sampler's float32 buffer would hold 0: nothing kept
             raise ValueError(f"{where} top_p={top_p!r} must be in (0, 1] and stay > 0 as a float32 (>= 1e-45)")
