@@ -17,10 +17,9 @@ import time
 import weakref
 from collections.abc import Sequence
 
-import numpy as np
-
 from fleetlab.attention.backend import get_attention_backend
 from fleetlab.device import check_model_dtype_runs
+from fleetlab.engine.checks import FieldTypeError, is_sequence
 from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.input_processor import InputProcessor
@@ -87,7 +86,7 @@ class LLM:
         _check_backend_needs(backend_cls, cfg)
         if self.tensor_parallel is not None:
             self.tensor_parallel.adapt_handle(self.handle)  # this rank's KV heads size the cache
-        self.max_model_len = min(cfg.max_model_len or self.handle.max_model_len, self.handle.max_model_len)
+        self.max_model_len = cfg.resolve_max_model_len(self.handle.max_model_len)
         if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"engine config: without chunked prefill, max_num_batched_tokens="
@@ -161,6 +160,8 @@ class LLM:
         if prompt_embeds is not None:
             req.prompt_embeds = normalize_prompt_embeds(req.request_id, prompt_embeds, req.num_prompt_tokens,
                                                         self.handle.hidden_size)
+        # A finished request keeps its batch row until the next step; its id may be reused now.
+        self.runner.batch.remove_request(req.request_id, missing_ok=True)
         self.scheduler.add_request(req)
         return req.request_id
 
@@ -250,6 +251,7 @@ class LLM:
             reqs.append(self.processor.process(p, sp, ids, None, 0, live))
             live[reqs[-1].request_id] = reqs[-1]
         for req in reqs:
+            self.runner.batch.remove_request(req.request_id, missing_ok=True)  # as in add_request
             self.scheduler.add_request(req)
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(reqs), use_tqdm)
@@ -270,10 +272,18 @@ class LLM:
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("generate: give exactly one of prompts and prompt_token_ids")
         if prompts is not None:
+            if not isinstance(prompts, str) and not is_sequence(prompts):
+                raise FieldTypeError(f"generate: prompts={prompts!r:.60} must be a str or a list of str, "
+                                     f"not {type(prompts).__name__}")
             items = [(p, None) for p in ([prompts] if isinstance(prompts, str) else list(prompts))]
         else:
-            seqs = list(prompt_token_ids)
-            if seqs and isinstance(seqs[0], (int, np.integer)):
+            seqs = prompt_token_ids
+            if not is_sequence(seqs):
+                raise FieldTypeError(f"generate: prompt_token_ids={seqs!r:.60} must be a list of token-id lists "
+                                     f"(or one list of token ids), not {type(seqs).__name__}")
+            # One flat prompt ([5, 17, 3]) or a list of prompts: a first entry that is not itself a
+            # sequence means one prompt (the InputProcessor refuses floats, strings, bools in it).
+            if len(seqs) and not is_sequence(seqs[0]):
                 seqs = [seqs]
             items = [(None, s) for s in seqs]
         if isinstance(sampling_params, (list, tuple)):

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, fields
+
+from fleetlab.engine.checks import FieldTypeError, int_field
 
 
 @dataclass(slots=True)
@@ -17,6 +18,11 @@ class SpeculativeConfig:
       sharing the target's vocabulary); fleetlab patches it and gives it its own paged cache.
     prompt_lookup_min / prompt_lookup_max: ``"ngram"``: the shortest and longest suffix
       looked up earlier in the request's own tokens (the longest match wins).
+
+    Bounds: ``num_speculative_tokens`` an int in ``[1, 16]``, the lookup lengths ints in
+    ``[1, 64]`` with min <= max (numpy ints count, bools do not); ``method`` a registered
+    name. A refusal is a ``ValueError`` (a wrong type: a ``TypeError`` that is also one)
+    starting ``speculative_config:`` and naming the field.
     """
 
     method: str
@@ -32,7 +38,7 @@ class SpeculativeConfig:
             config.validate()
             return config
         if not isinstance(config, dict):
-            raise ValueError(f"speculative_config must be a dict; got {type(config).__name__}")
+            raise FieldTypeError(f"speculative_config must be a dict; got {type(config).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(config) - known)
         if unknown:
@@ -47,12 +53,13 @@ class SpeculativeConfig:
     def validate(self) -> None:
         from fleetlab.spec.proposer import list_proposers
 
-        if self.method not in list_proposers():
+        if not isinstance(self.method, str) or self.method not in list_proposers():
             raise ValueError(f"speculative_config: method={self.method!r} is not a registered proposer; "
                              f"known: {list_proposers()}")
-        self.num_speculative_tokens = _int_field("num_speculative_tokens", self.num_speculative_tokens, 1, 16)
-        self.prompt_lookup_min = _int_field("prompt_lookup_min", self.prompt_lookup_min, 1, 64)
-        self.prompt_lookup_max = _int_field("prompt_lookup_max", self.prompt_lookup_max, 1, 64)
+        where = "speculative_config: field"
+        self.num_speculative_tokens = int_field(where, "num_speculative_tokens", self.num_speculative_tokens, 1, 16)
+        self.prompt_lookup_min = int_field(where, "prompt_lookup_min", self.prompt_lookup_min, 1, 64)
+        self.prompt_lookup_max = int_field(where, "prompt_lookup_max", self.prompt_lookup_max, 1, 64)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min={self.prompt_lookup_min} exceeds "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
@@ -60,14 +67,3 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: method='draft' needs field 'model' (e.g. "
                              "fleetlab.models.load_tiny_draft()[0])")
 
-
-def _int_field(name: str, value, low: int, high: int) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"speculative_config: field {name}={value!r} must be an int in [{low}, {high}]")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise ValueError(f"speculative_config: field {name}={value!r} must be an int in [{low}, {high}]") from None
-    if not low <= value <= high:
-        raise ValueError(f"speculative_config: field {name}={value} must be in [{low}, {high}]")
-    return int(value)
