@@ -160,8 +160,6 @@ class LLM:
         if prompt_embeds is not None:
             req.prompt_embeds = normalize_prompt_embeds(req.request_id, prompt_embeds, req.num_prompt_tokens,
                                                         self.handle.hidden_size)
-        # A finished request keeps its batch row until the next step; its id may be reused now.
-        self.runner.batch.remove_request(req.request_id, missing_ok=True)
         self.scheduler.add_request(req)
         return req.request_id
 
@@ -251,7 +249,6 @@ class LLM:
             reqs.append(self.processor.process(p, sp, ids, None, 0, live))
             live[reqs[-1].request_id] = reqs[-1]
         for req in reqs:
-            self.runner.batch.remove_request(req.request_id, missing_ok=True)  # as in add_request
             self.scheduler.add_request(req)
         done: dict[str, RequestOutput] = {}
         bar = _progress(len(reqs), use_tqdm)

@@ -106,8 +106,11 @@ class ModelRunner:
     def _update_batch(self, so: SchedulerOutput):
         b = self.batch
         scheduled = so.num_scheduled_tokens
-        for req_id in [r for r in b.req_ids if r is not None and r not in scheduled]:
-            b.remove_request(req_id)  # finished, preempted or simply not scheduled this step
+        resent = {new.req_id for new in so.scheduled_new_reqs}
+        # Drop rows of requests that finished, were preempted or simply not scheduled this step,
+        # and stale rows of requests sent in full (a finished request's id reused at once).
+        for req_id in [r for r in b.req_ids if r is not None and (r not in scheduled or r in resent)]:
+            b.remove_request(req_id)
         for new in so.scheduled_new_reqs:
             extra = {"prompt_embeds": new.prompt_embeds} if new.prompt_embeds else None
             b.add_request(new.req_id, new.prompt_token_ids, output_token_ids=new.output_token_ids,
