@@ -18,6 +18,7 @@ carries them, merged).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -255,17 +256,18 @@ def test_store_kv_writes_slots_and_skips_minus_one(shape, dtype):
     WORST[f"store_kv/{str(dtype).split('.')[-1]}"] = 0.0  # bit-exact, checked above
 
 
+@pytest.mark.parametrize("latency_kernel", [None, True], ids=["default-kernel", "latency-kernel"])
 @pytest.mark.parametrize("num_splits", [1, 3, None], ids=["one-split", "three-splits", "planned"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-def test_decode_matches_dense(shape, dtype, num_splits):
+def test_decode_matches_dense(shape, dtype, num_splits, latency_kernel):
     lens = _edge_lens(shape[0])
     batch = _batch_for(shape, dtype, [1] * len(lens), [n - 1 for n in lens], seed=len(lens))
     scale = shape[3] ** -0.5
     out = tk.decode_attention(
         batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
         batch["seq_lens_kv"], max_seq_len=max(lens), scale=scale, num_splits=num_splits,
-        out=_poisoned_out(batch))
+        latency_kernel=latency_kernel, out=_poisoned_out(batch))
     _check("decode", out, dense_reference(batch, scale=scale), dtype)
 
 
@@ -304,10 +306,12 @@ def test_multi_token_decode_matches_dense(shape, dtype, num_splits):
     _check("multi_decode", out, dense_reference(batch, scale=scale), dtype)
 
 
+@pytest.mark.parametrize("merge_in_launch", [True, False], ids=["last-split-merges", "second-launch"])
 @pytest.mark.parametrize("merge_tile", [None, 1], ids=["one-load", "split-by-split"])
 @pytest.mark.parametrize("use_sinks", [False, True], ids=["no-sinks", "sinks"])
-def test_many_splits_merge_in_one_launch(monkeypatch, use_sinks, merge_tile):
-    """Tens of splits per row, merged by the last one to finish, in chunks or one by one."""
+def test_many_splits_merge(monkeypatch, use_sinks, merge_tile, merge_in_launch):
+    """Tens of splits per row, merged by the last one to finish or by a second launch, in
+    chunks or one by one."""
     shape = SHAPES[2]
     if merge_tile is not None:
         monkeypatch.setattr(tk, "_MERGE_TILE", merge_tile)
@@ -318,8 +322,35 @@ def test_many_splits_merge_in_one_launch(monkeypatch, use_sinks, merge_tile):
     out = tk.decode_attention(
         batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
         batch["seq_lens_kv"], max_seq_len=300, scale=scale, sinks=sinks, num_splits=19, block_n=16,
-        num_rows=4, cu_seqlens_q=batch["cu_seqlens_q"], max_query_len=3, out=_poisoned_out(batch))
+        num_rows=4, cu_seqlens_q=batch["cu_seqlens_q"], max_query_len=3, merge_in_launch=merge_in_launch,
+        out=_poisoned_out(batch))
     _check("multi_decode", out, dense_reference(batch, scale=scale, sinks=sinks), DTYPES[0])
+
+
+@pytest.mark.parametrize("window", [None, 5], ids=["no-window", "window"])
+@pytest.mark.parametrize("multi", [False, True], ids=["one-token", "multi-token"])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_decode_splits_merged_in_a_second_launch(shape, multi, window):
+    """``merge_in_launch=False``: the splits write partials, ``_decode_merge_kernel`` merges them."""
+    dtype = DTYPES[0]
+    if multi:
+        query_lens, num_computed = MULTI
+        query_lens = [min(q, tk.MAX_DECODE_ROWS // shape[2]) for q in query_lens]
+    else:
+        num_computed = [n - 1 for n in _edge_lens(shape[0])]
+        query_lens = [1] * len(num_computed)
+    batch = _batch_for(shape, dtype, query_lens, num_computed, seed=37, window=window)
+    sinks = _sinks(shape[1] * shape[2], window is not None)
+    scale = shape[3] ** -0.5
+    seq_lens = [c + q for c, q in zip(num_computed, query_lens)]
+    for num_splits in (3, None):
+        out = tk.decode_attention(
+            batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
+            batch["seq_lens_kv"], max_seq_len=max(seq_lens), scale=scale, sliding_window=window, sinks=sinks,
+            num_splits=num_splits, num_rows=len(query_lens), cu_seqlens_q=batch["cu_seqlens_q"] if multi else None,
+            max_query_len=max(query_lens), merge_in_launch=False, out=_poisoned_out(batch))
+        ref = dense_reference(batch, scale=scale, sliding_window=window, sinks=sinks)
+        _check("multi_decode" if multi else "decode", out, ref, dtype)
 
 
 @pytest.mark.parametrize("tiles", PREFILL_TILES, ids=TILE_IDS)
@@ -431,17 +462,68 @@ def test_masked_slots_never_reach_the_output(shape, use_sinks, window, poison):
     scale = shape[3] ** -0.5
     outs = []
     for b in (batch, batch["clean"]):
-        for num_splits in (1, 3):
+        for num_splits, merge_in_launch in ((1, True), (3, True), (3, False)):
             out = _paged(b, num_decodes=0, scale=scale, window=window, sinks=sinks)  # all rows on the prefill kernel
             tk.decode_attention(  # then the five decode rows on the decode kernel
                 b["query"], b["key_cache"], b["value_cache"], b["block_tables"], b["seq_lens_kv"],
                 max_seq_len=int(b["seq_lens_kv"][:5].max()), scale=scale, sliding_window=window, sinks=sinks,
-                num_splits=num_splits, num_rows=5, cu_seqlens_q=b["cu_seqlens_q"], max_query_len=3, out=out)
+                num_splits=num_splits, num_rows=5, cu_seqlens_q=b["cu_seqlens_q"], max_query_len=3,
+                merge_in_launch=merge_in_launch, out=out)
             outs.append(out)
     ref = dense_reference(batch, scale=scale, sliding_window=window, sinks=sinks)
-    _check("poisoned_cache", outs[0], ref, dtype)
-    _check("poisoned_cache", outs[1], ref, dtype)
-    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])  # same bits as a clean cache
+    for i in range(3):
+        _check("poisoned_cache", outs[i], ref, dtype)
+        assert torch.equal(outs[i], outs[i + 3])  # same bits as a clean cache
+
+
+@pytest.mark.parametrize("poison", ["nan", "inf"])
+@pytest.mark.parametrize("window", [None, 3, 21])
+@pytest.mark.parametrize("use_sinks", [False, True], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("shape", [SHAPES[1], SHAPES[0]], ids=[SHAPE_IDS[1], SHAPE_IDS[0]])
+def test_latency_kernel_windows_sinks_and_masked_slots(shape, use_sinks, window, poison):
+    """The latency path (single-token rows, merged by ``_decode_reduce_kernel``): windows,
+    sinks, splits past a row's context, many splits, and a cache holding NaN/inf outside
+    every visible context give the clean cache's bits and the dense answer."""
+    dtype = DTYPES[1]
+    num_computed = [0, 2 * shape[0] + 3, 4 * shape[0] + 1, 7, 30, 3 * shape[0] - 1]
+    batch = _batch_for(shape, dtype, [1] * len(num_computed), num_computed, seed=41, window=window,
+                       poison=float(poison), evict=True)
+    sinks = _sinks(shape[1] * shape[2], use_sinks)
+    scale = shape[3] ** -0.5
+    outs = []
+    for b in (batch, batch["clean"]):
+        for num_splits, block_n in ((1, 64), (3, 16), (None, 16), (19, 16)):
+            outs.append(tk.decode_attention(
+                b["query"], b["key_cache"], b["value_cache"], b["block_tables"], b["seq_lens_kv"],
+                max_seq_len=int(b["seq_lens_kv"].max()), scale=scale, sliding_window=window, sinks=sinks,
+                num_splits=num_splits, block_n=block_n, latency_kernel=True, out=_poisoned_out(b)))
+    ref = dense_reference(batch, scale=scale, sliding_window=window, sinks=sinks)
+    for i in range(4):
+        _check("poisoned_cache", outs[i], ref, dtype)
+        assert torch.equal(outs[i], outs[i + 4])  # same bits as a clean cache
+
+
+def test_decode_config_picks_the_measured_path():
+    """The H200 table: small single-token batches take the latency path, a batch that fills
+    the multiprocessors once over short contexts is not split, larger split batches merge in
+    a second launch; multi-token rows and large batches keep their knobs."""
+    cfg = functools.partial(tk.decode_config, 128, 4, 8, 2, num_sms=132)
+    for rows, span in ((1, 512), (1, 2048), (1, 8192), (2, 8192)):
+        assert cfg(num_rows=rows, max_span=span) == tk.LATENCY_CONFIG
+    assert tk.decode_config(128, 8, 4, 2, num_rows=1, max_span=32768, num_sms=132) == tk.LATENCY_CONFIG
+    assert tk.decode_config(128, 8, 4, 2, num_rows=16, max_span=2048, num_sms=132) == tk.LATENCY_CONFIG
+    assert not cfg(num_rows=1, max_span=8192, latency_path=False).latency_kernel
+    one_wave = cfg(num_rows=16, max_span=512)
+    assert not one_wave.may_split and not one_wave.latency_kernel
+    for rows, span in ((1, 32768), (16, 2048), (16, 8192)):
+        big = cfg(num_rows=rows, max_span=span)
+        assert not big.latency_kernel and not big.merge_in_launch and big.may_split
+    multi = cfg(max_query_len=4, num_rows=8, max_span=8192)
+    assert multi.merge_in_launch and not multi.latency_kernel
+    assert cfg(num_rows=1, max_span=512, max_query_len=2) == cfg(num_rows=1, max_span=512, max_query_len=2,
+                                                                   latency_path=False)
+    assert cfg(num_rows=64, max_span=512) == tk.DecodeConfig(64, 4, 3, 2, 1)  # large batch: as before
+    assert not tk.decode_config(256, 4, 8, 2, num_rows=1, max_span=512, num_sms=132).latency_kernel
 
 
 @pytest.mark.skipif(not LONG_DECODE_LENS, reason="long contexts only on a GPU (the interpreter is slow)")
@@ -484,6 +566,11 @@ def test_plan_decode_splits_fills_the_gpu_and_covers_the_context():
     assert tk.plan_decode_splits(1, 8, 32768, block_n=64, num_sms=132, programs_per_sm=1) == (16, 2048)
     splits, split_len = tk.plan_decode_splits(4, 8, 100, block_n=64, num_sms=132)
     assert splits == 2 and split_len == 64  # never a split shorter than one tile
+    # the latency path's rule: splits rounded up, no split from one program per multiprocessor on
+    assert tk.plan_decode_splits(16, 4, 2048, block_n=64, num_sms=132, whole_waves=False) == (5, 448)
+    assert tk.plan_decode_splits(1, 4, 32768, block_n=64, num_sms=132, whole_waves=False) == (64, 512)
+    assert tk.plan_decode_splits(1, 8, 2048, block_n=64, num_sms=132, whole_waves=False) == (32, 64)
+    assert tk.plan_decode_splits(17, 8, 512, block_n=64, num_sms=132, whole_waves=False) == (1, 512)
 
 
 def test_split_counters_are_left_at_zero():
@@ -518,6 +605,9 @@ def test_bad_inputs_raise_named_errors():
                             cu_seqlens_q=batch["cu_seqlens_q"], max_query_len=tk.MAX_DECODE_ROWS + 1)
     with pytest.raises(ValueError, match="heads_per_program"):
         tk.decode_attention(batch["query"], *args, max_seq_len=5, scale=1.0, heads_per_program=3)
+    with pytest.raises(ValueError, match="latency kernel"):
+        tk.decode_attention(batch["query"], *args, max_seq_len=5, scale=1.0, latency_kernel=True,
+                            cu_seqlens_q=batch["cu_seqlens_q"], max_query_len=2)
     with pytest.raises(ValueError, match="key_cache"):
         tk.store_kv(batch["query"], batch["query"], batch["key_cache"][0], batch["value_cache"][0],
                     torch.zeros(2, dtype=torch.int64, device=DEVICE))

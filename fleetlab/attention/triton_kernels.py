@@ -16,7 +16,8 @@ Layouts (DESIGN.md):
 Decode rows come first: rows ``[0, num_decodes)`` carry one query token each (decode
 token ``i`` is row ``i``), or up to ``MAX_DECODE_ROWS // group`` tokens each (speculative
 verification: ``k + 1`` tokens, causal among themselves); the decode kernel reads each
-row's K/V once for all of them.
+row's K/V once for all of them. Small batches of single-token rows take the latency path
+instead (``_decode_latency_kernel`` + ``_decode_reduce_kernel``, see ``decode_config``).
 
 Masked positions contribute nothing, whatever the cache holds there (stale slots of
 reused blocks, the unused tail of the last block, NaN): a key or value no query of a
@@ -102,7 +103,7 @@ def _decode_kernel(
     stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
     GROUP: tl.constexpr, HEADS: tl.constexpr, MAX_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, SPLIT: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr,
     MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -120,9 +121,10 @@ def _decode_kernel(
     token of the row are loaded: a cache may hold anything (NaN) elsewhere.
 
     ``SPLIT``: the context is cut into ``num_splits`` splits; each program writes its
-    normalised partial output and log2-sum-exp, and the last program of a (row, heads)
-    to finish (an atomic counter, reset afterwards) merges them (``_merge_splits``): no
-    second launch.
+    normalised partial output and log2-sum-exp. With ``MERGE_HERE`` the last program of
+    a (row, heads) to finish (an atomic counter, reset afterwards) merges them
+    (``_merge_splits``): no second launch, but a serial tail (fence, atomic, merge) after
+    the slowest split. Without it ``_decode_merge_kernel`` merges them in a second launch.
     """
     row = tl.program_id(0)
     hg = tl.program_id(1)
@@ -195,13 +197,14 @@ def _decode_kernel(
         tl.store(part_lse_ptr + part, lse, mask=keep)
         tl.store(part_o_ptr + part[:, None] * BLOCK_D + offs_c[None, :],
                  acc / tl.where(l > 0, l, 1.0)[:, None], mask=own & keep[:, None])
-        tl.debug_barrier()  # every thread's partial is written before the counter moves
-        finished = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if finished == num_splits - 1:  # the last split of this (row, heads) to finish merges them all
-            _merge_splits(part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len,
-                          stride_ot, stride_oh, GROUP, HEADS, MAX_Q, HEAD_DIM, BLOCK_D, MERGE_ROWS,
-                          SPLIT_CHUNK, MAX_SPLITS, USE_SINKS)
-            tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next launch
+        if MERGE_HERE:
+            tl.debug_barrier()  # every thread's partial is written before the counter moves
+            finished = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if finished == num_splits - 1:  # the last split of this (row, heads) to finish merges them all
+                _merge_splits(part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len,
+                              stride_ot, stride_oh, GROUP, HEADS, MAX_Q, HEAD_DIM, BLOCK_D, MERGE_ROWS,
+                              SPLIT_CHUNK, MAX_SPLITS, USE_SINKS)
+                tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next launch
     else:
         o = _normalize(acc, m, l, sinks_ptr, heads, m_valid, USE_SINKS)
         tl.store(out_ptr + tok_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -256,6 +259,136 @@ def _merge_splits(
     tok_rows = (q_start + tok).to(tl.int64)
     tl.store(out_ptr + tok_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=own)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, cu_seqlens_q_ptr, num_splits, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, MAX_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+):
+    """Program (row, group of kv heads): the second launch of a split decode whose splits
+    do not merge themselves (``MERGE_HERE`` off): ``_merge_splits`` over its partials."""
+    row = tl.program_id(0)
+    hg = tl.program_id(1)
+    if MAX_Q == 1:
+        q_start = row
+        q_len = 1
+    else:
+        q_start = tl.load(cu_seqlens_q_ptr + row)
+        q_len = tl.load(cu_seqlens_q_ptr + row + 1) - q_start
+    pid = row * tl.num_programs(1) + hg
+    _merge_splits(part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len,
+                  stride_ot, stride_oh, GROUP, HEADS, MAX_Q, HEAD_DIM, BLOCK_D, MERGE_ROWS,
+                  SPLIT_CHUNK, MAX_SPLITS, USE_SINKS)
+
+
+@triton.jit
+def _decode_latency_kernel(
+    q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr,
+    out_ptr, part_o_ptr, part_lse_ptr,
+    scale_log2, window, split_len, num_splits,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_c_blk, stride_c_tok, stride_c_head, stride_bt,
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """The latency path: program (row, kv_head, split), one query token per row.
+
+    The small single-token batches' kernel (the kernels of 61b6940, measured faster there
+    on an H200 than ``_decode_kernel``): the GROUP query heads of one kv head over one
+    split, no in-launch merge. With ``DIRECT`` (a single split) the normalised output
+    goes straight to ``out``; otherwise the split's normalised partial output and its
+    log2-sum-exp go to ``part_o [B, H, S, D]`` / ``part_lse [B, H, S]`` for
+    ``_decode_reduce_kernel``. Only keys ``[lo, hi)`` of the row's visible context are
+    loaded (a split past the context writes an empty partial and loads nothing).
+    """
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + row)
+    start = 0
+    if USE_WINDOW:
+        start = tl.maximum(seq_len - window, 0)
+    lo = start + split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    part_row = (row * NUM_HEADS + heads) * num_splits + split
+    if lo >= hi:  # this split lies past the row's context: an empty partial
+        if not DIRECT:
+            tl.store(part_lse_ptr + part_row, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=g_mask)
+        return
+
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    row_table = row.to(tl.int64) * stride_bt
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = n < hi
+        offs = _kv_tile_offsets(block_tables_ptr, row_table, n, n_mask, kv_head,
+                                stride_c_blk, stride_c_tok, stride_c_head, BLOCK_SIZE)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(key_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        # The first token of every tile is visible, so m_new is finite here.
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    if DIRECT:
+        o = _normalize(acc, m, l, sinks_ptr, heads, g_mask, USE_SINKS)
+        tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    else:
+        o = acc / l[:, None]
+        tl.store(part_o_ptr + part_row[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=g_mask[:, None] & d_mask[None, :])
+        tl.store(part_lse_ptr + part_row, m + tl.log2(l), mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, num_splits, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_SINKS: tl.constexpr,
+):
+    """Program (row, head): merge ``_decode_latency_kernel``'s splits by their log-sum-exp."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = (row * NUM_HEADS + head) * num_splits
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    live = lse > float("-inf")  # empty splits wrote -inf and no output
+    m = tl.max(lse, 0)
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
+    w = tl.where(live, tl.exp2(lse - m), 0.0)
+    o = tl.load(part_o_ptr + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=live[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    den = tl.sum(w, 0)
+    if USE_SINKS:
+        den += tl.exp2(sink - m)
+    o = tl.sum(o * w[:, None], 0) / den
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -506,14 +639,24 @@ def _check_sinks(sinks, num_heads: int):
 
 
 class DecodeConfig(NamedTuple):
-    """Knobs of the decode kernel: K/V tokens per tile, warps, pipeline depth, programs per
-    multiprocessor the split planner aims for, and kv heads per program."""
+    """Knobs of the decode kernels: K/V tokens per tile, warps, pipeline depth, programs per
+    multiprocessor the split planner aims for, kv heads per program, where split contexts
+    merge (in the same launch, by the last split to finish, or in a second launch),
+    whether the planner may split contexts at all, and whether the latency path
+    (``_decode_latency_kernel`` + ``_decode_reduce_kernel``) runs instead of ``_decode_kernel``."""
 
     block_n: int
     num_warps: int
     num_stages: int
     programs_per_sm: int
     heads_per_program: int
+    merge_in_launch: bool = True
+    may_split: bool = True
+    latency_kernel: bool = False
+
+
+# The latency path's knobs: the kernels of 61b6940 as they were launched and measured.
+LATENCY_CONFIG = DecodeConfig(64, 4, 3, 2, 1, merge_in_launch=False, latency_kernel=True)
 
 
 class PrefillConfig(NamedTuple):
@@ -528,8 +671,10 @@ class PrefillConfig(NamedTuple):
 
 def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
                   max_query_len: int = 1, kv_heads_contiguous: bool = True, num_rows: int = 1024,
-                  max_span: int = 0, num_sms: int = 132) -> DecodeConfig:
-    """The decode kernel's default knobs for a shape (a table measured on an H200, bf16).
+                  max_span: int = 0, num_sms: int = 132, latency_path: bool = True) -> DecodeConfig:
+    """The decode kernels' default knobs for a shape (a table measured on an H200, bf16).
+
+    ``latency_path=False``: never the latency path (``_decode_kernel``'s knobs only).
 
     - ``heads_per_program > 1`` (several adjacent kv heads per program) pays where one
       head's row of K is short (MHA at head_dim 64: 128 bytes per token and head).
@@ -541,6 +686,20 @@ def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
       tile rows.
     - ``programs_per_sm`` 1: the split merge costs more than a second program per
       multiprocessor gains (and a 128-token, 5-stage program fills one alone).
+    - Single-token rows (one query token per row), when the batch gets split:
+
+      * a batch whose programs nearly fill the multiprocessors once (>= 7/8 of them)
+        over short contexts (<= 512 tokens) is not split: the split and its merge cost
+        more than the idle multiprocessors (16 x 512: 15.5 us against 16.2 split in two);
+      * small work (rows x kv heads x context <= 2**17 tokens: 1 x 512 .. 8k at 8 kv
+        heads, 1 x 32k and 16 x 2k at 4) takes the latency path: one kv head per program,
+        64-token tiles, 3 stages, about two programs per multiprocessor (splits rounded
+        up), merged by a second launch. The kernels of 61b6940, which it keeps, ran these
+        shapes 1.0-1.6x faster than any setting of ``_decode_kernel`` swept (e.g. 1 x 2k:
+        9.4 us against 12.1; 4 kv heads at 1 x 32k: 28.0 against 36.4), where every
+        extra split or wave of that kernel cost several microseconds;
+      * larger work keeps ``_decode_kernel`` and merges in a second launch, which ran
+        1-4% faster than the in-launch merge (1 x 32k: 43.1 us against 44.6).
     """
     heads = 1
     if kv_heads_contiguous and max_query_len == 1 and group == 1:
@@ -550,9 +709,14 @@ def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
     groups = num_kv_heads // heads
     if num_rows * groups >= 2 * num_sms:  # no split
         return DecodeConfig(32 if wide else 64, 4, 5 if max_query_len * group * heads > 16 else 3, 2, heads)
+    if max_query_len == 1:
+        if num_rows * groups * 8 >= num_sms * 7 and max_span <= 512:
+            return DecodeConfig(32 if wide else 64, 4, 5, 1, heads, may_split=False)
+        if latency_path and num_rows * num_kv_heads * max_span <= 2**17 and elem_bytes * head_dim <= 256:
+            return LATENCY_CONFIG
     long = max_span >= 8192 and max_query_len == 1
     block_n = (64 if wide else 128) if long else (32 if wide else 64)
-    return DecodeConfig(block_n, 4, 5, 1, heads)
+    return DecodeConfig(block_n, 4, 5, 1, heads, merge_in_launch=max_query_len > 1)
 
 
 def prefill_config(head_dim: int, group: int, elem_bytes: int, num_programs: int,
@@ -572,7 +736,7 @@ def prefill_config(head_dim: int, group: int, elem_bytes: int, num_programs: int
 
 def plan_decode_splits(
     num_rows: int, num_kv_heads: int, max_span: int, *, block_n: int, num_sms: int,
-    programs_per_sm: int = 2, max_splits: int = MAX_SPLITS,
+    programs_per_sm: int = 2, max_splits: int = MAX_SPLITS, whole_waves: bool = True,
 ) -> tuple[int, int]:
     """Choose how to split each row's context (flash-decoding): ``(num_splits, split_len)``.
 
@@ -581,16 +745,23 @@ def plan_decode_splits(
     multiprocessor or more is not split. A smaller batch gets its contexts cut into
     splits of ``split_len`` tokens (a multiple of ``block_n``) until about
     ``programs_per_sm * num_sms`` programs run (rounded down, so that no partial second
-    wave of programs follows the first), never below one tile per split. The
-    splits merge inside the same launch (the last one to finish merges), so a split
-    costs a partial write and read, not a second launch.
+    wave of programs follows the first), never below one tile per split.
+
+    ``whole_waves=False`` is the latency path's rule (as the kernels of 61b6940 planned
+    and were measured with): split only a batch of fewer programs than multiprocessors,
+    rounding the split count up.
     """
     programs = max(1, num_rows * num_kv_heads)
     tiles = max(1, math.ceil(max_span / block_n))
     slots = programs_per_sm * num_sms
-    # Round down where that still splits: a few programs past the last slot would run as
-    # a second wave of their own.
-    want = slots // programs if slots // programs >= 2 else math.ceil(slots / programs)
+    if not whole_waves:
+        want = 1 if programs >= num_sms else math.ceil(slots / programs)
+    elif slots // programs >= 2:
+        # Round down where that still splits: a few programs past the last slot would run
+        # as a second wave of their own.
+        want = slots // programs
+    else:
+        want = math.ceil(slots / programs)
     splits = max(1, min(want, tiles, max_splits))
     split_len = math.ceil(tiles / splits) * block_n
     return math.ceil(max(max_span, 1) / split_len), split_len
@@ -627,6 +798,7 @@ def decode_attention(
     cu_seqlens_q=None, max_query_len: int = 1,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     programs_per_sm: int | None = None, heads_per_program: int | None = None,
+    merge_in_launch: bool | None = None, latency_kernel: bool | None = None,
 ):
     """Decode attention over block tables: 1..R query tokens per row, GQA, split-K.
 
@@ -644,8 +816,10 @@ def decode_attention(
       max_query_len: a host upper bound on the rows' query lengths (``cu_seqlens_q`` given);
         ``max_query_len * group`` may not pass ``MAX_DECODE_ROWS``.
       num_splits: force this many context splits (default: ``plan_decode_splits``).
-      block_n / num_warps / num_stages / programs_per_sm / heads_per_program: tuning
-        knobs (default: ``decode_config``).
+      block_n / num_warps / num_stages / programs_per_sm / heads_per_program /
+        merge_in_launch / latency_kernel: tuning knobs (default: ``decode_config``). The
+        latency kernel takes single-token rows only (no ``cu_seqlens_q``), one kv head
+        per program, and ignores ``merge_in_launch`` (it always merges in a second launch).
     Returns ``out [T, num_heads, head_dim]`` (the rows' tokens written; in place when given).
     """
     _, block_size, num_kv_heads, head_dim = _check_cache(key_cache, value_cache)
@@ -664,34 +838,37 @@ def decode_attention(
     if window:
         max_span = min(max_span, window + max_q - 1)
     cfg = decode_config(head_dim, group, num_kv_heads, _elem_bytes(query), max_q, contiguous_heads,
-                        num_rows, max_span, _num_sms())
-    cfg = DecodeConfig(*(cfg[i] if v is None else int(v) for i, v in enumerate(
-        (block_n, num_warps, num_stages, programs_per_sm, heads_per_program))))
+                        num_rows, max_span, _num_sms(), latency_path=latency_kernel is not False)
+    if latency_kernel and not cfg.latency_kernel:  # forced: the latency path's own table row
+        cfg = LATENCY_CONFIG
+    forced = (block_n, num_warps, num_stages, programs_per_sm, heads_per_program, merge_in_launch)
+    cfg = cfg._replace(**{name: type(cfg[i])(v) for i, (name, v) in enumerate(zip(cfg._fields, forced))
+                          if v is not None})
+    if cfg.latency_kernel:
+        if max_q > 1 or cfg.heads_per_program != 1:
+            raise ValueError("the latency kernel takes single-token rows (no cu_seqlens_q) and "
+                             "heads_per_program 1")
+        return _decode_latency(query, key_cache, value_cache, block_tables, seq_lens_kv, out, cfg,
+                               num_rows=num_rows, num_splits=num_splits, max_span=max_span, scale=scale,
+                               window=window, sinks=sinks, group=group, num_heads=num_heads)
     heads = cfg.heads_per_program
     if num_kv_heads % heads or (heads > 1 and not contiguous_heads) or max_q * group * heads > MAX_DECODE_ROWS:
         raise ValueError(f"heads_per_program {heads} must divide num_kv_heads {num_kv_heads}, with the "
                          "kv heads of a token contiguous and at most MAX_DECODE_ROWS tile rows")
     head_groups = num_kv_heads // heads
-    if num_splits is None:
-        num_splits, split_len = plan_decode_splits(
-            num_rows, head_groups, max_span, block_n=cfg.block_n, num_sms=_num_sms(),
-            programs_per_sm=cfg.programs_per_sm)
-    else:
-        if not 1 <= int(num_splits) <= MAX_SPLITS:
-            raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}]; got {num_splits}")
-        split_len = math.ceil(max(max_span, 1) / (int(num_splits) * cfg.block_n)) * cfg.block_n
-        num_splits = math.ceil(max(max_span, 1) / split_len)
+    num_splits, split_len = _splits(num_splits, num_rows, head_groups, max_span, cfg)
     block_m = max(16, _next_pow2(max_q * group * heads))
     block_d = _next_pow2(heads * head_dim)
     merge_rows = _next_pow2(max_q * group * heads)
     split_chunk = max(1, min(_next_pow2(num_splits), _MERGE_TILE // (merge_rows * block_d)))
     split = num_splits > 1
+    merge_here = split and cfg.merge_in_launch
     if split:
         f32 = _float32_like(query)
         parts = num_rows * head_groups * num_splits * merge_rows
         part_o = query.new_empty((parts, block_d), dtype=f32)
         part_lse = query.new_empty((parts,), dtype=f32)
-        counters = _split_counters(query, num_rows * head_groups)
+        counters = _split_counters(query, num_rows * head_groups) if merge_here else out
     else:
         part_o = part_lse = counters = out  # unused by the kernel
     cs = key_cache.stride()
@@ -704,10 +881,68 @@ def decode_attention(
         cs[0], cs[1], cs[2], block_tables.stride()[0],
         GROUP=group, HEADS=heads, MAX_Q=max_q, BLOCK_M=block_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
-        USE_WINDOW=bool(window), USE_SINKS=sinks is not None, SPLIT=split,
+        USE_WINDOW=bool(window), USE_SINKS=sinks is not None, SPLIT=split, MERGE_HERE=merge_here,
         MERGE_ROWS=merge_rows, SPLIT_CHUNK=split_chunk, MAX_SPLITS=MAX_SPLITS,
         DOT_PRECISION=_dot_precision(query), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if split and not merge_here:
+        _decode_merge_kernel[(num_rows, head_groups)](
+            part_o, part_lse, sinks if sinks is not None else query, out,
+            cu_seqlens_q if cu_seqlens_q is not None else seq_lens_kv, num_splits,
+            out.stride()[0], out.stride()[1],
+            GROUP=group, HEADS=heads, MAX_Q=max_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            MERGE_ROWS=merge_rows, SPLIT_CHUNK=split_chunk, MAX_SPLITS=MAX_SPLITS,
+            USE_SINKS=sinks is not None, num_warps=4,
+        )
+    return out
+
+
+def _splits(num_splits, num_rows: int, programs_per_row: int, max_span: int, cfg: DecodeConfig):
+    """``(num_splits, split_len)``: planned (``num_splits`` None) or forced, in whole tiles."""
+    if num_splits is None:
+        if not cfg.may_split:
+            return 1, max(max_span, 1)
+        return plan_decode_splits(num_rows, programs_per_row, max_span, block_n=cfg.block_n, num_sms=_num_sms(),
+                                  programs_per_sm=cfg.programs_per_sm, whole_waves=not cfg.latency_kernel)
+    if not 1 <= int(num_splits) <= MAX_SPLITS:
+        raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}]; got {num_splits}")
+    split_len = math.ceil(max(max_span, 1) / (int(num_splits) * cfg.block_n)) * cfg.block_n
+    return math.ceil(max(max_span, 1) / split_len), split_len
+
+
+def _decode_latency(query, key_cache, value_cache, block_tables, seq_lens_kv, out, cfg: DecodeConfig, *,
+                    num_rows: int, num_splits, max_span: int, scale: float, window: int, sinks, group: int,
+                    num_heads: int):
+    """The latency path of ``decode_attention``: ``_decode_latency_kernel`` over (row, kv head,
+    split), then ``_decode_reduce_kernel`` over (row, head) when the contexts were split."""
+    num_kv_heads, head_dim = _shape(key_cache)[2], _shape(key_cache)[3]
+    num_splits, split_len = _splits(num_splits, num_rows, num_kv_heads, max_span, cfg)
+    direct = num_splits == 1
+    if direct:
+        part_o = part_lse = out  # unused by the kernel
+    else:
+        f32 = _float32_like(query)
+        part_o = query.new_empty((num_rows, num_heads, num_splits, head_dim), dtype=f32)
+        part_lse = query.new_empty((num_rows, num_heads, num_splits), dtype=f32)
+    cs = key_cache.stride()
+    _decode_latency_kernel[(num_rows, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, block_tables, seq_lens_kv,
+        sinks if sinks is not None else query, out, part_o, part_lse,
+        float(scale) * LOG2E, window, split_len, num_splits,
+        query.stride()[0], query.stride()[1], out.stride()[0], out.stride()[1],
+        cs[0], cs[1], cs[2], block_tables.stride()[0],
+        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, _next_pow2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=_shape(key_cache)[1], BLOCK_N=cfg.block_n,
+        USE_WINDOW=bool(window), USE_SINKS=sinks is not None, DIRECT=direct,
+        DOT_PRECISION=_dot_precision(query), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        _decode_reduce_kernel[(num_rows, num_heads)](
+            part_o, part_lse, sinks if sinks is not None else part_lse, out, num_splits,
+            out.stride()[0], out.stride()[1],
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim),
+            BLOCK_S=max(2, _next_pow2(num_splits)), USE_SINKS=sinks is not None, num_warps=4,
+        )
     return out
 
 

@@ -176,6 +176,30 @@ def _decode_fn(tk, inputs: dict, case: DecodeCase, out, knobs: dict | None = Non
                                        max_query_len=case.query_len, **knobs)
 
 
+def _decode_config(tk, case: DecodeCase, knobs: dict | None = None) -> dict | None:
+    """The decode knobs ``tk`` picks for ``case`` (``decode_config``, then ``knobs``), and its split plan."""
+    if not hasattr(tk, "decode_config"):
+        return None
+    import torch
+
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    group = case.num_heads // case.num_kv_heads
+    cfg = tk.decode_config(case.head_dim, group, case.num_kv_heads, 4 if case.dtype == "float32" else 2,
+                           case.query_len, True, case.batch, case.context, num_sms)
+    cfg = cfg._replace(**{k: v for k, v in (knobs or {}).items() if k in cfg._fields})
+    row = cfg._asdict()
+    if "num_splits" in (knobs or {}):
+        row["num_splits"] = knobs["num_splits"]
+    elif not getattr(cfg, "may_split", True):
+        row["num_splits"] = 1
+    else:
+        programs = case.num_kv_heads // cfg.heads_per_program
+        whole = {"whole_waves": not cfg.latency_kernel} if hasattr(cfg, "latency_kernel") else {}
+        row["num_splits"] = tk.plan_decode_splits(case.batch, programs, case.context, block_n=cfg.block_n,
+                                                  num_sms=num_sms, programs_per_sm=cfg.programs_per_sm, **whole)[0]
+    return row
+
+
 def _median_ms(fn, rep: int = 100) -> float:
     import triton.testing
 
@@ -237,6 +261,7 @@ def bench_decode(case: DecodeCase, tk, before=None, *, gather: bool = False, kno
     runs = [_decode_fn(tk, s, case, o, knobs) for s, o in zip(sets, outs)]
     runs[0]()
     row = asdict(case) | {"kv_bytes": case.kv_bytes, "input_sets": len(sets)}
+    row["config"] = _decode_config(tk, case, knobs)
     if case.query_len == 1:
         row["max_abs_err_vs_fp32_sdpa"] = _max_err_vs_fp32_sdpa(sets[0], outs[0], case)
     row["triton_ms"] = _graph_ms(runs)
@@ -488,10 +513,12 @@ def _previous(path: str) -> dict:
     """The headline numbers of an earlier results file (the kernels before this change)."""
     with open(path) as f:
         old = json.load(f)
-    keep = ("batch", "context", "num_heads", "num_kv_heads", "head_dim", "triton_tbps", "sdpa_tbps")
+    keep = ("layout", "batch", "context", "num_heads", "num_kv_heads", "head_dim", "query_len", "triton_tbps",
+            "sdpa_tbps", "before_tbps")
     return {
         "environment": old.get("environment"),
-        "decode_bandwidth": [{k: r[k] for k in keep if k in r} for r in old.get("decode_bandwidth", [])],
+        **{section: [{k: r[k] for k in keep if k in r} for r in old.get(section, [])]
+           for section in ("decode_bandwidth", "decode_shapes", "multi_token_decode")},
         "prefill": [r for r in old.get("prefill", []) if "triton_tflops" in r or "sdpa_causal_tflops" in r],
     }
 
