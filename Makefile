@@ -25,10 +25,16 @@ venv: $(VENV)/.stamp-dev
 test: $(VENV)/.stamp-dev
 	$(PY) -m pytest -q tests
 
-# The Triton kernel tests under Triton's CPU interpreter (torch + triton, about 1 GB; not in `make test`).
-test-kernels: $(VENV)/.stamp-dev
-	$(PIP) install -q "torch==2.13.0" triton
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests/test_triton_kernels.py
+# The Triton kernel tests under Triton's CPU interpreter, in a venv of their own (torch's CPU
+# wheel + Triton 3.6, whose interpreter needs numpy < 2.3; about 1 GB; not in `make test`).
+KVENV := .venv-kernels
+$(KVENV)/.stamp:
+	$(PYTHON) -m venv $(KVENV)
+	$(KVENV)/bin/python -m pip install -q "torch==2.13.0" "triton==3.6.0" "numpy<2.3" pytest matplotlib
+	touch $@
+
+test-kernels: $(KVENV)/.stamp
+	TRITON_INTERPRET=1 PYTHONPATH=. $(KVENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
 
 # Jupyter refuses to start as root unless told; containers often run as root.
 ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
@@ -52,4 +58,4 @@ notebooks: $(VENV)/.stamp-dev
 	$(PY) tools/notebooks.py sync
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) $(KVENV) .pytest_cache .hypothesis build *.egg-info
