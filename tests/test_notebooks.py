@@ -28,7 +28,8 @@ COURSE = ["00_tour", "01_attention_patching", "02_paged_kv_cache", "03_input_bat
           "04_decode_loop", "05_performance", "06_prototyping"]
 CELL_TIMEOUT_S = 180
 # A line a library prints as a notice: a Python warning, a logging record, a colour code.
-NOISE = re.compile(r"warning:|\[\s*warning|\bINFO\b|\x1b\[|PyTorch was not found|ccache|distutils|OMP_NUM_THREADS", re.I)
+NOISE = re.compile(r"warning:|\[\s*warning|\bINFO\b|\x1b\[|PyTorch was not found|ccache|distutils"
+                   r"|OMP_NUM_THREADS", re.I)
 
 
 def load_tool():
