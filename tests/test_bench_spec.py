@@ -44,11 +44,15 @@ def test_tiny_runs_agree_with_speculation_off_and_count_per_request(tiny_result)
             if run["method"] != "off":
                 assert 0 <= run["acceptance_rate"] <= 1 and run["num_draft_tokens"] > 0
     assert all(n >= bench_spec.MIN_OUTPUT_TOKENS for n in trained["runs"][0]["num_tokens_by_request"])
+    alone = r["alone"]["runs"]
+    assert [a["k"] for a in alone] == [0, *bench_spec.PRESETS["tiny"].alone_ks]
+    assert all(len(a["wall_s"]) == r["config"]["rounds"] and a["speedup"] > 0 for a in alone)
+    assert alone[1]["num_steps"] < alone[0]["num_steps"]
     g = r["goal"]
     assert g["k"] == r["config"]["headline_k"] and g["num_requests"] == len(trained["prompts"])
     assert g["met"] == (g["worst_ratio"] <= 0.5)
     text = bench_spec.summary(r)
-    assert "goal (draft k=4" in text and "why:" in text
+    assert "goal (draft k=4" in text and "why:" in text and "one at a time" in text
 
 
 def test_workloads_are_deterministic_and_of_the_trained_kinds():

@@ -64,7 +64,9 @@ class SpecBenchConfig:
     rep_repeats: int = 3
     rep_max_tokens: int = 48
     block_size: int = 16
-    rounds: int = 5              # timed rounds (after one untimed warm-up round)
+    alone_requests: int = 8      # latency: this many trained prompts, each served alone ...
+    alone_ks: tuple[int, ...] = (2, 4)  # ... with the draft at these k
+    rounds: int = 7              # timed rounds (after one untimed warm-up round)
     seed: int = 0
     out: str = str(DEFAULT_OUT)
 
@@ -72,7 +74,8 @@ class SpecBenchConfig:
 PRESETS = {
     "full": SpecBenchConfig(),
     "tiny": SpecBenchConfig(num_count=2, num_sentence=2, max_tokens=20, draft_ks=(2, 4), ngram_ks=(4,),
-                            rep_num_requests=2, rep_prompt_len=(3, 5), rep_max_tokens=12, rounds=1),
+                            rep_num_requests=2, rep_prompt_len=(3, 5), rep_max_tokens=12, alone_requests=2,
+                            alone_ks=(4,), rounds=1),
 }
 
 
@@ -203,6 +206,32 @@ def bench_workload(name: str, model, prompts: list[list[int]], sampling, configs
     return {"num_requests": len(prompts), "runs": runs}
 
 
+def bench_alone(model, prompts: list[list[int]], sampling, configs: list[tuple[str, dict | None]], rounds: int,
+                engine: dict, bar=None) -> dict:
+    """Latency: each prompt served alone (batch 1), one configuration after another, in
+    rotated order per round after an untimed warm-up; a configuration's time in a round is
+    the sum over its prompts. ``configs`` as :func:`bench_workload` (off first)."""
+    walls: list[list[float]] = [[] for _ in configs]
+    steps = [0] * len(configs)
+    n = len(configs)
+    for r in range(rounds + 1):
+        for i in [(r + j) % n for j in range(n)]:
+            runs = [measure(model, [p], sampling, spec=configs[i][1], **engine) for p in prompts]
+            if r:
+                walls[i].append(sum(x["wall_s"] for x in runs))
+            else:
+                steps[i] = sum(x["num_steps"] for x in runs)
+            if bar is not None:
+                bar.update(1)
+    out = []
+    for (name, spec), wall, num_steps in zip(configs, walls, steps):
+        out.append({"name": name, "method": spec["method"] if spec else "off",
+                    "k": spec["num_speculative_tokens"] if spec else 0, "num_steps": num_steps, "wall_s": wall,
+                    "wall_s_median": statistics.median(wall),
+                    "speedup": statistics.median(o / w for o, w in zip(walls[0], wall))})
+    return {"num_requests": len(prompts), "runs": out}
+
+
 def goal(workload: dict, k: int) -> dict:
     """The headline check: draft at ``k``, per request, target forwards per output token
     against the same request with speculation off (goal: at most half)."""
@@ -223,6 +252,7 @@ def run(cfg: SpecBenchConfig, preset: str = "custom", argv=None) -> dict:
     from fleetlab.bench.engine import machine_info
 
     start = time.perf_counter()
+    machine = machine_info()  # the load average as the runs begin
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = fleetlab.models.load_tiny()
@@ -244,12 +274,15 @@ def run(cfg: SpecBenchConfig, preset: str = "custom", argv=None) -> dict:
     rep_sp = SamplingParams(max_tokens=cfg.rep_max_tokens, ignore_eos=True)
     rep_configs = [("off", None)] + [(f"ngram k={k}", spec_config("ngram", k, **lookup)) for k in cfg.ngram_ks]
 
-    total = (cfg.rounds + 1) * (len(trained_configs) + len(rep_configs))
+    alone_configs = [("off", None)] + [(f"draft k={k}", spec_config("draft", k, draft=draft)) for k in cfg.alone_ks]
+    total = (cfg.rounds + 1) * (len(trained_configs) + len(rep_configs) + len(alone_configs))
     with tqdm(total=total, desc="spec bench runs", unit="run", file=sys.stderr) as bar:
         trained = bench_workload("trained", model, [tokenizer.encode(p) for p in kept], trained_sp, trained_configs,
                                  cfg.rounds, engine, bar)
         repetitive = bench_workload("repetitive", rep_model, rep_prompts, rep_sp, rep_configs, cfg.rounds, engine,
                                     bar)
+        alone = bench_alone(model, [tokenizer.encode(p) for p in kept[: cfg.alone_requests]], trained_sp,
+                            alone_configs, cfg.rounds, engine, bar)
     trained.update(model="shipped tiny Llama (4 layers) + its 2-layer draft", prompts=kept,
                    num_candidates=len(candidates), min_output_tokens=MIN_OUTPUT_TOKENS,
                    sampling={"temperature": 0, "max_tokens": cfg.max_tokens, "stops_at_eos": True})
@@ -260,9 +293,9 @@ def run(cfg: SpecBenchConfig, preset: str = "custom", argv=None) -> dict:
         "schema_version": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m fleetlab bench spec " + " ".join(argv or []), "preset": preset,
-        "machine": machine_info(), "config": dataclasses.asdict(cfg),
+        "machine": machine, "config": dataclasses.asdict(cfg),
         "workloads": {"trained": trained, "repetitive": repetitive},
-        "goal": goal(trained, cfg.headline_k),
+        "alone": alone, "goal": goal(trained, cfg.headline_k),
     }
     result["machine"]["load_average_end"] = machine_info()["load_average"]
     result["plots"] = write_plots(result, out)
@@ -281,7 +314,8 @@ def write_plots(result: dict, out: Path) -> list[str]:
 
 def summary(result: dict) -> str:
     """The printed report: one line per run, the goal, and why the speed-up is what it is."""
-    lines = []
+    lines = ["(wall ms: median over rounds; speed-up: median over rounds of speculation off's time / this run's "
+             "time in the same round; fwd/draft ms/step: medians of the step traces' timings)"]
     for wname, wl in result["workloads"].items():
         lines.append(f"\n{wname}: {wl['model']}, {wl['num_requests']} requests")
         lines.append(f"{'run':<12} {'accept':>6} {'tok/verify':>10} {'fwd/token':>9} {'vs off':>6} {'steps':>5} "
@@ -293,6 +327,10 @@ def summary(result: dict) -> str:
                          f"{r['forwards_per_token']:>9.3f} {ratio:>6.2f} {r['num_steps']:>5} "
                          f"{1000 * r['wall_s_median']:>8.1f} {r['speedup']:>7.2f}x {ms['forward']:>11.2f} "
                          f"{ms['propose']:>13.2f} {'yes' if r['identical_to_off'] else 'NO'}")
+    al = result["alone"]
+    lines.append(f"\nlatency, trained prompts served one at a time (first {al['num_requests']}): " + ", ".join(
+        f"{r['name']} {1000 * r['wall_s_median']:.0f} ms in {r['num_steps']} steps ({r['speedup']:.2f}x)"
+        for r in al["runs"]))
     g = result["goal"]
     lines.append(f"\ngoal (draft k={g['k']}, trained workload): target forwards per output token at most half of "
                  f"speculation off, per request: mean ratio {g['mean_ratio']:.2f}, worst {g['worst_ratio']:.2f}, "
@@ -313,9 +351,11 @@ def why(result: dict) -> str:
             f"but a step costs {on['ms_per_step']['total']:.1f} ms instead of {off['ms_per_step']['total']:.1f} ms: "
             f"the target's verify forward {on['ms_per_step']['forward']:.1f} ms (a plain decode forward: "
             f"{off['ms_per_step']['forward']:.1f} ms) plus drafting {on['ms_per_step']['propose']:.1f} ms "
-            f"(k draft forwards, ~{per_draft:.1f} ms each). At this size a forward costs mostly fixed per-call "
-            f"overhead, so the 2-layer draft's forward costs a large fraction of the 4-layer target's; on a large "
-            f"target with a small draft, a draft forward is a few percent of a target forward.")
+            f"(k draft forwards, ~{per_draft:.1f} ms each, {per_draft / off['ms_per_step']['forward']:.0%} of a "
+            f"plain target forward). At this size a forward costs mostly fixed per-call overhead (the verify "
+            f"forward runs {k + 1}x the tokens for {on['ms_per_step']['forward'] / off['ms_per_step']['forward']:.1f}x "
+            f"the time), so the 2-layer draft costs a large fraction of the 4-layer target; with a large target "
+            f"and a small draft, a draft forward is a few percent of a target forward.")
 
 
 def _parse(argv) -> tuple[SpecBenchConfig, str]:

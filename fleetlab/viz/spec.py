@@ -213,9 +213,9 @@ def draw_spec_steps(traces: Sequence, tokenizer=None, *, request_ids: Sequence[s
                      color=request_color(rid))
     handles = [Patch(facecolor=TOKEN_KINDS[k], edgecolor=EDGE_COLOR, hatch="///" if k == "dropped" else None,
                      label=KIND_LABELS[k]) for k in NEW_KINDS if k in seen]
-    fig.legend(handles=handles, loc="outside upper center", ncols=min(3, len(handles)), fontsize=7, frameon=False)
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(3, len(handles)), fontsize=7, frameon=False)
     if title:
-        fig.suptitle(title, fontsize=9)
+        fig.suptitle(title, fontsize=10)
     return fig
 
 
@@ -269,12 +269,19 @@ def _main_text(row: LockstepRow) -> str:
             f"(target KV {row.num_computed_tokens})")
 
 
+def _draft_text(token_ids, tokenizer) -> str:
+    """Drafts as one string: characters run together, longer labels (``eos``) in angle brackets."""
+    if tokenizer is None:
+        return ",".join(str(t) for t in token_ids)
+    labels = [token_label(t, tokenizer) for t in token_ids]
+    return "".join(label if len(label) == 1 else f"<{label}>" for label in labels)
+
+
 def _proposer_text(row: LockstepRow, tokenizer) -> str:
     if row.proposer_req_id is None:
         return "(empty)"
-    drafts = "".join(token_label(t, tokenizer) for t in row.draft_token_ids) if tokenizer else \
-        ",".join(str(t) for t in row.draft_token_ids)
-    return f"req {row.proposer_req_id}  draft KV {row.draft_num_computed_tokens}  drafts [{drafts}]"
+    return (f"req {row.proposer_req_id}  draft KV {row.draft_num_computed_tokens}  "
+            f"drafts [{_draft_text(row.draft_token_ids, tokenizer)}]")
 
 
 def _draw_lockstep_panel(ax, rows, texts, phases, *, highlight=(), num_decodes=None, labels_right=False,
@@ -301,33 +308,50 @@ def _draw_lockstep_panel(ax, rows, texts, phases, *, highlight=(), num_decodes=N
         ax.spines[side].set_visible(False)
 
 
-def draw_lockstep(before: Sequence[LockstepRow], after: Sequence[LockstepRow], *, tokenizer=None,
-                  num_decodes: int | None = None, titles=("before", "after")):
-    """The main batch (top) and the proposer's batch (bottom), before (left) and after
-    (right) a condense + decode-first reorder, an arrow for each request that changed rows.
+def draw_lockstep(before: Sequence[LockstepRow] | None, after: Sequence[LockstepRow], *, tokenizer=None,
+                  num_decodes: int | None = None, titles=("before", "after"), title: str | None = None):
+    """The main batch and the proposer's batch, row for row.
+
+    With ``before``: the main batch (top) and the proposer's batch (bottom), before (left)
+    and after (right) a condense + decode-first reorder, an arrow for each request that
+    changed rows (the moved rows outlined in red). With ``before=None``: ``after`` alone,
+    the main batch (left) beside the proposer's (right).
 
     Row boxes are coloured by phase (the proposer's by the main row's phase), with the
     request's colour on the left; a row whose two batches hold different requests is
-    outlined in red and named in the title (lockstep broken). Returns the Figure; row boxes
-    have gid ``"main-<before|after>:<row>"`` / ``"proposer-<before|after>:<row>"``, arrows
-    (in ``fig.artists``) ``"move:<main|proposer>:<request id>"``.
+    outlined in red and named in its panel's title (lockstep broken). ``num_decodes``: the
+    decode | prefill boundary to dash in ``after``. Returns the Figure; row boxes have gid
+    ``"main-<before|after>:<row>"`` / ``"proposer-<before|after>:<row>"``, arrows (in
+    ``fig.artists``) ``"move:<main|proposer>:<request id>"``.
     """
+    texts = {"main": _main_text, "proposer": lambda r: _proposer_text(r, tokenizer)}
+    names = {"main": "main InputBatch", "proposer": "ProposerInputBatch"}
+    if before is None:
+        fig = Figure(figsize=(13.0, 0.42 * max(len(after), 1) + 1.0), layout="constrained")
+        for ax, which in zip(fig.subplots(1, 2), ("main", "proposer")):
+            _draw_lockstep_panel(ax, after, [texts[which](r) for r in after], [r.phase for r in after],
+                                 num_decodes=num_decodes, labels_right=which == "proposer",
+                                 gid_prefix=f"{which}-after")
+            broken = [r.row for r in after if not r.in_step]
+            ax.set_title(names[which] + (f": OUT OF STEP at rows {broken}" if broken else ""), fontsize=9,
+                         color=ALERT_COLOR if broken else "black")
+        if title:
+            fig.suptitle(title, fontsize=9)
+        return fig
     fig = Figure(figsize=(13.0, 0.84 * max(len(before), len(after)) + 1.6), layout="constrained")
     fig.get_layout_engine().set(wspace=0.12)
     axes = fig.subplots(2, 2)
     row_before = {r.req_id: y for y, r in enumerate(before) if r.phase != "empty"}
     moved = [y for y, r in enumerate(after) if r.phase != "empty" and row_before.get(r.req_id, y) != y]
-    for i, (which, text) in enumerate((("main", _main_text),
-                                       ("proposer", lambda r: _proposer_text(r, tokenizer)))):
+    for i, which in enumerate(("main", "proposer")):
         for j, (rows, label) in enumerate(((before, "before"), (after, "after"))):
             ax = axes[i, j]
-            _draw_lockstep_panel(ax, rows, [text(r) for r in rows], [r.phase for r in rows],
+            _draw_lockstep_panel(ax, rows, [texts[which](r) for r in rows], [r.phase for r in rows],
                                  highlight=moved if j else (), num_decodes=num_decodes if j else None,
                                  labels_right=bool(j), gid_prefix=f"{which}-{label}")
             broken = [r.row for r in rows if not r.in_step]
-            name = "main InputBatch" if which == "main" else "ProposerInputBatch"
             status = f"OUT OF STEP at rows {broken}" if broken else ("" if not j else f"{len(moved)} rows moved")
-            ax.set_title(f"{name}, {titles[j]}" + (f": {status}" if status else ""), fontsize=9,
+            ax.set_title(f"{names[which]}, {titles[j]}" + (f": {status}" if status else ""), fontsize=9,
                          color=ALERT_COLOR if broken else "black")
         for y in moved:
             rid = after[y].req_id
@@ -335,6 +359,8 @@ def draw_lockstep(before: Sequence[LockstepRow], after: Sequence[LockstepRow], *
                                     axesB=axes[i, 1], arrowstyle="->", color=request_color(rid), linewidth=1.5)
             arrow.set_gid(f"move:{which}:{rid}")
             fig.add_artist(arrow)
+    if title:
+        fig.suptitle(title, fontsize=10)
     return fig
 
 
@@ -491,7 +517,8 @@ def draw_spec_benchmark(result: Mapping):
     """The result of ``python -m fleetlab bench spec`` (its ``spec.json``), four panels:
     target forwards per output token per run (mean bar, one dot per request, the goal of half
     of speculation off dashed); acceptance rate against ``k``; engine steps for the whole
-    batch against ``k``; wall-clock speed-up over speculation off against ``k``.
+    batch against ``k``; wall-clock speed-up over speculation off against ``k`` (the whole
+    batch, and, when the result has it, requests served one at a time).
     Returns the Figure; bars have gid ``"forwards:<workload>:<run>"``."""
     workloads = result["workloads"]
     fig = Figure(figsize=(12.5, 7.2), layout="constrained")
@@ -507,8 +534,8 @@ def draw_spec_benchmark(result: Mapping):
                        gid=f"forwards:{wname}:{run['name']}")
             per = run["forwards_per_token_by_request"]
             ax_fwd.plot(x + np.linspace(-0.25, 0.25, len(per)), per, ".", color="#222222", markersize=3)
-            ax_fwd.text(x, run["forwards_per_token"], f"{run['forwards_per_token']:.2f}", ha="center",
-                        va="bottom", fontsize=8)
+            ax_fwd.text(x, max([run["forwards_per_token"], *per]) + 0.02, f"{run['forwards_per_token']:.2f}",
+                        ha="center", va="bottom", fontsize=8)
             names.append(f"{wname}\n{run['name']}")
             xs.append(x)
             x += 1
@@ -517,6 +544,7 @@ def draw_spec_benchmark(result: Mapping):
                       linewidth=1, gid=f"goal:{wname}")
         x += 0.6
     ax_fwd.set_xticks(xs, names, fontsize=7)
+    ax_fwd.set_ylim(0, 1.15 * max(b.get_height() for b in ax_fwd.patches) + 0.05)
     ax_fwd.set_ylabel("target forwards / output token")
     ax_fwd.set_title(f"per request (dots), mean (bars); k={headline}; "
                      "dashed: half of speculation off", fontsize=9)
@@ -530,10 +558,16 @@ def draw_spec_benchmark(result: Mapping):
             ax_acc.plot(ks, [r["acceptance_rate"] for r in runs], style, label=label, gid=f"acceptance:{label}")
             ax_steps.plot(ks, [r["num_steps"] for r in runs], style, label=label, gid=f"steps:{label}")
             ax_speed.plot(ks, [r["speedup"] for r in runs], style, label=label, gid=f"speedup:{label}")
+    all_ks = [r["k"] for wl in workloads.values() for r in wl["runs"] if r["method"] != "off"]
+    for wname, wl in workloads.items():
         off = next(r for r in wl["runs"] if r["method"] == "off")
-        ax_steps.axhline(off["num_steps"], linewidth=1, color="#888888", linestyle=":")
-        ax_steps.text(ax_steps.get_xlim()[0], off["num_steps"], f" off, {wname}: {off['num_steps']}", fontsize=7,
+        ax_steps.axhline(off["num_steps"], linewidth=1, color="#888888", linestyle=":", gid=f"steps-off:{wname}")
+        ax_steps.text(min(all_ks), off["num_steps"], f"off, {wname}: {off['num_steps']} steps", fontsize=7,
                       va="bottom", color="#555555")
+    alone = [r for r in result.get("alone", {}).get("runs", []) if r["method"] != "off"]
+    if alone:
+        ax_speed.plot([r["k"] for r in alone], [r["speedup"] for r in alone], "D:", color="#76b7b2",
+                      label="draft, trained, one request at a time", gid="speedup:alone")
     ax_speed.axhline(1.0, linewidth=1, color="#555555")
     for ax, ylabel, t in ((ax_acc, "acceptance rate", "drafts accepted / drafts verified"),
                           (ax_steps, "engine steps", "engine steps for the whole batch (dotted: speculation off)"),
@@ -545,5 +579,6 @@ def draw_spec_benchmark(result: Mapping):
         integer_steps(ax)
     ax_acc.set_ylim(0, 1.05)
     ax_steps.set_ylim(0, None)
-    ax_speed.set_ylim(0, max(1.2, 1.15 * max(r["speedup"] for wl in workloads.values() for r in wl["runs"])))
+    speedups = [r["speedup"] for wl in workloads.values() for r in wl["runs"]] + [r["speedup"] for r in alone]
+    ax_speed.set_ylim(0, max(1.2, 1.15 * max(speedups)))
     return fig
