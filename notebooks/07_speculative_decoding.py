@@ -58,7 +58,8 @@ print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in stats.ite
 # accepted 44 of them (`spec_acceptance_rate` 0.92); a verify step yields 4.67 tokens on
 # average (`spec_mean_acceptance_length`: the accepted drafts plus the target's own token).
 # `spec_acceptance_by_position` is the acceptance of the 1st, 2nd, ... draft of a step: a
-# later draft counts only if every draft before it was accepted, so it can only fall.
+# later draft counts only if every draft before it was accepted, so later positions are
+# accepted less often (here 1.0, 0.92, 0.92, 0.83).
 #
 # ## 2. Every step, drawn
 #

@@ -191,13 +191,12 @@ assert ttft["spf"]["2"] < ttft["fcfs"]["2"]
 
 PROMISES["07_speculative_decoding"] = '''
 # Section 1: "Same texts, in 5 steps instead of 19"; "proposed 48 tokens and the target accepted 44 of them
-# (0.92)"; "4.67 tokens on average"; per-position acceptance "can only fall"
+# (0.92)"; "4.67 tokens on average"; by position "1.0, 0.92, 0.92, 0.83"
 assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]
 assert plain.stats()["num_steps"] == 19 and stats["num_steps"] == 5
 assert (stats["num_draft_tokens"], stats["num_accepted_tokens"]) == (48, 44)
 assert round(stats["spec_mean_acceptance_length"], 2) == 4.67
-by_pos = stats["spec_acceptance_by_position"]
-assert all(a >= b for a, b in zip(by_pos, by_pos[1:]))
+assert [round(a, 2) for a in stats["spec_acceptance_by_position"]] == [1.0, 0.92, 0.92, 0.83]
 # Section 2, draft: request 0 "gets its 13 tokens in 4 target forwards: the prefill, then two steps in which the
 # target accepts all four drafts and adds a bonus token ..., then a step that ends at the EOS; the two drafts after
 # the EOS are cut"
