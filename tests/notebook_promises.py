@@ -190,3 +190,84 @@ ttft = {p: {r.request_id: r.ttft_steps for r in s.requests} for p, s in stats.it
 assert all(ttft["spf"][r] > ttft["fcfs"][r] for r in ("0", "7"))
 assert ttft["spf"]["2"] < ttft["fcfs"]["2"]
 '''
+
+PROMISES["07_speculative_decoding"] = '''
+# Section 1: "Same texts, in 5 steps instead of 19"; "proposed 48 tokens and the target accepted 44 of them
+# (0.92)"; "4.67 tokens on average"; by position "1.0, 0.92, 0.92, 0.83"
+assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]
+assert plain.stats()["num_steps"] == 19 and stats["num_steps"] == 5
+assert (stats["num_draft_tokens"], stats["num_accepted_tokens"]) == (48, 44)
+assert round(stats["spec_mean_acceptance_length"], 2) == 4.67
+assert [round(a, 2) for a in stats["spec_acceptance_by_position"]] == [1.0, 0.92, 0.92, 0.83]
+# Section 2, draft: request 0 "gets its 13 tokens in 4 target forwards: the prefill, then two steps in which the
+# target accepts all four drafts and adds a bonus token ..., then a step that ends at the EOS; the two drafts after
+# the EOS are cut"
+costs = viz.request_forwards(llm.traces)
+assert (costs["0"].num_tokens, costs["0"].num_forwards) == (13, 4)
+zero = [r for r in viz.verify_rows(llm.traces) if r.request_id == "0"]
+kinds = [[k for _, k in r.cells] for r in zero]
+assert kinds[0] == ["sampled"] and kinds[1] == kinds[2] == ["accepted"] * 4 + ["bonus"]
+assert kinds[3] == ["accepted", "accepted", "dropped", "dropped"] and zero[3].kept[-1] == tokenizer.eos_token_id
+drawn = {p.get_gid() for ax in steps_draft.axes for p in ax.patches if (p.get_gid() or "").startswith("cell:0:")}
+assert sum(g.endswith(":bonus") for g in drawn) == 2 and sum(g.endswith(":dropped") for g in drawn) == 2
+# request 1, step 3: "guessed ' bed' ...; the target kept the space, rejected bed, and wrote its own r"
+one = next(r for r in viz.verify_rows(llm.traces) if r.request_id == "1" and r.step == 3)
+assert [(viz.token_label(t, tokenizer), k) for t, k in one.cells] == [
+    ("␣", "accepted"), ("b", "rejected"), ("e", "rejected"), ("d", "rejected"), ("r", "recovered")]
+# "'45+38=' needs only 2 forwards for its 3 tokens"
+assert (costs["2"].num_tokens, costs["2"].num_forwards) == (3, 2)
+# ngram: "Same texts again, but 16 steps instead of 19: only 12% of the drafts are accepted"; "13 tokens in 9
+# forwards"; "18 tokens in 16 forwards"
+assert [o.text for o in ngram_outputs] == [o.text for o in plain_outputs[:2]]
+assert ngram_stats["num_steps"] == 16 and round(ngram_stats["spec_acceptance_rate"], 2) == 0.12
+ngram_costs = viz.request_forwards(ngram_llm.traces)
+assert (ngram_costs["0"].num_tokens, ngram_costs["0"].num_forwards) == (13, 9)
+assert (ngram_costs["1"].num_tokens, ngram_costs["1"].num_forwards) == (18, 16)
+# looping model: "Nearly every draft is accepted (0.93) and the model needs 19 forwards for 32 tokens"; "one draft each"
+assert round(loop_stats["spec_acceptance_rate"], 2) == 0.93 and loop_stats["num_steps"] == 19
+assert len(loop_output.token_ids) == 32
+assert all(r.num_drafts <= 1 for r in viz.verify_rows(loop_llm.traces))
+# Section 3, by hand: "condense() slides d, e and f up into c's hole; the decode-first scan then swaps b ... with f";
+# "the three verify rows lead, and the decode kernel gets tokens 0-11"; "the same four moves"
+assert [r.req_id for r in lockstep_before] == ["a", "b", None, "d", "e", "f"]
+assert [r.req_id for r in lockstep_after] == ["a", "f", "d", "e", "b"] and num_decodes == 3
+assert sum(r.num_scheduled_tokens for r in lockstep_after[:num_decodes]) == 12
+assert all(r.in_step for r in lockstep_before + lockstep_after)
+arrows = {a.get_gid() for a in lockstep_figure.artists}
+assert arrows == {f"move:{w}:{r}" for w in ("main", "proposer") for r in "fdeb"}
+# "request a: 14 against 11"
+a_row = lockstep_after[0]
+assert (a_row.draft_num_computed_tokens, a_row.num_computed_tokens) == (14, 11)
+# live: lockstep after every step (the cell checks it); "step 7: requests 2 and 3 each verify three drafts (4 tokens)
+# and request 4 runs an 8-token chunk ...; the reorder swapped rows 1 and 2"; "In step 5 a 4-token chunk of a prompt
+# counts as a decode"
+assert 7 in moves and live_traces[7].step == 7 and live_player.slider.value == 7 and live_player.error is None
+seven = live_traces[7]
+assert seven.order_before == ["2", "4", "3"] and seven.order_after == ["2", "3", "4"]
+assert [(r.req_id, r.phase, r.num_scheduled_tokens, r.num_spec_tokens) for r in live_frames[7]] == [
+    ("2", "decode", 4, 3), ("3", "decode", 4, 3), ("4", "prefill", 8, 0)]
+five = {r.request_id: r for r in live_traces[5].rows}
+assert five["3"].num_scheduled_tokens == 4 and five["3"].num_computed_tokens == 0
+assert live_frames[5][0].req_id == "3" and live_frames[5][0].phase == "decode"
+# Section 4: "from 0.95 at k = 1 to 0.64 at k = 8 (at k = 4 ... 0.97, 0.76, 0.71, 0.68)"; forwards per token
+# "0.56 at k = 1, 0.33 at k = 4 ..., 0.26 at k = 8"; same tokens throughout
+acc = {r["k"]: round(r["acceptance_rate"], 2) for r in sweep}
+fpt = {r["k"]: round(r["forwards_per_token"], 2) for r in sweep}
+assert (acc[1], acc[8]) == (0.95, 0.64) and [round(x, 2) for x in sweep[3]["acceptance_by_position"]] == [
+    0.97, 0.76, 0.71, 0.68]
+assert (fpt[1], fpt[4], fpt[8]) == (0.56, 0.33, 0.26) and all(r["token_ids"] == sweep_off["token_ids"] for r in sweep)
+assert sweep_off["forwards_per_token"] == 1.0
+for k in range(1, 9):
+    explore.controls["k"].value = k
+    assert explore.error is None, (k, explore.error)
+    sizes = {ln.get_gid(): ln.get_markersize() for ln in explore.figure.axes[2].lines if ln.get_gid()}
+    assert sizes[f"forwards:{k}"] > sizes[f"forwards:{1 + k % 8}"]
+# timing: "drafting alone costs about as much as the target's forward or more"
+ms = sweep[3]["ms_per_step"]
+assert ms["propose"] >= 0.7 * ms["forward"], ms
+# Section 5: "proposed o in 1,998 of the 2,000 samples, and the target accepted it in 28% of them, as often as its own
+# p('o') = 0.28 says"; "both chi-square statistics are far below the 0.1% critical value"
+p_o = float(probs[tokenizer.encode("o", add_bos=False)[0]] / probs.sum())
+assert drafted["o"] == 1998 and round(p_o, 2) == 0.28 and abs(sampled_acceptance - p_o) < 0.03
+assert all(stat < crit / 2 for stat, _, crit in hist.chi_square.values()), hist.chi_square
+'''

@@ -6,7 +6,9 @@ decode-first reorder cost), ``attention`` (reference paged attention), ``triton`
 (Triton paged-attention kernels: decode, multi-token decode, prefill; needs a GPU with
 torch and triton), ``serve`` (an OpenAI-compatible server under Poisson traffic: TTFT /
 TPOT / ITL and throughput per request rate), ``tp`` (one process vs two tensor-parallel
-processes: step time and the share spent in all-reduce).
+processes: step time and the share spent in all-reduce), ``spec`` (speculative decoding on
+the shipped tiny model with its draft, and ngram on a repetitive workload: acceptance, target
+forwards per output token, engine steps, wall-clock speed-up).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ BENCHES = {
     "triton": "fleetlab.bench.triton_attention",
     "serve": "fleetlab.bench.serving",
     "tp": "fleetlab.bench.tp",
+    "spec": "fleetlab.bench.spec",
 }
 
 

@@ -15,6 +15,8 @@ Modules:
   layers   -- which attention layer writes which cache layer after patching
   results  -- stored benchmark results (benchmarks/results/*.json)
   perf     -- runs measured on the spot, side by side
+  spec     -- speculative decoding: drafts accepted / rejected / bonus per step, the proposer's
+              batch beside the main batch, acceptance against k, sampled-token histograms
   widgets  -- LiveFigure (controls + figure), int_sliders, player (play button + slider)
 """
 
@@ -54,6 +56,23 @@ from fleetlab.viz.results import (
     result_records,
     results_dir,
 )
+from fleetlab.viz.spec import (
+    TOKEN_KINDS,
+    LockstepRow,
+    RequestCost,
+    TokenHistogram,
+    VerifyRow,
+    draw_lockstep,
+    draw_spec_benchmark,
+    draw_spec_steps,
+    draw_spec_sweep,
+    draw_token_histogram,
+    lockstep_rows,
+    request_forwards,
+    token_histogram,
+    token_label,
+    verify_rows,
+)
 from fleetlab.viz.timeline import (
     TIMING_PARTS,
     Admission,
@@ -76,6 +95,11 @@ from fleetlab.viz.widgets import LiveFigure, int_sliders, player
 
 __all__ = [
     "Admission",
+    "LockstepRow",
+    "RequestCost",
+    "TOKEN_KINDS",
+    "TokenHistogram",
+    "VerifyRow",
     "PHASE_COLORS",
     "TIMING_PARTS",
     "LiveFigure",
@@ -134,4 +158,14 @@ __all__ = [
     "row_lanes",
     "run_record",
     "token_split",
+    "draw_lockstep",
+    "draw_spec_benchmark",
+    "draw_spec_steps",
+    "draw_spec_sweep",
+    "draw_token_histogram",
+    "lockstep_rows",
+    "request_forwards",
+    "token_histogram",
+    "token_label",
+    "verify_rows",
 ]
