@@ -98,7 +98,7 @@ print(f"same as plain: {[o.text for o in ngram_outputs] == [o.text for o in plai
 viz.draw_spec_steps(ngram_llm.traces, tokenizer, prompts=dict(zip(["0", "1"], prompts[:2])), title="ngram, k = 4")
 
 # %% [markdown]
-# Same texts again, but 16 steps instead of 19: only 12% of the drafts are accepted. In
+# Same texts again, but 16 steps instead of 19: only 11% of the drafts are accepted. In
 # `'count 12'` prompt lookup copies the number it saw last (`12`, then `13`, ...) whenever
 # the text ends in a space, so it gets the next number's `1` right and its second digit
 # wrong: 13 tokens in 9 forwards. The sentence copies words of the prompt (`man`, `old`)
@@ -121,12 +121,14 @@ print(f"acceptance {loop_stats['spec_acceptance_rate']:.2f}, {len(loop_output.to
 viz.draw_spec_steps(loop_llm.traces, max_previous=12, title="ngram on a looping random model, k = 4")
 
 # %% [markdown]
-# Nearly every draft is accepted (0.93) and the model needs 19 forwards for 32 tokens
-# instead of 32. Not fewer, though, even at `k = 4`: look at the lines, one draft each. In
-# a run of one repeated token, the most recent earlier occurrence of the text's last
-# tokens ends just one token before the end, so only one token follows it to propose.
-# (vLLM's prompt lookup takes the *earliest* occurrence of the longest match instead, and
-# would draft four here: see *Try next*.)
+# Every draft is accepted (1.00) and the model needs 14 forwards for 32 tokens instead of
+# 32. The drafts grow with the loop: prompt lookup proposes what followed an earlier
+# occurrence of the text's last tokens, and early in a run of one repeated token no earlier
+# occurrence is followed by four more tokens yet, so it proposes the one or two there are;
+# from step 7 the run is long enough and each step carries all four drafts plus a bonus.
+# (fleetlab takes the most recent match that is followed by `k` tokens, else the earliest;
+# vLLM takes the earliest occurrence of the longest match.) When the loop moves on (`62`
+# in step 9), the first step has nothing to copy.
 #
 # ## 3. The proposer's batch follows the main batch, row for row
 #
@@ -382,10 +384,8 @@ histogram
 #   now, and where do the extra drafts land?
 # - Sample instead of greedy (`temperature=0.8, seed=...`): acceptance drops, the texts
 #   change, their distribution does not.
-# - In section 2's looping example, fleetlab's prompt lookup takes the *most recent* earlier
-#   match: in a run of one repeated token only one token follows it, so it drafts one token
-#   a step even at `k = 4`. vLLM takes the earliest occurrence of the longest match. Write
-#   that variant of `fleetlab.spec.ngram.ngram_propose` and count the forwards again.
+# - In section 2's looping example, set `prompt_lookup_min` and `prompt_lookup_max` to 1:
+#   a one-token suffix matches far more often. Do more drafts get accepted, or fewer?
 # - Register your own proposer (`fleetlab.spec.proposer.register_proposer`), say one that
 #   always proposes a space: what acceptance does it get on sentences?
 # - Next notebook: **08_tensor_parallel**.

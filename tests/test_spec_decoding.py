@@ -267,3 +267,14 @@ def test_the_chi_square_test_catches_a_wrong_acceptance_rule(sampling_runs, wron
     off, runs = sampling_runs
     stat, crit = chi_square_same_distribution(pairs(off, 0), pairs(runs[wrong][0], 0))
     assert stat > crit, f"a wrong rule ({wrong}) passed: chi-square {stat:.1f} < {crit:.1f}"
+
+
+def test_prompt_lookup_prefers_a_recent_match_with_a_full_continuation():
+    from fleetlab.spec.ngram import ngram_propose
+
+    run = np.array([7] * 10)
+    assert ngram_propose(run, 4, 1, 3) == [7, 7, 7, 7]  # the most recent match would leave one token
+    tokens = np.array([1, 2, 3, 9, 9, 9, 9, 1, 2, 3, 8, 8, 8, 8, 5, 1, 2, 3])
+    assert ngram_propose(tokens, 4, 2, 3) == [8, 8, 8, 8]  # the later of the two matches
+    assert ngram_propose(tokens, 4, 2, 3)[:1] != [9]
+    assert ngram_propose(np.array([1, 2, 3, 4]), 3, 1, 2) == []

@@ -303,7 +303,9 @@ class LLM:
     def stats(self) -> dict:
         """Pool and cache figures: blocks, free blocks, hit rate, preemptions, utilization,
         steps, generated tokens, the requests running and waiting now, and with speculation
-        the drafts proposed and accepted."""
+        the drafts verified and accepted (accepted means the target agreed, as vLLM counts it;
+        a draft accepted after a stop token is counted, though the request keeps nothing past
+        the stop)."""
         s = self.pool.stats()
         used = s.num_blocks - s.num_free_blocks
         tokens_held = sum(r.num_computed_tokens for r in self.scheduler.running)

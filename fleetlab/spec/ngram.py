@@ -15,14 +15,20 @@ from fleetlab.spec.proposer import ProposeInput, Proposer, register_proposer
 
 
 def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to ``k`` tokens following the most recent earlier occurrence of the longest
-    suffix of ``tokens`` of length in ``[min_n, max_n]`` (``[]`` when none occurs)."""
+    """Up to ``k`` tokens following an earlier occurrence of the longest suffix of ``tokens``
+    of length in ``[min_n, max_n]`` (``[]`` when none occurs).
+
+    Of that suffix's occurrences, the most recent one followed by ``k`` tokens wins (recent
+    text predicts best); when none is, the earliest (the longest continuation): in a run of
+    one repeated token the most recent match would leave a single token to propose.
+    """
     num = len(tokens)
     for n in range(min(max_n, num - 1), min_n - 1, -1):
         windows = sliding_window_view(tokens[: num - 1], n)  # starts 0..num-1-n: never the suffix itself
         hits = np.flatnonzero((windows == tokens[num - n :]).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= num]
+            start = int(full[-1] if len(full) else hits[0]) + n
             return tokens[start : start + k].tolist()
     return []
 
