@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -205,9 +206,17 @@ def main(argv=None) -> int:
     if args.check_fleet_layers:
         report["fleet_layers"] = check_fleet_layers(tp_size)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
-    print(f"rank {rank}/{tp_size}: wrote {out / f'rank{rank}.json'} in {report['seconds']:.1f} s")
+    print(f"rank {rank}/{tp_size}: wrote {out / f'rank{rank}.json'} in {report['seconds']:.1f} s", flush=True)
+    if tp_size > 1:  # leave together (see the __main__ block)
+        import paddle.distributed as dist
+
+        dist.barrier()
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # Exit without interpreter teardown once every rank is done: a rank tearing Paddle's process
+    # group down while a peer still held its sockets was seen to abort (SIGABRT) after its work.
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)
