@@ -101,6 +101,18 @@ tables = {req: [b for b in row if b >= 0] for req, row in enumerate(block_tables
 viz.draw_block_mapping(tables, 8, num_tokens={0: 5, 1: 11, 2: 8}, block_size=4)
 
 # %% [markdown]
+# And what the patched attention computes with that metadata, in the plainest form fleetlab
+# has (`backend="naive"`): for each request, positions become slots through its block table,
+# the keys and values are gathered from those slots, and a causal softmax mixes them. The
+# default backend (`"reference"`) does the same in batched tiles; the tests hold the two to
+# the same numbers.
+
+# %%
+from fleetlab.attention.source import kernel_source
+
+print(kernel_source("naive_paged_attention", module="fleetlab.attention.naive"))
+
+# %% [markdown]
 # ## 3. Parity: oracle against paged
 #
 # `paged_greedy` decodes the same prompts through the patched model: one packed prefill
