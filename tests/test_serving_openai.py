@@ -324,3 +324,22 @@ def test_metrics_names_and_histograms(server):
     text = httpx.get(server.url + "/metrics").text
     assert 'fleetlab:num_requests_running{model_name="tiny"}' in text
     assert json.loads(httpx.get(server.url + "/nope").text)["error"]["type"] == "not_found_error"
+
+
+def test_speculative_decoding_streams_the_same_text(offline):
+    from fleetlab.serving.cli import resolve_draft
+
+    model, tokenizer = load_tiny()
+    spec = resolve_draft({"method": "draft", "num_speculative_tokens": 4, "model": "tiny"})
+    engine = AsyncLLM(LLM(model, tokenizer, **ENGINE, speculative_config=spec))
+    prompts = ["count 12", "the old man", "45+38=", "count 57"]
+    want = [o.text for o in offline(prompts, 16)]
+    with ServerThread(engine, "tiny") as s:
+        c = client(s)
+        got = []
+        for prompt in prompts:
+            chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                               stream=True))
+            got.append("".join(ch.choices[0].text for ch in chunks if ch.choices))
+        assert got == want
+        assert metrics(s)["fleetlab:num_requests_running"] == 0

@@ -5,7 +5,7 @@
     python -m fleetlab serve --model /path/to/checkpoint --backend triton
 
 The engine options are ``LLM``'s (``fleetlab.EngineConfig``); ``--speculative-config JSON`` is
-handed to ``LLM(speculative_config=...)`` as it is. ``--port 0`` takes any free port; the line
+handed to ``LLM(speculative_config=...)``, its ``"model"`` (a draft) loaded by name. ``--port 0`` takes any free port; the line
 printed at start names the address. Library notices and access logs are shown only with ``-v``.
 """
 
@@ -46,8 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
-                   help="passed to LLM(speculative_config=...) as it is, e.g. "
-                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'")
+                   help="passed to LLM(speculative_config=...), e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' or "
+                        "'{\"method\": \"draft\", \"num_speculative_tokens\": 4, \"model\": \"tiny\"}' "
+                        "(\"tiny\": the shipped draft; else a checkpoint directory)")
     p.add_argument("--max-queue-len", type=int, default=256,
                    help="requests that may wait beyond --max-num-seqs; one more is answered 503 at once")
     return p
@@ -60,8 +62,19 @@ def engine_config(args) -> dict:
            "backend": args.backend, "scheduling_policy": args.scheduling_policy,
            "enable_prefix_caching": args.enable_prefix_caching, "seed": args.seed}
     if args.speculative_config is not None:
-        cfg["speculative_config"] = args.speculative_config
+        cfg["speculative_config"] = resolve_draft(args.speculative_config)
     return cfg
+
+
+def resolve_draft(spec: dict) -> dict:
+    """A JSON speculative config names its draft model: ``"tiny"`` is the shipped draft
+    (``fleetlab.models.load_tiny_draft``), anything else a PaddleFormers checkpoint directory."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("model"), str):
+        return spec
+    from fleetlab.models import load_pretrained, load_tiny_draft
+
+    model = load_tiny_draft()[0] if spec["model"] == "tiny" else load_pretrained(spec["model"])
+    return {**spec, "model": model}
 
 
 @contextlib.contextmanager
