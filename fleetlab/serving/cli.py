@@ -5,8 +5,8 @@
     python -m fleetlab serve --model /path/to/checkpoint --backend triton
 
 The engine options are ``LLM``'s (``fleetlab.EngineConfig``); ``--speculative-config JSON`` is
-handed to ``LLM(speculative_config=...)``, its ``"model"`` (a draft) loaded by name. ``--port 0`` takes any free port; the line
-printed at start names the address. Library notices and access logs are shown only with ``-v``.
+handed to ``LLM(speculative_config=...)``, its ``"model"`` (a draft) loaded by name. ``--port 0``
+takes any free port; the line printed at start names the address. Library notices and access logs are shown only with ``-v``.
 """
 
 from __future__ import annotations
