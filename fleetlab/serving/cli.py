@@ -6,7 +6,8 @@
 
 The engine options are ``LLM``'s (``fleetlab.EngineConfig``); ``--speculative-config JSON`` is
 handed to ``LLM(speculative_config=...)``, its ``"model"`` (a draft) loaded by name. ``--port 0``
-takes any free port; the line printed at start names the address. Library notices and access logs are shown only with ``-v``.
+takes any free port; the line printed at start names the address. Library notices and access
+logs are shown only with ``-v``.
 """
 
 from __future__ import annotations
