@@ -166,6 +166,22 @@ def _record(info: ShardedModel, name: str, full, local) -> None:
         info.weight_shapes[name] = (tuple(full.weight.shape), tuple(local.weight.shape))
 
 
+def _split_columns(info: ShardedModel, module, name: str, index: list[int], tp) -> None:
+    """Replace ``module.<name>`` by its column-parallel shard: output columns ``index``."""
+    old = getattr(module, name)
+    setattr(module, name, column_parallel(_cols(old.weight, index), _bias_cols(old, index), tp, info.layers))
+    _record(info, name, old, getattr(module, name))
+
+
+def _split_rows(info: ShardedModel, module, name: str, index: list[int], tp, label: str) -> None:
+    """Replace ``module.<name>`` by its row-parallel shard (input rows ``index``, then an
+    all-reduce named ``label``)."""
+    old = getattr(module, name)
+    setattr(module, name, row_parallel(_rows(old.weight, index), getattr(old, "bias", None), tp, info.layers, label))
+    _record(info, name, old, getattr(module, name))
+    info.row_parallel.append(label)
+
+
 @paddle.no_grad()
 def _shard_fleet(model, info: ShardedModel, tp) -> None:
     """Fleet-style layers: ``linear_qkv [hidden, (H + 2K) D]`` packed ``[q | k | v]``,
@@ -179,22 +195,11 @@ def _shard_fleet(model, info: ShardedModel, tp) -> None:
     fc1_index = list(range(f0, f1)) + [p.intermediate_size + c for c in range(f0, f1)]
     for i, layer in enumerate(model.decoder.layers):
         att, mlp = layer.self_attention, layer.mlp
-        old = att.linear_qkv
-        att.linear_qkv = column_parallel(_cols(old.weight, qkv_index), _bias_cols(old, qkv_index), tp, info.layers)
-        _record(info, "linear_qkv", old, att.linear_qkv)
-        old = att.linear_proj
-        att.linear_proj = row_parallel(_rows(old.weight, q), getattr(old, "bias", None), tp, info.layers,
-                                       f"layer {i} attention linear_proj")
-        _record(info, "linear_proj", old, att.linear_proj)
+        _split_columns(info, att, "linear_qkv", qkv_index, tp)
+        _split_rows(info, att, "linear_proj", q, tp, f"layer {i} attention linear_proj")
         att.num_heads, att.num_kv_heads = s.num_heads, s.num_kv_heads
-        old = mlp.linear_fc1
-        mlp.linear_fc1 = column_parallel(_cols(old.weight, fc1_index), _bias_cols(old, fc1_index), tp, info.layers)
-        _record(info, "linear_fc1", old, mlp.linear_fc1)
-        old = mlp.linear_fc2
-        mlp.linear_fc2 = row_parallel(_rows(old.weight, list(range(f0, f1))), getattr(old, "bias", None), tp,
-                                      info.layers, f"layer {i} mlp linear_fc2")
-        _record(info, "linear_fc2", old, mlp.linear_fc2)
-        info.row_parallel += [f"layer {i} attention linear_proj", f"layer {i} mlp linear_fc2"]
+        _split_columns(info, mlp, "linear_fc1", fc1_index, tp)
+        _split_rows(info, mlp, "linear_fc2", list(range(f0, f1)), tp, f"layer {i} mlp linear_fc2")
 
 
 @paddle.no_grad()
@@ -210,21 +215,10 @@ def _shard_llama(model, info: ShardedModel, tp) -> None:
             raise NotImplementedError("tensor parallelism: fused QKV or gate/up projections are not supported; "
                                       "build the model with separate q/k/v and gate/up projections")
         for name, index in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            old = getattr(att, name)
-            setattr(att, name, column_parallel(_cols(old.weight, index), _bias_cols(old, index), tp, info.layers))
-            _record(info, name, old, getattr(att, name))
-        old = att.o_proj
-        att.o_proj = row_parallel(_rows(old.weight, q), getattr(old, "bias", None), tp, info.layers,
-                                  f"layer {i} attention o_proj")
-        _record(info, "o_proj", old, att.o_proj)
+            _split_columns(info, att, name, index, tp)
+        _split_rows(info, att, "o_proj", q, tp, f"layer {i} attention o_proj")
         att.num_heads, att.num_key_value_heads = s.num_heads, s.num_kv_heads
         for name in ("gate_proj", "up_proj"):
-            old = getattr(mlp, name)
-            setattr(mlp, name, column_parallel(_cols(old.weight, f), _bias_cols(old, f), tp, info.layers))
-            _record(info, name, old, getattr(mlp, name))
-        old = mlp.down_proj
-        mlp.down_proj = row_parallel(_rows(old.weight, f), getattr(old, "bias", None), tp, info.layers,
-                                     f"layer {i} mlp down_proj")
-        _record(info, "down_proj", old, mlp.down_proj)
+            _split_columns(info, mlp, name, f, tp)
+        _split_rows(info, mlp, "down_proj", f, tp, f"layer {i} mlp down_proj")
         mlp.intermediate_size = s.intermediate_size
-        info.row_parallel += [f"layer {i} attention o_proj", f"layer {i} mlp down_proj"]

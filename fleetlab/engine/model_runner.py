@@ -164,8 +164,6 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> paddle.Tensor:
         """Logits ``[P, vocab]`` (float32) at the scored positions; the K/V of every token is written."""
         md = inputs.metadata
-        # With nothing to score (every row mid-prompt), still run the model for its K/V writes.
-        indices = inputs.logits_indices if len(inputs.logits_indices) else np.array([md.num_tokens - 1])
         embeds = None
         if inputs.embeds is not None:  # the model's own embeddings, with the side data written over
             index, vectors = inputs.embeds
@@ -173,7 +171,7 @@ class ModelRunner:
             embeds = paddle.scatter(own, upload(index), upload(vectors).astype(own.dtype)).unsqueeze(0)
         with paddle.no_grad(), forward_context(md, self.kv_cache):
             logits = self.handle.compute_logits(inputs.input_ids, md.positions.reshape([1, -1]),
-                                                upload(indices), inputs_embeds=embeds)
+                                                upload(inputs.logits_indices), inputs_embeds=embeds)
         return logits.astype("float32") if logits.dtype != paddle.float32 else logits
 
     # ------------------------------------------------------------------ sampling and verification

@@ -120,11 +120,13 @@ class Sampler:
         index = upload(rows)
         probs = self._probs(paddle.gather(logits, index, axis=0), paddle.gather(st.temperature, index),
                             paddle.gather(st.top_k, index), paddle.gather(st.top_p, index))
-        u = np.array([[uniform_for(st.seeds[r], st.draw_index[r]), accept_uniform_for(st.seeds[r], st.draw_index[r])]
-                      for r in rows], dtype=np.float32)
-        u = upload(u)
-        has_draft = upload(drafts >= 0)
-        draft_col = upload(np.maximum(drafts, 0)).unsqueeze(-1)
+        # The acceptance uniform is drawn only where there is a draft to accept.
+        u = upload(np.array([[uniform_for(st.seeds[r], st.draw_index[r]),
+                              accept_uniform_for(st.seeds[r], st.draw_index[r]) if d >= 0 else 1.0]
+                             for r, d in zip(rows.tolist(), drafts.tolist())], dtype=np.float32))
+        draft_ids = upload(drafts)
+        has_draft = draft_ids >= 0
+        draft_col = draft_ids.clip(min=0).unsqueeze(-1)
         p_draft = paddle.take_along_axis(probs, draft_col, axis=-1).squeeze(-1)
         accepted = paddle.logical_and(has_draft, self.accept(p_draft, u[:, 1]))
         is_draft = paddle.logical_and(paddle.arange(probs.shape[-1], dtype="int64").unsqueeze(0) == draft_col,

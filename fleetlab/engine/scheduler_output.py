@@ -104,7 +104,3 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         """Tokens the step runs in all (the packed batch length ``T``)."""
         return sum(self.num_scheduled_tokens.values())
-
-    @property
-    def num_scheduled_reqs(self) -> int:
-        return len(self.num_scheduled_tokens)

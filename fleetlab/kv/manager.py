@@ -32,9 +32,6 @@ class KVCacheBlocks:
     def __len__(self) -> int:
         return len(self.block_ids)
 
-    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
-        return KVCacheBlocks(self.block_ids + other.block_ids)
-
     def get_block_ids(self) -> list[int]:
         return list(self.block_ids)
 
@@ -73,11 +70,6 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
-
-    @property
-    def usage(self) -> float:
-        """Fraction of blocks held by live requests (0.0 when idle)."""
-        return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
     @property
     def enable_prefix_caching(self) -> bool:
@@ -205,11 +197,6 @@ class KVCacheManager:
             if rid in self._num_cached:
                 self._num_cached[rid] = log.num_cached_before
         self._step_log.clear()
-
-    def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix; returns the number of keys dropped."""
-        self._num_cached = dict.fromkeys(self._num_cached, 0)
-        return self.pool.reset_prefix_cache()
 
     def check_consistent(self, live_request_ids: Iterable[str]) -> None:
         """Raise RuntimeError unless exactly the live requests hold blocks and the pool's

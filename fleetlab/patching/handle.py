@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -96,9 +97,9 @@ class PatchHandle:
         """The model's own input embeddings ``[1, T, hidden]`` of ``input_ids [1, T]``."""
         raise NotImplementedError
 
-    @property
+    @functools.cached_property
     def hidden_size(self) -> int:
-        """Width of the input embeddings (what ``prompt_embeds`` vectors must have)."""
+        """Width of the input embeddings (what ``prompt_embeds`` vectors must have; measured once)."""
         return int(self.embed(paddle.zeros([1, 1], dtype="int64")).shape[-1])
 
     def _check_step(self, input_ids, positions, logits_indices) -> None:

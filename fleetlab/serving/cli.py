@@ -68,14 +68,12 @@ def engine_config(args) -> dict:
 
 
 def resolve_draft(spec: dict) -> dict:
-    """A JSON speculative config names its draft model: ``"tiny"`` is the shipped draft
-    (``fleetlab.models.load_tiny_draft``), anything else a PaddleFormers checkpoint directory."""
+    """A JSON speculative config with its ``"model"`` name loaded (``loader.load_draft``)."""
     if not isinstance(spec, dict) or not isinstance(spec.get("model"), str):
         return spec
-    from fleetlab.models import load_pretrained, load_tiny_draft
+    from fleetlab.serving.loader import load_draft
 
-    model = load_tiny_draft()[0] if spec["model"] == "tiny" else load_pretrained(spec["model"])
-    return {**spec, "model": model}
+    return {**spec, "model": load_draft(spec["model"])}
 
 
 @contextlib.contextmanager

@@ -35,17 +35,33 @@ def load_model(model: str, model_impl: str = "auto"):
 
         net, tokenizer = load_tiny()
     else:
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"--model {model!r}: not 'tiny' and not a checkpoint directory with config.json")
-        from fleetlab.models import load_pretrained
-
-        net, tokenizer = load_pretrained(path), load_tokenizer(path)
+        net, tokenizer = _checkpoint("--model", model), load_tokenizer(Path(model))
     if model_impl == "fleet":
         from fleetlab.models.convert import fleet_from_llama
 
         net = fleet_from_llama(net)
     return net, tokenizer
+
+
+def load_draft(model: str):
+    """The draft model a speculative config names: ``"tiny"`` is the shipped draft
+    (``fleetlab.models.load_tiny_draft``), anything else a checkpoint directory."""
+    if model == "tiny":
+        from fleetlab.models import load_tiny_draft
+
+        return load_tiny_draft()[0]
+    return _checkpoint("speculative_config model", model)
+
+
+def _checkpoint(what: str, model: str):
+    """The PaddleFormers model in checkpoint directory ``model``; ``FileNotFoundError`` naming
+    ``what`` when it is not one."""
+    path = Path(model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{what} {model!r}: not 'tiny' and not a checkpoint directory with config.json")
+    from fleetlab.models import load_pretrained
+
+    return load_pretrained(path)
 
 
 def load_tokenizer(path: Path):

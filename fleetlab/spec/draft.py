@@ -122,8 +122,7 @@ class DraftModelProposer(Proposer):
         device_tables = batch.dev("block_table") if all_rows else None
         md = AttentionMetadata.build(query_lens, num_computed, tables, self.block_size, self.decode_threshold,
                                      block_tables_device=device_tables)
-        last = md.cu_seqlens_q_host[1:][scored].astype(np.int64) - 1
-        last = upload(last if len(last) else np.array([md.num_tokens - 1]))  # never an empty gather
+        last = upload(md.cu_seqlens_q_host[1:][scored].astype(np.int64) - 1)
         with paddle.no_grad(), forward_context(md, self.kv_cache):
             return self.handle.compute_logits(input_ids.astype("int64"), md.positions.reshape([1, -1]), last)
 
