@@ -63,7 +63,9 @@ for name, data in results.items():
 # %% [markdown]
 # Reading the bandwidth panels: the paged Triton kernel (red) reads through the block
 # table as fast as SDPA on contiguous memory (green) once the batch or the context is
-# large, and 3x faster than gathering the blocks into a copy first (blue). With long
+# large, and 3x faster than gathering the blocks into a copy first (blue). The dotted grey
+# line is an older copy of the same kernel (before its tuning rounds), timed in the same
+# run: the gains are at small batches (batch 1 at long contexts, batch 16). With long
 # contexts at batch 64 and up it even reads a little faster than the dashed line, a plain
 # `torch.sum` over 2 GiB on the same card: that line is a simple kernel to compare with,
 # not a limit. The solid line
@@ -175,8 +177,11 @@ handle.unpatch()
 # 3. **online softmax**: a running max `m`, a running sum `l` and an accumulator `acc` let
 #    the program stream over the context once;
 # 4. **split-K**: when a batch is too small to fill the GPU, the context is split over
-#    several programs; the last one to finish merges their partial results by their
-#    log-sum-exp (`_merge_splits`, flash-decoding) inside the same launch.
+#    several programs, each writing a partial result and its log-sum-exp; a second launch
+#    merges them (`_merge_splits`, flash-decoding), one program per query head, started
+#    early on Hopper (a programmatic dependent launch) so that it waits on the GPU rather
+#    than behind the first launch. Multi-token rows merge inside the same launch: the last
+#    split to finish does it.
 
 # %%
 from fleetlab.attention.source import kernel_source

@@ -327,11 +327,14 @@ def test_many_splits_merge(monkeypatch, use_sinks, merge_tile, merge_in_launch):
     _check("multi_decode", out, dense_reference(batch, scale=scale, sinks=sinks), DTYPES[0])
 
 
+@pytest.mark.parametrize("merge_slice", [0, 1, 2], ids=["all-rows", "row-by-row", "two-rows"])
 @pytest.mark.parametrize("window", [None, 5], ids=["no-window", "window"])
 @pytest.mark.parametrize("multi", [False, True], ids=["one-token", "multi-token"])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
-def test_decode_splits_merged_in_a_second_launch(shape, multi, window):
-    """``merge_in_launch=False``: the splits write partials, ``_decode_merge_kernel`` merges them."""
+def test_decode_splits_merged_in_a_second_launch(shape, multi, window, merge_slice):
+    """``merge_in_launch=False``: the splits write partials, ``_decode_merge_kernel`` merges
+    them, all of a (row, kv head group)'s tile rows per program or a slice of them (on a
+    Hopper GPU as a programmatic dependent launch, off / let in at once / after the K/V)."""
     dtype = DTYPES[0]
     if multi:
         query_lens, num_computed = MULTI
@@ -348,7 +351,8 @@ def test_decode_splits_merged_in_a_second_launch(shape, multi, window):
             batch["query"], batch["key_cache"], batch["value_cache"], batch["block_tables"],
             batch["seq_lens_kv"], max_seq_len=max(seq_lens), scale=scale, sliding_window=window, sinks=sinks,
             num_splits=num_splits, num_rows=len(query_lens), cu_seqlens_q=batch["cu_seqlens_q"] if multi else None,
-            max_query_len=max(query_lens), merge_in_launch=False, out=_poisoned_out(batch))
+            max_query_len=max(query_lens), merge_in_launch=False, merge_slice=merge_slice, pdl=merge_slice,
+            out=_poisoned_out(batch))
         ref = dense_reference(batch, scale=scale, sliding_window=window, sinks=sinks)
         _check("multi_decode" if multi else "decode", out, ref, dtype)
 
@@ -492,11 +496,11 @@ def test_latency_kernel_windows_sinks_and_masked_slots(shape, use_sinks, window,
     scale = shape[3] ** -0.5
     outs = []
     for b in (batch, batch["clean"]):
-        for num_splits, block_n in ((1, 64), (3, 16), (None, 16), (19, 16)):
+        for num_splits, block_n, pdl in ((1, 64, 0), (3, 16, 1), (None, 16, 0), (19, 16, 1)):
             outs.append(tk.decode_attention(
                 b["query"], b["key_cache"], b["value_cache"], b["block_tables"], b["seq_lens_kv"],
                 max_seq_len=int(b["seq_lens_kv"].max()), scale=scale, sliding_window=window, sinks=sinks,
-                num_splits=num_splits, block_n=block_n, latency_kernel=True, out=_poisoned_out(b)))
+                num_splits=num_splits, block_n=block_n, latency_kernel=True, pdl=pdl, out=_poisoned_out(b)))
     ref = dense_reference(batch, scale=scale, sliding_window=window, sinks=sinks)
     for i in range(4):
         _check("poisoned_cache", outs[i], ref, dtype)
@@ -505,19 +509,27 @@ def test_latency_kernel_windows_sinks_and_masked_slots(shape, use_sinks, window,
 
 def test_decode_config_picks_the_measured_path():
     """The H200 table: small single-token batches take the latency path, a batch that fills
-    the multiprocessors once over short contexts is not split, larger split batches merge in
-    a second launch; multi-token rows and large batches keep their knobs."""
+    the multiprocessors once is not split, larger split batches run one kv head per program
+    and merge in a second launch, a tile row per program; multi-token rows and large
+    batches keep their knobs."""
     cfg = functools.partial(tk.decode_config, 128, 4, 8, 2, num_sms=132)
-    for rows, span in ((1, 512), (1, 2048), (1, 8192), (2, 8192)):
-        assert cfg(num_rows=rows, max_span=span) == tk.LATENCY_CONFIG
-    assert tk.decode_config(128, 8, 4, 2, num_rows=1, max_span=32768, num_sms=132) == tk.LATENCY_CONFIG
+    deeper = tk.LATENCY_CONFIG._replace(num_stages=5)  # contexts of 8k and more
+    for rows, span, want in ((1, 512, tk.LATENCY_CONFIG), (1, 2048, tk.LATENCY_CONFIG), (1, 8192, deeper),
+                             (2, 8192, deeper)):
+        assert cfg(num_rows=rows, max_span=span) == want
+    assert tk.decode_config(128, 8, 4, 2, num_rows=1, max_span=32768, num_sms=132) == deeper
     assert tk.decode_config(128, 8, 4, 2, num_rows=16, max_span=2048, num_sms=132) == tk.LATENCY_CONFIG
     assert not cfg(num_rows=1, max_span=8192, latency_path=False).latency_kernel
-    one_wave = cfg(num_rows=16, max_span=512)
-    assert not one_wave.may_split and not one_wave.latency_kernel
-    for rows, span in ((1, 32768), (16, 2048), (16, 8192)):
-        big = cfg(num_rows=rows, max_span=span)
-        assert not big.latency_kernel and not big.merge_in_launch and big.may_split
+    for span, block_n in ((512, 64), (2048, 128), (8192, 128)):  # one wave nearly full: no split
+        one_wave = cfg(num_rows=16, max_span=span)
+        assert not one_wave.may_split and not one_wave.latency_kernel and one_wave.block_n == block_n
+    big = cfg(num_rows=1, max_span=32768)
+    assert not big.latency_kernel and not big.merge_in_launch and big.may_split
+    assert (big.block_n, big.num_stages, big.programs_per_sm, big.merge_slice, big.pdl) == (128, 5, 1, 1, 2)
+    mha = tk.decode_config(64, 1, 16, 2, num_rows=1, max_span=32768, num_sms=132)
+    # split: one kv head, two programs per multiprocessor, the merge let in at the start
+    assert (mha.heads_per_program, mha.programs_per_sm, mha.pdl) == (1, 2, 1)
+    assert tk.decode_config(64, 1, 16, 2, num_rows=16, max_span=2048, num_sms=132).heads_per_program == 2
     multi = cfg(max_query_len=4, num_rows=8, max_span=8192)
     assert multi.merge_in_launch and not multi.latency_kernel
     assert cfg(num_rows=1, max_span=512, max_query_len=2) == cfg(num_rows=1, max_span=512, max_query_len=2,

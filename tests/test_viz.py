@@ -440,6 +440,23 @@ def test_decode_bandwidth_lines_per_batch_and_implementation():
     assert viz.draw_decode_bandwidth({"decode_bandwidth": []}) is None
 
 
+def test_decode_bandwidth_colours_follow_the_implementation_not_the_file():
+    """The notebook's prose names the lines by colour: another series in the file (``before``)
+    must not shift them."""
+    from matplotlib.colors import to_hex
+
+    from fleetlab.viz.results import IMPLEMENTATION_COLORS
+
+    def colours(impls):
+        rows = [{"batch": 1, "context": 512, **{f"{i}_tbps": 1.0 for i in impls}}]
+        lines = by_gid(viz.draw_decode_bandwidth({"decode_bandwidth": rows}).axes[0].lines, "bandwidth:")
+        return {gid.rsplit(":", 1)[1]: to_hex(line.get_color()) for gid, line in lines.items()}
+
+    alone = colours(["triton", "sdpa", "gather_sdpa"])
+    assert alone == {k: to_hex(IMPLEMENTATION_COLORS[k]) for k in alone}
+    assert {k: v for k, v in colours(["triton", "sdpa", "gather_sdpa", "before"]).items() if k != "before"} == alone
+
+
 # ----------------------------------------------------------------- the pictures issue #18 asked for
 def test_block_mapping_draws_one_arrow_per_table_entry_and_hatches_shared_blocks(shared_pool):
     pool, tables, freed = shared_pool

@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+import os
 from typing import NamedTuple
 
 import triton
@@ -104,8 +105,8 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEADS: tl.constexpr, MAX_Q: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, SPLIT: tl.constexpr, MERGE_HERE: tl.constexpr,
-    MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, SPLITS_POW2: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row, group of HEADS kv heads, split): all query tokens of one decode row.
 
@@ -124,8 +125,13 @@ def _decode_kernel(
     normalised partial output and log2-sum-exp. With ``MERGE_HERE`` the last program of
     a (row, heads) to finish (an atomic counter, reset afterwards) merges them
     (``_merge_splits``): no second launch, but a serial tail (fence, atomic, merge) after
-    the slowest split. Without it ``_decode_merge_kernel`` merges them in a second launch.
+    the slowest split. Without it ``_decode_merge_kernel`` merges them in a second launch;
+    ``PDL`` lets that launch begin early (``gdc_launch_dependents``), its programs waiting
+    on the device for this grid's writes instead of starting after it drains: 1 at once,
+    2 once every split has read its K/V.
     """
+    if PDL == 1:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     hg = tl.program_id(1)
     split = tl.program_id(2)
@@ -187,6 +193,8 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
+    if PDL == 2:  # K/V all read: the merge's programs may start coming in
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT:
         # Partials keep only the MERGE_ROWS leading tile rows (the valid ones), so the
         # merge below works on a small tile and loads SPLIT_CHUNK splits at once.
@@ -201,9 +209,9 @@ def _decode_kernel(
             tl.debug_barrier()  # every thread's partial is written before the counter moves
             finished = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel", scope="gpu")
             if finished == num_splits - 1:  # the last split of this (row, heads) to finish merges them all
-                _merge_splits(part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len,
+                _merge_splits(part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len, 0,
                               stride_ot, stride_oh, GROUP, HEADS, MAX_Q, HEAD_DIM, BLOCK_D, MERGE_ROWS,
-                              SPLIT_CHUNK, MAX_SPLITS, USE_SINKS)
+                              MERGE_ROWS, SPLIT_CHUNK, SPLITS_POW2, USE_SINKS)
                 tl.atomic_xchg(counter_ptr + pid, 0)  # ready for the next launch
     else:
         o = _normalize(acc, m, l, sinks_ptr, heads, m_valid, USE_SINKS)
@@ -213,17 +221,20 @@ def _decode_kernel(
 
 @triton.jit
 def _merge_splits(
-    part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len,
+    part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len, r0,
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEADS: tl.constexpr, MAX_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    USE_SINKS: tl.constexpr,
+    BLOCK_D: tl.constexpr, MERGE_ROWS: tl.constexpr, ROWS_HERE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    SPLITS_POW2: tl.constexpr, USE_SINKS: tl.constexpr,
 ):
-    """Merge the splits' normalised partial outputs by their log2-sum-exp, ``SPLIT_CHUNK``
-    splits per load (independent loads in flight, not one round trip per split). Every
-    split wrote its rows (zeros and -inf when it saw nothing)."""
+    """Merge tile rows ``[r0, r0 + ROWS_HERE)`` of the splits' normalised partial outputs by
+    their log2-sum-exp (``SPLITS_POW2``: ``num_splits`` rounded up to a power of two). When
+    all splits fit one ``SPLIT_CHUNK`` load, one round trip; otherwise every log2-sum-exp
+    first, then ``SPLIT_CHUNK`` splits per load (independent loads in flight, not one round
+    trip per split). Every split wrote its rows (zeros and -inf when it saw nothing); a
+    split's partial holds ``MERGE_ROWS`` rows."""
     ROWS: tl.constexpr = GROUP * HEADS
-    offs_r = tl.arange(0, MERGE_ROWS)
+    offs_r = r0 + tl.arange(0, ROWS_HERE)
     offs_c = tl.arange(0, BLOCK_D)
     offs_s = tl.arange(0, SPLIT_CHUNK)
     tok = offs_r // ROWS
@@ -236,25 +247,39 @@ def _merge_splits(
         d = offs_c % HEAD_DIM
         own = r_valid[:, None] & ((offs_c // HEAD_DIM)[None, :] == ((offs_r // GROUP) % HEADS)[:, None])
     first = (pid * num_splits).to(tl.int64)
-    # Every split's log2-sum-exp in one load: the global max and denominator come first,
-    # so the chunks of partial outputs below are independent loads (no rescaling).
-    offs_all = tl.arange(0, MAX_SPLITS)
-    lse_all = tl.load(part_lse_ptr + (first + offs_all)[:, None] * MERGE_ROWS + offs_r[None, :],
-                      mask=(offs_all < num_splits)[:, None] & r_valid[None, :], other=float("-inf"),
-                      cache_modifier=".cg")
-    m = tl.max(lse_all, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.sum(tl.exp2(lse_all - m_safe[None, :]), 0)
-    acc = tl.zeros([MERGE_ROWS, BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, SPLIT_CHUNK):
-        s_idx = s0 + offs_s
-        rows = (first + s_idx)[:, None] * MERGE_ROWS + offs_r[None, :]  # [SPLIT_CHUNK, MERGE_ROWS]
-        s_ok = s_idx < num_splits
+    if SPLIT_CHUNK >= SPLITS_POW2:
+        # Every split at once: one round trip for the log2-sum-exps and the partial outputs.
+        rows = (first + offs_s)[:, None] * MERGE_ROWS + offs_r[None, :]  # [SPLIT_CHUNK, ROWS_HERE]
+        s_ok = offs_s < num_splits
         lse = tl.load(part_lse_ptr + rows, mask=s_ok[:, None] & r_valid[None, :], other=float("-inf"),
                       cache_modifier=".cg")
         o = tl.load(part_o_ptr + rows[:, :, None] * BLOCK_D + offs_c[None, None, :],
                     mask=s_ok[:, None, None] & own[None, :, :], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(o * tl.exp2(lse - m_safe[None, :])[:, :, None], 0)
+        m = tl.max(lse, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w = tl.exp2(lse - m_safe[None, :])
+        l = tl.sum(w, 0)
+        acc = tl.sum(o * w[:, :, None], 0)
+    else:
+        # Every split's log2-sum-exp in one load: the global max and denominator come first,
+        # so the chunks of partial outputs below are independent loads (no rescaling).
+        offs_all = tl.arange(0, SPLITS_POW2)
+        lse_all = tl.load(part_lse_ptr + (first + offs_all)[:, None] * MERGE_ROWS + offs_r[None, :],
+                          mask=(offs_all < num_splits)[:, None] & r_valid[None, :], other=float("-inf"),
+                          cache_modifier=".cg")
+        m = tl.max(lse_all, 0)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        l = tl.sum(tl.exp2(lse_all - m_safe[None, :]), 0)
+        acc = tl.zeros([ROWS_HERE, BLOCK_D], tl.float32)
+        for s0 in range(0, num_splits, SPLIT_CHUNK):
+            s_idx = s0 + offs_s
+            rows = (first + s_idx)[:, None] * MERGE_ROWS + offs_r[None, :]
+            s_ok = s_idx < num_splits
+            lse = tl.load(part_lse_ptr + rows, mask=s_ok[:, None] & r_valid[None, :], other=float("-inf"),
+                          cache_modifier=".cg")
+            o = tl.load(part_o_ptr + rows[:, :, None] * BLOCK_D + offs_c[None, None, :],
+                        mask=s_ok[:, None, None] & own[None, :, :], other=0.0, cache_modifier=".cg")
+            acc += tl.sum(o * tl.exp2(lse - m_safe[None, :])[:, :, None], 0)
     o = _normalize(acc, m, l, sinks_ptr, heads, r_valid, USE_SINKS)
     tok_rows = (q_start + tok).to(tl.int64)
     tl.store(out_ptr + tok_rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -265,13 +290,20 @@ def _merge_splits(
 def _decode_merge_kernel(
     part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, cu_seqlens_q_ptr, num_splits, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEADS: tl.constexpr, MAX_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr, MERGE_ROWS: tl.constexpr, SPLIT_CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    USE_SINKS: tl.constexpr,
+    BLOCK_D: tl.constexpr, MERGE_ROWS: tl.constexpr, ROWS_HERE: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+    SPLITS_POW2: tl.constexpr, USE_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (row, group of kv heads): the second launch of a split decode whose splits
-    do not merge themselves (``MERGE_HERE`` off): ``_merge_splits`` over its partials."""
+    """Program (row, group of kv heads, slice of ``ROWS_HERE`` tile rows): the second launch
+    of a split decode whose splits do not merge themselves (``MERGE_HERE`` off):
+    ``_merge_splits`` over its partials. Slicing the rows spreads a small batch's merge over
+    more multiprocessors (1 x 32k at 8 kv heads: 32 programs instead of 8).
+
+    ``PDL``: launched as a programmatic dependent of ``_decode_kernel`` (Hopper), so its
+    programs start while the splits finish and wait (``gdc_wait``) only before reading
+    their partials."""
     row = tl.program_id(0)
     hg = tl.program_id(1)
+    r0 = tl.program_id(2) * ROWS_HERE
     if MAX_Q == 1:
         q_start = row
         q_len = 1
@@ -279,9 +311,11 @@ def _decode_merge_kernel(
         q_start = tl.load(cu_seqlens_q_ptr + row)
         q_len = tl.load(cu_seqlens_q_ptr + row + 1) - q_start
     pid = row * tl.num_programs(1) + hg
-    _merge_splits(part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len,
-                  stride_ot, stride_oh, GROUP, HEADS, MAX_Q, HEAD_DIM, BLOCK_D, MERGE_ROWS,
-                  SPLIT_CHUNK, MAX_SPLITS, USE_SINKS)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # every split's partial is written and visible
+    _merge_splits(part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, num_splits, hg, q_start, q_len, r0,
+                  stride_ot, stride_oh, GROUP, HEADS, MAX_Q, HEAD_DIM, BLOCK_D, MERGE_ROWS, ROWS_HERE,
+                  SPLIT_CHUNK, SPLITS_POW2, USE_SINKS)
 
 
 @triton.jit
@@ -294,7 +328,7 @@ def _decode_latency_kernel(
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
     """The latency path: program (row, kv_head, split), one query token per row.
 
@@ -304,8 +338,11 @@ def _decode_latency_kernel(
     goes straight to ``out``; otherwise the split's normalised partial output and its
     log2-sum-exp go to ``part_o [B, H, S, D]`` / ``part_lse [B, H, S]`` for
     ``_decode_reduce_kernel``. Only keys ``[lo, hi)`` of the row's visible context are
-    loaded (a split past the context writes an empty partial and loads nothing).
+    loaded (a split past the context writes an empty partial and loads nothing). ``PDL``:
+    as in ``_decode_kernel``, the reduce launch may start at once.
     """
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -366,14 +403,17 @@ def _decode_latency_kernel(
 def _decode_reduce_kernel(
     part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, num_splits, stride_ot, stride_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_SINKS: tl.constexpr,
+    USE_SINKS: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (row, head): merge ``_decode_latency_kernel``'s splits by their log-sum-exp."""
+    """Program (row, head): merge ``_decode_latency_kernel``'s splits by their log-sum-exp
+    (``PDL``: a programmatic dependent launch that waits for the splits on the device)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     base = (row * NUM_HEADS + head) * num_splits
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < num_splits, other=float("-inf"))
     live = lse > float("-inf")  # empty splits wrote -inf and no output
     m = tl.max(lse, 0)
@@ -556,6 +596,18 @@ def _next_pow2(n: int) -> int:
 
 
 @functools.cache
+def _pdl_supported() -> bool:
+    """Programmatic dependent launch: a Hopper (or newer) GPU, not the CPU interpreter."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return False
+    try:
+        target = triton.runtime.driver.active.get_current_target()
+        return target.backend == "cuda" and int(target.arch) >= 90
+    except Exception:  # noqa: BLE001 - no GPU driver: plain launches
+        return False
+
+
+@functools.cache
 def _num_sms() -> int:
     """Multiprocessor count of the current GPU (1 under the CPU interpreter)."""
     try:
@@ -642,8 +694,11 @@ class DecodeConfig(NamedTuple):
     """Knobs of the decode kernels: K/V tokens per tile, warps, pipeline depth, programs per
     multiprocessor the split planner aims for, kv heads per program, where split contexts
     merge (in the same launch, by the last split to finish, or in a second launch),
-    whether the planner may split contexts at all, and whether the latency path
-    (``_decode_latency_kernel`` + ``_decode_reduce_kernel``) runs instead of ``_decode_kernel``."""
+    whether the planner may split contexts at all, whether the latency path
+    (``_decode_latency_kernel`` + ``_decode_reduce_kernel``) runs instead of ``_decode_kernel``,
+    how many tile rows one program of the second-launch merge takes (0: all of its
+    (row, kv head group)'s rows), and whether that merge is a programmatic dependent launch
+    (Hopper) let in at the split kernel's start (1) or once its K/V are read (2), or not (0)."""
 
     block_n: int
     num_warps: int
@@ -653,9 +708,12 @@ class DecodeConfig(NamedTuple):
     merge_in_launch: bool = True
     may_split: bool = True
     latency_kernel: bool = False
+    merge_slice: int = 0
+    pdl: int = 0
 
 
-# The latency path's knobs: the kernels of 61b6940 as they were launched and measured.
+# The latency path's knobs: the kernels of 61b6940 as they were launched and measured
+# (contexts of 8k tokens and more: 5 stages, see ``decode_config``).
 LATENCY_CONFIG = DecodeConfig(64, 4, 3, 2, 1, merge_in_launch=False, latency_kernel=True)
 
 
@@ -684,13 +742,15 @@ def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
       are split (one program per multiprocessor) wants 5 and, over long contexts,
       128-token tiles; rows of several query tokens want 5 once they fill more than 16
       tile rows.
-    - ``programs_per_sm`` 1: the split merge costs more than a second program per
-      multiprocessor gains (and a 128-token, 5-stage program fills one alone).
+    - ``programs_per_sm`` 1 where a 128-token, 5-stage program fills a multiprocessor's
+      shared memory alone (head_dim 128), 2 where two fit (head_dim 64: MHA d64 at
+      1 x 32k, 16 splits, 39.6 us against 42.6 with 8).
     - Single-token rows (one query token per row), when the batch gets split:
 
-      * a batch whose programs nearly fill the multiprocessors once (>= 7/8 of them)
-        over short contexts (<= 512 tokens) is not split: the split and its merge cost
-        more than the idle multiprocessors (16 x 512: 15.5 us against 16.2 split in two);
+      * a batch whose programs nearly fill the multiprocessors once (>= 7/8 of them) is
+        not split: the split and its merge cost more than the idle multiprocessors
+        (16 x 512: 15.5 us against 16.2 split in two; 16 x 2k: 37.7 against 41.0, at
+        16 x 2k and longer with 128-token tiles, 5 stages);
       * small work (rows x kv heads x context <= 2**17 tokens: 1 x 512 .. 8k at 8 kv
         heads, 1 x 32k and 16 x 2k at 4) takes the latency path: one kv head per program,
         64-token tiles, 3 stages, about two programs per multiprocessor (splits rounded
@@ -698,8 +758,15 @@ def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
         shapes 1.0-1.6x faster than any setting of ``_decode_kernel`` swept (e.g. 1 x 2k:
         9.4 us against 12.1; 4 kv heads at 1 x 32k: 28.0 against 36.4), where every
         extra split or wave of that kernel cost several microseconds;
-      * larger work keeps ``_decode_kernel`` and merges in a second launch, which ran
-        1-4% faster than the in-launch merge (1 x 32k: 43.1 us against 44.6).
+      * the latency path over 8k tokens and more buffers deeper, 5 stages (1 x 8k: 16.4
+        us against 17.7; 5 stages lose at 2k: 9.7 against 9.3);
+      * larger work keeps ``_decode_kernel`` with one kv head per program (MHA d64 at
+        1 x 32k: 39.6 us against 41.1 with two) and merges in a second launch of one
+        program per tile row (1 x 32k: 41.0 us against 44.2 with one program per kv head
+        and 44.8 merged in the same launch; without any merge the splits take 38.2), as a
+        programmatic dependent launch: let in at the start where two split programs share
+        a multiprocessor (MHA d64 1 x 32k: 39.8 us, 40.5 without), once the K/V are read
+        where one fills it (1 x 32k: 40.6, 40.8 without, 41.9 let in at the start).
     """
     heads = 1
     if kv_heads_contiguous and max_query_len == 1 and group == 1:
@@ -710,13 +777,21 @@ def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
     if num_rows * groups >= 2 * num_sms:  # no split
         return DecodeConfig(32 if wide else 64, 4, 5 if max_query_len * group * heads > 16 else 3, 2, heads)
     if max_query_len == 1:
-        if num_rows * groups * 8 >= num_sms * 7 and max_span <= 512:
-            return DecodeConfig(32 if wide else 64, 4, 5, 1, heads, may_split=False)
+        if num_rows * groups * 8 >= num_sms * 7:
+            deep = max_span >= 2048  # 128-token tiles: more bytes in flight on each multiprocessor
+            return DecodeConfig((64 if wide else 128) if deep else (32 if wide else 64), 4, 5, 1, heads,
+                                may_split=False)
         if latency_path and num_rows * num_kv_heads * max_span <= 2**17 and elem_bytes * head_dim <= 256:
-            return LATENCY_CONFIG
+            return LATENCY_CONFIG._replace(num_stages=5) if max_span >= 8192 else LATENCY_CONFIG
+        heads = 1
+        wide = elem_bytes * head_dim > 256
     long = max_span >= 8192 and max_query_len == 1
     block_n = (64 if wide else 128) if long else (32 if wide else 64)
-    return DecodeConfig(block_n, 4, 5, 1, heads, merge_in_launch=max_query_len > 1)
+    # 5 stages buffer two K/V tiles; where two programs' buffers fit a multiprocessor's
+    # shared memory (head_dim 64), plan for two.
+    two_fit = max_query_len == 1 and 2 * 2 * (2 * block_n * head_dim * heads * elem_bytes) <= 200 * 1024
+    return DecodeConfig(block_n, 4, 5, 2 if two_fit else 1, heads, merge_in_launch=max_query_len > 1,
+                        merge_slice=1, pdl=1 if two_fit else 2)
 
 
 def prefill_config(head_dim: int, group: int, elem_bytes: int, num_programs: int,
@@ -798,7 +873,8 @@ def decode_attention(
     cu_seqlens_q=None, max_query_len: int = 1,
     block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     programs_per_sm: int | None = None, heads_per_program: int | None = None,
-    merge_in_launch: bool | None = None, latency_kernel: bool | None = None,
+    merge_in_launch: bool | None = None, latency_kernel: bool | None = None, merge_slice: int | None = None,
+    pdl: int | None = None,
 ):
     """Decode attention over block tables: 1..R query tokens per row, GQA, split-K.
 
@@ -817,9 +893,14 @@ def decode_attention(
         ``max_query_len * group`` may not pass ``MAX_DECODE_ROWS``.
       num_splits: force this many context splits (default: ``plan_decode_splits``).
       block_n / num_warps / num_stages / programs_per_sm / heads_per_program /
-        merge_in_launch / latency_kernel: tuning knobs (default: ``decode_config``). The
-        latency kernel takes single-token rows only (no ``cu_seqlens_q``), one kv head
-        per program, and ignores ``merge_in_launch`` (it always merges in a second launch).
+        merge_in_launch / latency_kernel / merge_slice: tuning knobs (default:
+        ``decode_config``). The latency kernel takes single-token rows only (no
+        ``cu_seqlens_q``), one kv head per program, and ignores ``merge_in_launch`` (it
+        always merges in a second launch).
+      pdl: launch a second-launch merge as a programmatic dependent of the split kernel:
+        0/False off, 1/True let in at the split kernel's start, 2 once its K/V are read
+        (default: ``decode_config``'s choice where the GPU has it, Hopper; never under the
+        interpreter). The latency path takes 0 or 1.
     Returns ``out [T, num_heads, head_dim]`` (the rows' tokens written; in place when given).
     """
     _, block_size, num_kv_heads, head_dim = _check_cache(key_cache, value_cache)
@@ -841,16 +922,18 @@ def decode_attention(
                         num_rows, max_span, _num_sms(), latency_path=latency_kernel is not False)
     if latency_kernel and not cfg.latency_kernel:  # forced: the latency path's own table row
         cfg = LATENCY_CONFIG
-    forced = (block_n, num_warps, num_stages, programs_per_sm, heads_per_program, merge_in_launch)
-    cfg = cfg._replace(**{name: type(cfg[i])(v) for i, (name, v) in enumerate(zip(cfg._fields, forced))
-                          if v is not None})
+    forced = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
+              "programs_per_sm": programs_per_sm, "heads_per_program": heads_per_program,
+              "merge_in_launch": merge_in_launch, "merge_slice": merge_slice, "pdl": pdl}
+    cfg = cfg._replace(**{k: type(getattr(cfg, k))(v) for k, v in forced.items() if v is not None})
+    pdl = cfg.pdl if _pdl_supported() else 0
     if cfg.latency_kernel:
         if max_q > 1 or cfg.heads_per_program != 1:
             raise ValueError("the latency kernel takes single-token rows (no cu_seqlens_q) and "
                              "heads_per_program 1")
         return _decode_latency(query, key_cache, value_cache, block_tables, seq_lens_kv, out, cfg,
                                num_rows=num_rows, num_splits=num_splits, max_span=max_span, scale=scale,
-                               window=window, sinks=sinks, group=group, num_heads=num_heads)
+                               window=window, sinks=sinks, group=group, num_heads=num_heads, pdl=pdl)
     heads = cfg.heads_per_program
     if num_kv_heads % heads or (heads > 1 and not contiguous_heads) or max_q * group * heads > MAX_DECODE_ROWS:
         raise ValueError(f"heads_per_program {heads} must divide num_kv_heads {num_kv_heads}, with the "
@@ -860,9 +943,10 @@ def decode_attention(
     block_m = max(16, _next_pow2(max_q * group * heads))
     block_d = _next_pow2(heads * head_dim)
     merge_rows = _next_pow2(max_q * group * heads)
-    split_chunk = max(1, min(_next_pow2(num_splits), _MERGE_TILE // (merge_rows * block_d)))
     split = num_splits > 1
     merge_here = split and cfg.merge_in_launch
+    pdl = pdl if split and not merge_here else 0
+    rows_here = merge_rows if cfg.merge_slice <= 0 else min(merge_rows, _next_pow2(cfg.merge_slice))
     if split:
         f32 = _float32_like(query)
         parts = num_rows * head_groups * num_splits * merge_rows
@@ -882,19 +966,26 @@ def decode_attention(
         GROUP=group, HEADS=heads, MAX_Q=max_q, BLOCK_M=block_m,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
         USE_WINDOW=bool(window), USE_SINKS=sinks is not None, SPLIT=split, MERGE_HERE=merge_here,
-        MERGE_ROWS=merge_rows, SPLIT_CHUNK=split_chunk, MAX_SPLITS=MAX_SPLITS,
-        DOT_PRECISION=_dot_precision(query), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        MERGE_ROWS=merge_rows, SPLIT_CHUNK=_split_chunk(num_splits, merge_rows, block_d),
+        SPLITS_POW2=_next_pow2(num_splits),
+        DOT_PRECISION=_dot_precision(query), PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split and not merge_here:
-        _decode_merge_kernel[(num_rows, head_groups)](
+        _decode_merge_kernel[(num_rows, head_groups, merge_rows // rows_here)](
             part_o, part_lse, sinks if sinks is not None else query, out,
             cu_seqlens_q if cu_seqlens_q is not None else seq_lens_kv, num_splits,
             out.stride()[0], out.stride()[1],
             GROUP=group, HEADS=heads, MAX_Q=max_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            MERGE_ROWS=merge_rows, SPLIT_CHUNK=split_chunk, MAX_SPLITS=MAX_SPLITS,
-            USE_SINKS=sinks is not None, num_warps=4,
+            MERGE_ROWS=merge_rows, ROWS_HERE=rows_here, SPLIT_CHUNK=_split_chunk(num_splits, rows_here, block_d),
+            SPLITS_POW2=_next_pow2(num_splits), USE_SINKS=sinks is not None, PDL=pdl, num_warps=4,
+            launch_pdl=bool(pdl),
         )
     return out
+
+
+def _split_chunk(num_splits: int, rows: int, block_d: int) -> int:
+    """Splits one merge load takes: as many as fit ``_MERGE_TILE`` fp32 elements of ``rows x block_d``."""
+    return max(1, min(_next_pow2(num_splits), _MERGE_TILE // (rows * block_d)))
 
 
 def _splits(num_splits, num_rows: int, programs_per_row: int, max_span: int, cfg: DecodeConfig):
@@ -912,12 +1003,13 @@ def _splits(num_splits, num_rows: int, programs_per_row: int, max_span: int, cfg
 
 def _decode_latency(query, key_cache, value_cache, block_tables, seq_lens_kv, out, cfg: DecodeConfig, *,
                     num_rows: int, num_splits, max_span: int, scale: float, window: int, sinks, group: int,
-                    num_heads: int):
+                    num_heads: int, pdl: bool):
     """The latency path of ``decode_attention``: ``_decode_latency_kernel`` over (row, kv head,
     split), then ``_decode_reduce_kernel`` over (row, head) when the contexts were split."""
     num_kv_heads, head_dim = _shape(key_cache)[2], _shape(key_cache)[3]
     num_splits, split_len = _splits(num_splits, num_rows, num_kv_heads, max_span, cfg)
     direct = num_splits == 1
+    pdl = bool(pdl) and not direct
     if direct:
         part_o = part_lse = out  # unused by the kernel
     else:
@@ -934,14 +1026,15 @@ def _decode_latency(query, key_cache, value_cache, block_tables, seq_lens_kv, ou
         NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=_shape(key_cache)[1], BLOCK_N=cfg.block_n,
         USE_WINDOW=bool(window), USE_SINKS=sinks is not None, DIRECT=direct,
-        DOT_PRECISION=_dot_precision(query), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=_dot_precision(query), PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
         _decode_reduce_kernel[(num_rows, num_heads)](
             part_o, part_lse, sinks if sinks is not None else part_lse, out, num_splits,
             out.stride()[0], out.stride()[1],
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim),
-            BLOCK_S=max(2, _next_pow2(num_splits)), USE_SINKS=sinks is not None, num_warps=4,
+            BLOCK_S=max(2, _next_pow2(num_splits)), USE_SINKS=sinks is not None, PDL=pdl, num_warps=4,
+            launch_pdl=pdl,
         )
     return out
 

@@ -408,52 +408,111 @@ def measure_ceilings() -> dict:
 
 PREFILL_GRID = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 128, 8, 3),
                 (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 4, 4)]  # (block_m, block_n, warps, stages)
+# Decode shapes whose contexts get split (fewer than two programs per multiprocessor): where
+# the split count, the merge and launch gaps decide the time. (batch, context, heads, kv heads, dim)
+TUNE_DECODE = ((1, 32768, 32, 8, 128), (1, 32768, 16, 16, 64), (16, 2048, 16, 16, 64), (16, 2048, 32, 8, 128))
+# How a split decode merges: (merge_in_launch, pdl, merge_slice); pdl 1 lets the merge in at
+# the split kernel's start, 2 once its K/V are read
+MERGES = ((False, 0, 0), (False, 1, 0), (False, 0, 1), (False, 1, 1), (False, 2, 1), (True, 0, 0))
+
+
+def _heads_options(case: DecodeCase) -> list[int]:
+    """KV heads per program worth timing: up to 4 for MHA, up to 2 for GQA."""
+    top = 4 if case.num_heads == case.num_kv_heads else 2
+    return [h for h in (1, 2, 4) if h <= top and case.num_kv_heads % h == 0 and case.head_dim * h <= 256]
+
+
+def split_counts(case: DecodeCase, heads: int, num_sms: int = 132) -> list[int | None]:
+    """Split counts worth timing (None: the planner's own), with the count that makes exactly
+    one program per multiprocessor where one exists."""
+    counts = [None, 16, 32, 48, 64] if case.batch == 1 else [None, 1, 2, 4]
+    programs = case.batch * case.num_kv_heads // heads
+    if num_sms % programs == 0 and num_sms // programs not in counts:
+        counts.append(num_sms // programs)
+    return counts
 
 
 def decode_grid(case: DecodeCase) -> list[dict]:
-    """Knob settings worth timing for one decode shape."""
-    grid = []
-    programs = case.batch * case.num_kv_heads
-    heads = [h for h in (1, 2, 4, 8) if case.num_kv_heads % h == 0] if case.num_heads == case.num_kv_heads else [1]
-    if programs < 2 * 132:  # a split-K shape: the split planning matters most
-        long = case.context >= 8192
-        for bn in (32, 64, 128) if long else (32, 64):
-            for stages in (2, 3, 4) if long else (2, 3):
-                for pps in (2, 4, 8) if long else (1, 2, 4):
-                    grid.append({"block_n": bn, "num_stages": stages, "programs_per_sm": pps})
-    else:
-        for bn in (32, 64, 128):
-            for stages in (2, 3, 4):
-                for h in heads:
-                    grid.append({"block_n": bn, "num_stages": stages, "heads_per_program": h})
+    """Main-kernel knob settings worth timing for one split decode shape (merge: the default)."""
+    grid = [{"latency_kernel": True, "num_splits": n} for n in split_counts(case, 1)
+            if case.head_dim * 2 <= 256 and n != 1]
+    for h in _heads_options(case):
+        for bn in (64, 128):
+            for stages in (3, 4, 5):
+                for warps in (4, 8):
+                    for n in split_counts(case, h):
+                        knobs = {"heads_per_program": h, "block_n": bn, "num_stages": stages, "num_warps": warps,
+                                 "latency_kernel": False}
+                        grid.append(knobs | ({} if n is None else {"num_splits": n}))
     return grid
 
 
-def tune(tk, quick: bool, result: dict, save=lambda: None) -> dict:
-    """Time every knob setting on a few shapes (Triton only, CUDA graphs, inputs built once).
+@contextlib.contextmanager
+def _merge_skipped(tk):
+    """Diagnostic: split decodes launch no merge (their output is wrong): the splits' own time."""
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
 
-    Rows go to ``result["decode"]`` / ``result["prefill"]``; ``save`` runs after each shape.
-    """
+    saved = tk._decode_merge_kernel, tk._decode_reduce_kernel
+    tk._decode_merge_kernel = tk._decode_reduce_kernel = _NoLaunch()
+    try:
+        yield
+    finally:
+        tk._decode_merge_kernel, tk._decode_reduce_kernel = saved
+
+
+def _tune_decode_case(tk, case: DecodeCase) -> list[dict]:
+    """Stage 1: the main kernel's knobs (default merge). Stage 2: the 5 best, with every merge
+    and with no merge at all (how much of the time the merge takes). SDPA in the same run."""
+    import torch
+
+    sets = input_sets(case)
+    outs = [torch.empty_like(s["query"]) for s in sets]
+
+    def timed(knobs: dict, stage: str) -> dict:
+        ms = _safe_ms([_decode_fn(tk, s, case, o, knobs) for s, o in zip(sets, outs)], rep=30)
+        row = asdict(case) | {"stage": stage, "knobs": knobs, "triton_ms": ms}
+        if isinstance(ms, float):
+            row["triton_tbps"] = case.kv_bytes / (ms * 1e-3) / 1e12
+        log.info("tune %s", row)
+        return row
+
+    rows = [timed({}, "default")]
+    rows += [timed(knobs, "kernel") for knobs in decode_grid(case)]
+    ranked = sorted((r for r in rows if "triton_tbps" in r), key=lambda r: -r["triton_tbps"])
+    for best in ranked[:5]:
+        for merge_in_launch, pdl, merge_slice in MERGES:
+            if best["knobs"].get("latency_kernel") and (merge_in_launch or merge_slice):
+                continue
+            rows.append(timed(best["knobs"] | {"merge_in_launch": merge_in_launch, "pdl": pdl,
+                                               "merge_slice": merge_slice}, "merge"))
+        with _merge_skipped(tk):
+            rows.append(timed(best["knobs"] | {"merge_in_launch": False}, "no-merge"))
+    contiguous = [(_gather(s["key_cache"], s["block_tables"], case).contiguous(),
+                   _gather(s["value_cache"], s["block_tables"], case).contiguous()) for s in sets]
+    sdpa_ms = _graph_ms([(lambda s=s, k=k, v=v: _sdpa_decode(s["query"], k, v, case))
+                         for s, (k, v) in zip(sets, contiguous)], rep=30)
+    for r in rows:
+        r["sdpa_ms"] = sdpa_ms
+        if isinstance(r["triton_ms"], float):
+            r["speedup_vs_sdpa"] = sdpa_ms / r["triton_ms"]
+    return rows
+
+
+def tune(tk, quick: bool, result: dict, save=lambda: None, sections=("decode", "prefill")) -> dict:
+    """Time knob settings on the shapes the default tables were chosen for (Triton only, CUDA
+    graphs, inputs built once). Rows go to ``result["decode"]`` / ``result["prefill"]``;
+    ``save`` runs after each shape."""
     import torch
 
     result.setdefault("decode", [])
     result.setdefault("prefill", [])
-    decode_cases = [DecodeCase(1, 32768), DecodeCase(16, 512), DecodeCase(16, 2048),
-                    DecodeCase(128, 1024, 16, 16, 64), DecodeCase(64, 2048, 32, 32, 128), DecodeCase(64, 2048, 32, 4)]
-    for case in decode_cases[:2] if quick else decode_cases:
-        sets = input_sets(case)
-        outs = [torch.empty_like(s["query"]) for s in sets]
-        for knobs in decode_grid(case):
-            ms = _safe_ms([_decode_fn(tk, s, case, o, knobs) for s, o in zip(sets, outs)], rep=30)
-            row = asdict(case) | {"knobs": knobs, "triton_ms": ms}
-            if isinstance(ms, float):
-                row["triton_tbps"] = case.kv_bytes / (ms * 1e-3) / 1e12
-            result["decode"].append(row)
-            log.info("tune %s", row)
-        del sets, outs
-        torch.cuda.empty_cache()
+    for shape in (TUNE_DECODE[:1] if quick else TUNE_DECODE) if "decode" in sections else ():
+        result["decode"] += _tune_decode_case(tk, DecodeCase(*shape))
+        torch.cuda.empty_cache()  # the shape's input sets are gone with the call
         save()
-    for shape in PREFILL_SHAPES[:1] if quick else PREFILL_SHAPES:
+    for shape in (PREFILL_SHAPES[:1] if quick else PREFILL_SHAPES) if "prefill" in sections else ():
         case = PrefillCase(*shape)
         inputs = make_inputs(case.as_decode())
         out = torch.empty_like(inputs["query"])
@@ -479,7 +538,9 @@ def _best(rows: list[dict], metric: str, top: int = 3) -> list[str]:
     for key in sorted({tuple(r[k] for k in shape_keys) for r in rows}):
         ok = sorted((r for r in rows if tuple(r[k] for k in shape_keys) == key and metric in r),
                     key=lambda r: -r[metric])
-        best = ", ".join(f"{r['knobs']}: {r[metric]:.2f}" for r in ok[:top])
+        best = ", ".join(f"{r.get('stage', '')} {r['knobs']}: {r[metric]:.2f}"
+                         + (f" ({r['speedup_vs_sdpa']:.2f}x sdpa)" if "speedup_vs_sdpa" in r else "")
+                         for r in ok[:top])
         lines.append(f"tune {dict(zip(shape_keys, key))}: {best}")
     return lines
 
@@ -575,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
                                          "(files PATH* are merged: one per pytest-xdist worker)")
     parser.add_argument("--before", help="an older triton_kernels.py to time side by side as 'before'")
     parser.add_argument("--previous", help="an earlier results JSON whose headline numbers to carry along")
-    parser.add_argument("--tune", action="store_true", help="also sweep the kernels' knobs")
+    parser.add_argument("--tune", nargs="?", const="decode,prefill", default="",
+                        help="also sweep the kernels' knobs (optionally: decode, prefill or both, comma-separated)")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
     parser.add_argument("--sections", default="decode,shapes,multi,prefill",
                         help="comma-separated: decode, shapes, multi, prefill")
@@ -635,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
             save()
     if args.tune:
         result["tuning"] = {}
-        tune(tk, args.quick, result["tuning"], save)
+        tune(tk, args.quick, result["tuning"], save, tuple(args.tune.split(",")))
     save()
 
     print(json.dumps(result["ceilings"]))

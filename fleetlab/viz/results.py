@@ -284,7 +284,11 @@ IMPLEMENTATION_NAMES = {
     "triton_eager": "the same kernel launched eagerly (no CUDA graph): launch cost shows",
     "sdpa": "SDPA on contiguous K/V (no paging: the target)",
     "gather_sdpa": "gather the blocks into a contiguous copy, then SDPA",
+    "before": "an older copy of the paged Triton kernel, timed in the same run",
 }
+# One colour per implementation, whatever else a results file holds (notebook prose names them).
+IMPLEMENTATION_COLORS = {"triton": PALETTE[2], "sdpa": PALETTE[1], "gather_sdpa": PALETTE[0], "before": "#9a9a9a",
+                         "triton_eager": PALETTE[4]}
 # Peak memory bandwidth on the vendor's spec sheet, by device name (TB/s).
 SPEC_BANDWIDTH_TBPS = {"NVIDIA H200": 4.8}
 
@@ -294,7 +298,8 @@ def draw_decode_bandwidth(kernel_results: Mapping, *, ncols: int = 3):
     ``decode_bandwidth`` list (entries with ``batch``, ``context`` and ``<impl>_tbps``).
 
     One panel per batch size (``ncols`` to a row), one line per implementation named in
-    words (:data:`IMPLEMENTATION_NAMES`; gid ``"bandwidth:<batch>:<impl>"``). Two reference
+    words (:data:`IMPLEMENTATION_NAMES`) in its own colour (:data:`IMPLEMENTATION_COLORS`;
+    gid ``"bandwidth:<batch>:<impl>"``). Two reference
     lines, when known: the device's spec-sheet peak (:data:`SPEC_BANDWIDTH_TBPS`, by
     ``environment.device``), the true upper bound; and a plain ``torch.sum`` over 2 GiB
     measured on the same card (``ceilings.read_sum_tbps``), a simple kernel to compare with,
@@ -320,7 +325,8 @@ def draw_decode_bandwidth(kernel_results: Mapping, *, ncols: int = 3):
             points = [(r["context"], r[f"{impl}_tbps"]) for r in mine if _is_number(r.get(f"{impl}_tbps"))]
             if points:
                 xs, ys = zip(*points)
-                ax.plot(xs, ys, marker="o", color=PALETTE[j % len(PALETTE)],
+                color = IMPLEMENTATION_COLORS.get(impl, PALETTE[(j + 5) % len(PALETTE)])
+                ax.plot(xs, ys, marker="o", color=color, linestyle=":" if impl == "before" else "-",
                         label=IMPLEMENTATION_NAMES.get(impl, impl), gid=f"bandwidth:{batch}:{impl}")
         if spec is not None:
             ax.axhline(spec, color="black", linestyle="-", linewidth=0.9,
