@@ -33,7 +33,11 @@ K/V together exceed the L2 cache several times.
 Run on a machine with a CUDA GPU, torch and triton (no Paddle needed)::
 
     python -m fleetlab.bench.triton_attention --json h200_triton.json \
-        [--errors errors.json] [--before old_triton_kernels.py] [--previous old.json] [--tune]
+        [--errors errors.json] [--before old_triton_kernels.py] [--previous old.json] [--tune [decode,prefill]]
+
+``--sections none --tune decode`` runs only the decode sweep: the split-context shapes of
+``TUNE_DECODE``, each knob setting, then the best ones with every way of merging their
+splits and with no merge at all (a diagnostic whose output is wrong: the splits' own time).
 """
 
 from __future__ import annotations
