@@ -96,6 +96,21 @@ def _normalize(acc, m, l, sinks_ptr, heads, m_valid, USE_SINKS: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax(s, v, m, l, acc, DOT_PRECISION: tl.constexpr):
+    """Fold one K/V tile into a decode program's running softmax: scores ``s [M, N]`` (base 2,
+    -inf where unseen), values ``v [N, D]``, running max ``m [M]``, sum ``l [M]`` and output
+    ``acc [M, D]``. Returns the new ``(m, l, acc)``; a row that has seen nothing yet keeps
+    ``m = -inf`` and adds nothing (no NaN from ``-inf - -inf``)."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, sinks_ptr,
     out_ptr, part_o_ptr, part_lse_ptr, counter_ptr,
@@ -185,13 +200,7 @@ def _decode_kernel(
         if USE_WINDOW:
             seen = seen & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing seen yet
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m, l, acc = _online_softmax(s, v, m, l, acc, DOT_PRECISION)
 
     if PDL == 2:  # K/V all read: the merge's programs may start coming in
         tl.extra.cuda.gdc_launch_dependents()
@@ -380,13 +389,7 @@ def _decode_latency_kernel(
         v = tl.load(value_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        # The first token of every tile is visible, so m_new is finite here.
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+        m, l, acc = _online_softmax(s, v, m, l, acc, DOT_PRECISION)
 
     if DIRECT:
         o = _normalize(acc, m, l, sinks_ptr, heads, g_mask, USE_SINKS)
