@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 _quiet.install()
 
 _LAZY = {
-    "LLM": "fleetlab.engine.llm",
+    "LLM": "fleetlab.llm",
     "AsyncLLM": "fleetlab.serving.async_llm",
     "SamplingParams": "fleetlab.engine.sampling_params",
     "RequestOutput": "fleetlab.engine.outputs",
@@ -37,7 +37,7 @@ _LAZY = {
     "register_attention_backend": "fleetlab.attention.backend",
     "get_attention_backend": "fleetlab.attention.backend",
 }
-_SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv", "serving", "spec", "lessons"}
+_SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv", "serving", "spec_decode", "lessons"}
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 

@@ -104,7 +104,7 @@ viz.draw_block_mapping(tables, 8, num_tokens={0: 5, 1: 11, 2: 8}, block_size=4)
 # And what the patched attention computes with that metadata, in the plainest form fleetlab
 # has (`backend="naive"`): for each request, positions become slots through its block table,
 # the keys and values are gathered from those slots, and a causal softmax mixes them. The
-# default backend (`"reference"`) does the same in batched tiles; the tests hold the two to
+# default backend (`"tiled"`) does the same in batched tiles; the tests hold the two to
 # the same numbers.
 
 # %%

@@ -5,7 +5,7 @@
 #
 # 1. write an attention backend in a cell (decodes and prefills on two code paths, the
 #    decode path recording how spread out each layer's attention is), register it, and
-#    check its tokens against the reference backend;
+#    check its tokens against the default (tiled) backend;
 # 2. compare two scheduling policies on the same workload: a timeline of each run and the
 #    latency percentiles users feel, time to first token (TTFT) and time per output
 #    token (TPOT);
@@ -21,8 +21,8 @@ from matplotlib.figure import Figure
 import fleetlab
 from fleetlab import viz
 from fleetlab.attention.backend import AttentionBackend
-from fleetlab.attention.reference import paged_attention
-from fleetlab.engine.metrics import latency_stats, latency_table
+from fleetlab.attention.tiled import paged_attention
+from fleetlab.bench.latency import latency_stats, latency_table
 from fleetlab.engine.policies import SchedulingPolicy, register_policy
 
 # %% [markdown]
@@ -103,17 +103,14 @@ class SplitBackend(AttentionBackend):
         self.entropy = collections.defaultdict(list)  # layer id -> mean normalized entropy, per step
         self._plan = (None,)
 
-    def forward(self, layer_id, *args, **kwargs):
-        self.layer_id = layer_id  # attend() is not told its layer; remember it here
-        return super().forward(layer_id, *args, **kwargs)
-
-    def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
+    def attend(self, query, key_cache, value_cache, metadata, *, layer_id, scale, sliding_window=None,
+               sinks=None):
         if self._plan[0] is not metadata:  # first layer of a new step
             self._plan = (metadata, *self.plan(metadata))
         _, nd, slots, visible, prefill_metadata = self._plan
         outs = []
         if nd:
-            outs.append(self.decode(query[:nd], key_cache, value_cache, slots, visible, scale))
+            outs.append(self.decode(layer_id, query[:nd], key_cache, value_cache, slots, visible, scale))
         if prefill_metadata is not None:
             outs.append(paged_attention(query[nd:], key_cache, value_cache, prefill_metadata, scale=scale))
         return paddle.concat(outs) if len(outs) == 2 else outs[0]
@@ -132,7 +129,7 @@ class SplitBackend(AttentionBackend):
                                                        md.block_size)
         return nd, paddle.to_tensor(np.where(visible, slots, 0)), paddle.to_tensor(visible[:, None]), prefill
 
-    def decode(self, q, key_cache, value_cache, slots, visible, scale):
+    def decode(self, layer_id, q, key_cache, value_cache, slots, visible, scale):
         """One query per row: q [B, H, D] -> [B, H, D]."""
         B, H, D = q.shape
         kv_heads = key_cache.shape[2]
@@ -146,14 +143,14 @@ class SplitBackend(AttentionBackend):
         probs = paddle.nn.functional.softmax(paddle.where(visible, scores, paddle.full_like(scores, -1e30)), -1)
         entropy = -(probs * paddle.log(probs + 1e-30)).sum(-1)  # [B, H] nats
         context = visible.astype("float32").sum(-1).clip(min=2)  # [B, 1]
-        self.entropy[self.layer_id].append(float((entropy / paddle.log(context)).mean()))
+        self.entropy[layer_id].append(float((entropy / paddle.log(context)).mean()))
         return paddle.matmul(probs.unsqueeze(2), v).squeeze(2)
 
 
 fleetlab.register_attention_backend("split", SplitBackend)
 
 # %% [markdown]
-# ## 3. Check it against the reference backend
+# ## 3. Check it against the tiled backend
 #
 # Serve the same workload twice, once per backend, and compare the greedy tokens. The
 # budget of 16 tokens per step makes many steps carry decodes *and* prefill chunks, so
@@ -161,13 +158,13 @@ fleetlab.register_attention_backend("split", SplitBackend)
 
 # %%
 runs = {}
-for backend in ["reference", "split"]:
+for backend in ["tiled", "split"]:
     llm = fleetlab.LLM(model, tokenizer, backend=backend, **engine_config)
     outputs, _ = serve(llm, arrivals)
     runs[backend] = (llm, outputs)
     llm.handle.unpatch()  # the next backend patches the model afresh
 
-reference_tokens = [o.token_ids for o in runs["reference"][1]]
+reference_tokens = [o.token_ids for o in runs["tiled"][1]]
 split_tokens = [o.token_ids for o in runs["split"][1]]
 print(viz.greedy_table(reference_tokens, split_tokens, decode=tokenizer.decode))
 print("same tokens as the reference:", split_tokens == reference_tokens)

@@ -22,7 +22,7 @@ import numpy as np
 import fleetlab
 from fleetlab import viz
 from fleetlab.bench.spec import measure, spec_config, trained_prompts
-from fleetlab.spec.proposer_batch import ProposerInputBatch
+from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
 
 # %% [markdown]
 # ## 1. Turn it on
@@ -350,7 +350,7 @@ histogram
 # >   vLLM's `SpeculativeConfig` has `method`, `num_speculative_tokens`,
 # >   `prompt_lookup_min` / `prompt_lookup_max`; FastDeploy's has `method`,
 # >   `num_speculative_tokens`, `num_model_steps`, `min_ngram_size` / `max_ngram_size`.
-# > - **Proposers**: fleetlab's `Proposer` registry (`fleetlab/spec/proposer.py`) with
+# > - **Proposers**: fleetlab's `Proposer` registry (`fleetlab/spec_decode/proposer.py`) with
 # >   `NgramProposer` and `DraftModelProposer`. vLLM v1: `NgramProposer`
 # >   (`vllm/v1/spec_decode/ngram_proposer.py`: the longest suffix match found by a KMP
 # >   scan, at its earliest occurrence), `DraftModelProposer` (`draft_model.py`),
@@ -386,6 +386,6 @@ histogram
 #   change, their distribution does not.
 # - In section 2's looping example, set `prompt_lookup_min` and `prompt_lookup_max` to 1:
 #   a one-token suffix matches far more often. Do more drafts get accepted, or fewer?
-# - Register your own proposer (`fleetlab.spec.proposer.register_proposer`), say one that
+# - Register your own proposer (`fleetlab.spec_decode.proposer.register_proposer`), say one that
 #   always proposes a space: what acceptance does it get on sentences?
 # - Next notebook: **08_tensor_parallel**.

@@ -218,10 +218,10 @@ def test_unpatched_handle_refuses_to_run_and_steps_run_without_grad():
 
 
 def test_backend_may_be_a_name_a_class_or_an_instance():
-    from fleetlab.attention.reference import ReferenceBackend
+    from fleetlab.attention.tiled import TiledBackend
 
-    for backend in ("reference", ReferenceBackend, ReferenceBackend()):
+    for backend in ("tiled", TiledBackend, TiledBackend()):
         handle = patch_fleet.patch_fleet_model(tiny("fleet", seed=0, num_layers=1), backend=backend)
-        assert type(handle.backend) is ReferenceBackend
+        assert type(handle.backend) is TiledBackend
     with pytest.raises(TypeError, match="registered name"):
         patch_fleet.patch_fleet_model(tiny("fleet", seed=0, num_layers=1), backend=3)

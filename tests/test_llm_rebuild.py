@@ -7,7 +7,7 @@ from conftest import random_prompts
 
 from fleetlab import LLM, SamplingParams
 from fleetlab.attention.backend import register_attention_backend
-from fleetlab.attention.reference import ReferenceBackend
+from fleetlab.attention.tiled import TiledBackend
 from fleetlab.models import tiny
 from fleetlab.patching.handle import PATCH_ATTR
 
@@ -19,7 +19,7 @@ def run(llm):
     return [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=SP, use_tqdm=False)]
 
 
-class OtherBackend(ReferenceBackend):
+class OtherBackend(TiledBackend):
     name = "reference_other"
 
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetlab import LLM, SamplingParams, viz
-from fleetlab.engine.metrics import LatencyStats, Percentiles, latency_stats, latency_table, token_steps
+from fleetlab.bench.latency import LatencyStats, Percentiles, latency_stats, latency_table, token_steps
 from fleetlab.engine.outputs import RequestOutput, StepTrace
 
 

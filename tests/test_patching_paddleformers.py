@@ -14,7 +14,7 @@ import paddle
 import pytest
 
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.attention.reference import ReferenceBackend
+from fleetlab.attention.tiled import TiledBackend
 from fleetlab.context import forward_context, get_forward_context
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.models.small import TINY_FAMILIES, tiny_paddleformers
@@ -79,7 +79,7 @@ def test_unpatch_restores_every_attribute_and_the_outputs(family):
         handle.compute_logits(ids, ids, paddle.to_tensor([0]))
 
 
-class CountingBackend(ReferenceBackend):
+class CountingBackend(TiledBackend):
     """Reference attention that records which layer ids it served."""
 
     name = "counting"
@@ -226,12 +226,12 @@ def test_unsupported_config_features_are_refused_by_name(family, field, value, m
     assert model.config._attn_implementation == "eager"
 
 
-class NoWindowBackend(ReferenceBackend):
+class NoWindowBackend(TiledBackend):
     name = "no-window"
     supports_sliding_window = False
 
 
-class NoSinkBackend(ReferenceBackend):
+class NoSinkBackend(TiledBackend):
     name = "no-sink"
     supports_sinks = False
 
@@ -254,8 +254,8 @@ def test_backend_missing_a_feature_is_refused_and_leaves_the_model_alone(family,
 
 def test_backend_class_is_accepted_like_a_name():
     # Fleet-style patching took a backend class; PaddleFormers patching once refused it.
-    with patch_model(tiny_paddleformers("llama", num_hidden_layers=1), backend=ReferenceBackend) as handle:
-        assert type(handle.backend) is ReferenceBackend
+    with patch_model(tiny_paddleformers("llama", num_hidden_layers=1), backend=TiledBackend) as handle:
+        assert type(handle.backend) is TiledBackend
         assert _one_step(handle, paddle.to_tensor([[3, 4, 5]])).shape == [1, 128]
 
 
@@ -284,8 +284,8 @@ def test_core_attention_models_go_to_the_fleet_patcher(monkeypatch):
     fake.patch_fleet_model = lambda model, backend: seen.append((model, backend)) or "fleet-handle"
     monkeypatch.setitem(sys.modules, "fleetlab.patching.fleet", fake)
     model = paddle.nn.Sequential(Attention())
-    assert patch_model(model, backend="reference") == "fleet-handle"
-    assert seen == [(model, "reference")]
+    assert patch_model(model, backend="tiled") == "fleet-handle"
+    assert seen == [(model, "tiled")]
 
 
 # --- the GPT-OSS library bug ----------------------------------------------------------------

@@ -10,7 +10,7 @@ from conftest import random_prompts
 from fleetlab import LLM, SamplingParams
 from fleetlab.attention.backend import AttentionBackend, get_attention_backend, register_attention_backend
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.attention.reference import paged_attention
+from fleetlab.attention.tiled import paged_attention
 from fleetlab.engine.policies import PriorityPolicy
 from fleetlab.patching.parity import reference_greedy
 
@@ -23,7 +23,8 @@ class RecordingBackend(AttentionBackend):
     name = "recording"
     calls: ClassVar[list] = []
 
-    def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
+    def attend(self, query, key_cache, value_cache, metadata, *, layer_id, scale, sliding_window=None,
+               sinks=None):
         if not self.calls or self.calls[-1] is not metadata:
             type(self).calls.append(metadata)
         return paged_attention(query, key_cache, value_cache, metadata, scale=scale,
@@ -87,7 +88,8 @@ class PlanningBackend(AttentionBackend):
         type(self).builds.append(md)
         return md
 
-    def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
+    def attend(self, query, key_cache, value_cache, metadata, *, layer_id, scale, sliding_window=None,
+               sinks=None):
         metadata.reads.append(int(metadata.kv_indptr[-1]))
         return paged_attention(query, key_cache, value_cache, metadata, scale=scale,
                                sliding_window=sliding_window, sinks=sinks)

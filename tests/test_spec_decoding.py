@@ -21,7 +21,7 @@ from fleetlab import LLM, SamplingParams
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.sampler import Sampler
 from fleetlab.models import FAMILIES, tiny
-from fleetlab.spec.proposer_batch import ProposerInputBatch
+from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 TRAINED = SamplingParams(max_tokens=12)  # the trained model's answers end with EOS
@@ -270,7 +270,7 @@ def test_the_chi_square_test_catches_a_wrong_acceptance_rule(sampling_runs, wron
 
 
 def test_prompt_lookup_prefers_a_recent_match_with_a_full_continuation():
-    from fleetlab.spec.ngram import ngram_propose
+    from fleetlab.spec_decode.ngram import ngram_propose
 
     run = np.array([7] * 10)
     assert ngram_propose(run, 4, 1, 3) == [7, 7, 7, 7]  # the most recent match would leave one token

@@ -1,1 +1,1 @@
-"""Paged attention: step metadata, the reference backend and the backend registry."""
+"""Paged attention: step metadata, the backend base class and registry, the naive (read first) and tiled backends."""

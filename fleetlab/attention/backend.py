@@ -19,7 +19,7 @@ from fleetlab.attention.metadata import AttentionMetadata
 
 # name -> backend class, or "module:Class" for one not imported yet (imported on first use).
 _REGISTRY: dict[str, type[AttentionBackend] | str] = {
-    "reference": "fleetlab.attention.reference:ReferenceBackend",
+    "tiled": "fleetlab.attention.tiled:TiledBackend",
     "naive": "fleetlab.attention.naive:NaiveBackend",
     "triton": "fleetlab.attention.triton_backend:TritonBackend",
 }
@@ -52,7 +52,7 @@ class AttentionBackend:
         device = current_device_kind()
         if device not in self.supported_devices:
             hint = "" if "cpu" in self.supported_devices else (
-                " (on a GPU: install paddlepaddle-gpu, README); use backend='reference' on this machine")
+                " (on a GPU: install paddlepaddle-gpu, README); use backend='tiled' on this machine")
             raise RuntimeError(
                 f"attention backend {self.name!r} runs on {list(self.supported_devices)}, "
                 f"but Paddle's current device is {paddle.device.get_device()!r}{hint}"
@@ -64,34 +64,25 @@ class AttentionBackend:
         with a plan of its own returns ``common.extend(MyMetadata, plan=...)``."""
         return common
 
-    def forward(
-        self,
-        layer_id: int,
-        query: paddle.Tensor,
-        key: paddle.Tensor,
-        value: paddle.Tensor,
-        kv_cache,
-        metadata: AttentionMetadata,
-        *,
-        scale: float,
-        sliding_window: int | None = None,
-        sinks: paddle.Tensor | None = None,
-    ) -> paddle.Tensor:
-        """Store this step's K/V in the cache, then attend over it."""
+    def forward(self, layer_id: int, query: paddle.Tensor, key: paddle.Tensor, value: paddle.Tensor, kv_cache,
+                metadata: AttentionMetadata, *, scale: float, sliding_window: int | None = None,
+                sinks: paddle.Tensor | None = None) -> paddle.Tensor:
+        """Store this step's K/V in the cache, then attend over it (every layer writes before it
+        reads, so a row can read a block another row of the same step fills)."""
         kv_cache.write(layer_id, key, value, metadata.slot_mapping)
-        return self.attend(
-            query,
-            kv_cache.key_cache(layer_id),
-            kv_cache.value_cache(layer_id),
-            metadata,
-            scale=scale,
-            sliding_window=sliding_window,
-            sinks=sinks,
-        )
+        out = self.attend(query, kv_cache.key_cache(layer_id), kv_cache.value_cache(layer_id), metadata,
+                          layer_id=layer_id, scale=scale, sliding_window=sliding_window, sinks=sinks)
+        if out.shape != query.shape:
+            raise ValueError(f"attention backend {self.name!r}: attend returned shape {list(out.shape)} "
+                             f"for query {list(query.shape)}; it must return [T, num_heads, head_dim] like the query")
+        return out
 
-    def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
-        """Attention of the packed queries over the paged cache (already holding this step's K/V)."""
-        raise NotImplementedError
+    def attend(self, query, key_cache, value_cache, metadata, *, layer_id, scale, sliding_window=None, sinks=None):
+        """Attention of the packed queries over one layer's paged cache (already holding this
+        step's K/V): ``query [T, Hq, D]`` -> ``[T, Hq, D]``. ``layer_id`` (0-based) names the layer."""
+        raise NotImplementedError(f"attention backend {self.name!r} ({type(self).__name__}) must implement "
+                                  "attend(query, key_cache, value_cache, metadata, *, layer_id, scale, "
+                                  "sliding_window=None, sinks=None)")
 
 
 def current_device_kind() -> str:

@@ -3,7 +3,7 @@
 :func:`naive_paged_attention` does what every paged-attention kernel does, slowly: for each
 batch row it turns positions into cache slots through the block table, gathers the keys
 and values, applies the causal (and sliding-window) mask and a softmax, and mixes the
-values. ``fleetlab.attention.reference.paged_attention`` is its fast sibling (rows batched
+values. ``fleetlab.attention.tiled.paged_attention`` is its fast sibling (rows batched
 into tiles); the tests hold the two to the same numbers. ``backend="naive"`` runs it.
 """
 
@@ -50,6 +50,7 @@ class NaiveBackend(AttentionBackend):
 
     name = "naive"
 
-    def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
+    def attend(self, query, key_cache, value_cache, metadata, *, layer_id, scale, sliding_window=None,
+               sinks=None):
         return naive_paged_attention(query, key_cache, value_cache, metadata, scale=scale,
                                      sliding_window=sliding_window, sinks=sinks)

@@ -76,7 +76,7 @@ class TritonBackend(AttentionBackend):
     supports_sinks: ClassVar[bool] = True
 
     def __init__(self) -> None:
-        super().__init__()  # refuses a machine without a GPU, pointing to backend='reference'
+        super().__init__()  # refuses a machine without a GPU, pointing to backend='tiled'
         self._kernels = load_triton_kernels()
 
     def forward(self, layer_id, query, key, value, kv_cache, metadata, *, scale,
@@ -85,7 +85,7 @@ class TritonBackend(AttentionBackend):
         key_cache, value_cache = kv_cache.key_cache(layer_id), kv_cache.value_cache(layer_id)
         self._kernels.store_kv(key.contiguous(), value.contiguous(), key_cache, value_cache,
                                metadata.slot_mapping)
-        return self.attend(query, key_cache, value_cache, metadata, scale=scale,
+        return self.attend(query, key_cache, value_cache, metadata, layer_id=layer_id, scale=scale,
                            sliding_window=sliding_window, sinks=sinks)
 
     def build_metadata(self, common: AttentionMetadata) -> TritonMetadata:
@@ -99,7 +99,8 @@ class TritonBackend(AttentionBackend):
             max_prefill_query_len=int(query_lens[nd:].max()) if len(query_lens) > nd else 0,
         )
 
-    def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
+    def attend(self, query, key_cache, value_cache, metadata, *, layer_id, scale, sliding_window=None,
+               sinks=None):
         """Decode kernel on rows ``[0, num_decodes)`` (1..R query tokens each), prefill kernel on the rest."""
         if int(key_cache.shape[1]) != metadata.block_size:
             raise ValueError(

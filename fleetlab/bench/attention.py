@@ -16,7 +16,7 @@ import numpy as np
 import paddle
 
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.attention.reference import paged_attention
+from fleetlab.attention.tiled import paged_attention
 from fleetlab.cpu_tuning import tune_malloc
 from fleetlab.kv.paged_cache import PagedKVCache
 
@@ -34,7 +34,7 @@ class Case:
 def naive_paged_attention(query, key_cache, value_cache, metadata, *, scale):
     """The slow baseline: a Python loop over requests, one small attention each (no window/sinks).
 
-    Shapes as :func:`fleetlab.attention.reference.paged_attention`.
+    Shapes as :func:`fleetlab.attention.tiled.paged_attention`.
     """
     num_heads = query.shape[1]
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]

@@ -29,7 +29,7 @@ class EngineConfig:
     seed: seeds the per-request seeds of requests that do not set one.
     record_traces: keep a ``StepTrace`` of every step in ``LLM.traces``.
     speculative_config: None, or ``{"method": "ngram" | "draft", "num_speculative_tokens": k,
-      ...}`` (see :class:`fleetlab.spec.config.SpeculativeConfig`).
+      ...}`` (see :class:`fleetlab.spec_decode.config.SpeculativeConfig`).
     tensor_parallel_size: ranks the model is split over (Megatron-style heads and MLP
       columns); > 1 needs a program started by ``python -m paddle.distributed.launch
       --nproc_per_node N`` (see ``fleetlab.distributed``).
@@ -52,7 +52,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     reorder: bool | None = None
-    backend: str = "reference"
+    backend: str = "tiled"
     scheduling_policy: str = "fcfs"
     kv_cache_memory_bytes: int | None = None
     seed: int = 0

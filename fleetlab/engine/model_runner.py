@@ -29,7 +29,7 @@ from fleetlab.engine.runner_output import ModelRunnerOutput
 from fleetlab.engine.sampler import Sampler, SamplingTensors
 from fleetlab.engine.scheduler_output import SchedulerOutput
 from fleetlab.engine.side_data import chunk_embeds
-from fleetlab.spec.proposer import ProposeInput, Proposer
+from fleetlab.spec_decode.proposer import ProposeInput, Proposer
 
 
 @dataclass(slots=True)
@@ -59,7 +59,7 @@ class ModelRunner:
       reorder: put decode rows first each step (the backend's ``requires_reorder``).
       decode_threshold: the most query tokens a decode row carries (1, or ``k + 1`` when
         verifying ``k`` drafts).
-      proposer: a speculative-decoding :class:`~fleetlab.spec.proposer.Proposer`, or None.
+      proposer: a speculative-decoding :class:`~fleetlab.spec_decode.proposer.Proposer`, or None.
     """
 
     def __init__(self, handle, kv_cache, input_batch: InputBatch, *, reorder: bool, decode_threshold: int = 1,

@@ -14,10 +14,10 @@ from fleetlab.patching.handle import PATCH_ATTR, PatchHandle, has_core_attention
 __all__ = ["PatchHandle", "patch_model"]
 
 
-def patch_model(model, backend="reference") -> PatchHandle:
+def patch_model(model, backend="tiled") -> PatchHandle:
     """Route ``model``'s attention through a fleetlab attention backend.
 
-    ``backend``: a registered name (``"reference"``, ``"triton"``), an ``AttentionBackend``
+    ``backend``: a registered name (``"tiled"``, ``"naive"``, ``"triton"``), an ``AttentionBackend``
     subclass, or an instance (shared by every patched layer).
 
     Fleet-style models (a ``core_attention`` sub-layer in their decoder layers) get

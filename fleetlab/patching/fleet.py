@@ -116,7 +116,7 @@ def find_fleet_attentions(model) -> list[tuple[str, nn.Layer, nn.Layer]]:
     return found
 
 
-def patch_fleet_model(model, backend="reference") -> FleetPatchHandle:
+def patch_fleet_model(model, backend="tiled") -> FleetPatchHandle:
     """Route every ``core_attention`` of a Fleet-style model through paged attention.
 
     ``backend``: a registered backend name, class or instance. Returns a handle whose

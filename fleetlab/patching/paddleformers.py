@@ -115,7 +115,7 @@ class PaddleFormersHandle(PatchHandle):
             raise NotImplementedError(f"{self.family}: training mode (dropout) is not supported; call model.eval()")
 
 
-def patch_paddleformers_model(model, backend="reference") -> PaddleFormersHandle:
+def patch_paddleformers_model(model, backend="tiled") -> PaddleFormersHandle:
     """Patch a PaddleFormers causal LM in place; see :func:`fleetlab.patch_model`."""
     spec = family_of(model)
     config = model.config

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=512)
     e.add_argument("--max-model-len", type=int, default=None)
-    e.add_argument("--backend", default="reference", help="attention backend name (e.g. reference, triton)")
+    e.add_argument("--backend", default="tiled", help="attention backend name (e.g. tiled, naive, triton)")
     e.add_argument("--scheduling-policy", default="fcfs")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--seed", type=int, default=0)
@@ -100,7 +100,7 @@ def quiet_libraries(verbose: bool):
 def make_engine(args, verbose: bool = False):
     """``(AsyncLLM, served model name)`` for parsed ``serve`` arguments."""
     with quiet_libraries(verbose):
-        from fleetlab.engine.llm import LLM
+        from fleetlab.llm import LLM
         from fleetlab.serving.async_llm import AsyncLLM
         from fleetlab.serving.loader import load_model
 

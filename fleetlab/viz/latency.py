@@ -1,6 +1,6 @@
 """Latency percentiles of several runs side by side (e.g. one per scheduling policy).
 
-Input: ``{name: LatencyStats}`` from :func:`fleetlab.engine.metrics.latency_stats`.
+Input: ``{name: LatencyStats}`` from :func:`fleetlab.bench.latency.latency_stats`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from matplotlib.figure import Figure
 
-from fleetlab.engine.metrics import PERCENTILES
+from fleetlab.bench.latency import PERCENTILES
 from fleetlab.viz._style import PALETTE
 
 # (LatencyStats field, panel title, scale to the shown unit)

@@ -51,7 +51,7 @@ class SpeculativeConfig:
         return spec
 
     def validate(self) -> None:
-        from fleetlab.spec.proposer import list_proposers
+        from fleetlab.spec_decode.proposer import list_proposers
 
         if not isinstance(self.method, str) or self.method not in list_proposers():
             raise ValueError(f"speculative_config: method={self.method!r} is not a registered proposer; "

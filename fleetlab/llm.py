@@ -35,8 +35,8 @@ from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.manager import KVCacheManager
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.patching.handle import PatchHandle
-from fleetlab.spec.config import SpeculativeConfig
-from fleetlab.spec.proposer import ProposerContext, get_proposer
+from fleetlab.spec_decode.config import SpeculativeConfig
+from fleetlab.spec_decode.proposer import ProposerContext, get_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class LLM:
       model: a PaddleFormers causal LM, a Fleet-style model, or an existing ``PatchHandle``.
       tokenizer: optional; anything with ``encode(text)`` and ``decode(ids)``.
       **config: fields of :class:`~fleetlab.EngineConfig` (``speculative_config={...}``
-        turns speculative decoding on: see :class:`~fleetlab.spec.config.SpeculativeConfig`).
+        turns speculative decoding on: see :class:`~fleetlab.spec_decode.config.SpeculativeConfig`).
     """
 
     def __init__(self, model, tokenizer=None, **config):

@@ -1,4 +1,4 @@
-"""Reference paged attention in plain Paddle ops, and the ``"reference"`` backend.
+"""Tiled paged attention in plain Paddle ops, and the ``"tiled"`` backend (the default).
 
 One packed step mixes decode rows (one query token) and prefill chunks (many). Every
 query token at position ``p`` of its request attends to that request's cached keys at
@@ -142,7 +142,7 @@ class _StepPlan:
 
 @dataclass(slots=True)
 class ReferenceMetadata(AttentionMetadata):
-    """The reference backend's per-step metadata: the common fields plus its tile plans,
+    """The tiled backend's per-step metadata: the common fields plus its tile plans,
     one per layer shape (heads, window), built by the first layer of that shape and reused
     by the others."""
 
@@ -393,17 +393,18 @@ def _check_inputs(query, key_cache, value_cache, metadata, sinks):
     return num_tokens, num_heads, head_dim
 
 
-class ReferenceBackend(AttentionBackend):
+class TiledBackend(AttentionBackend):
     """Paged attention in plain Paddle ops: any device, any row order, windows and sinks."""
 
-    name = "reference"
+    name = "tiled"
     requires_reorder = False
 
     def build_metadata(self, common: AttentionMetadata) -> ReferenceMetadata:
         """The step's metadata with an empty plan memo the step's layers fill."""
         return common.extend(ReferenceMetadata)
 
-    def attend(self, query, key_cache, value_cache, metadata, *, scale, sliding_window=None, sinks=None):
+    def attend(self, query, key_cache, value_cache, metadata, *, layer_id, scale, sliding_window=None,
+               sinks=None):
         """See :func:`paged_attention`."""
         return paged_attention(query, key_cache, value_cache, metadata, scale=scale,
                                sliding_window=sliding_window, sinks=sinks)

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import numpy as np
 
-_BUILTIN_MODULES = {"ngram": "fleetlab.spec.ngram", "draft": "fleetlab.spec.draft"}
+_BUILTIN_MODULES = {"ngram": "fleetlab.spec_decode.ngram", "draft": "fleetlab.spec_decode.draft"}
 _REGISTRY: dict[str, type[Proposer]] = {}
 
 
@@ -80,7 +80,7 @@ class ProposerContext:
 def register_proposer(name: str, cls: type[Proposer]) -> type[Proposer]:
     """Make ``cls`` selectable as ``speculative_config={"method": name, ...}``."""
     if not (isinstance(cls, type) and issubclass(cls, Proposer)):
-        raise TypeError(f"proposer {name!r} must be a subclass of fleetlab.spec.proposer.Proposer")
+        raise TypeError(f"proposer {name!r} must be a subclass of fleetlab.spec_decode.proposer.Proposer")
     _REGISTRY[name] = cls
     return cls
 

@@ -3,7 +3,7 @@
 The draft model has its **own paged KV cache** (its own layers and heads) addressed by the
 **same block ids** as the target's: the scheduler allocates a request's blocks once and
 both caches use them, so a block shared through the prefix cache holds valid K/V in both.
-Its per-request state lives in a :class:`~fleetlab.spec.proposer_batch.ProposerInputBatch`
+Its per-request state lives in a :class:`~fleetlab.spec_decode.proposer_batch.ProposerInputBatch`
 that follows the main ``InputBatch`` row for row (condense, reorder decode-first).
 
 Each step, after the target verified the last drafts:
@@ -30,8 +30,8 @@ from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
 from fleetlab.device import check_model_dtype_runs, upload
 from fleetlab.kv.paged_cache import PagedKVCache
-from fleetlab.spec.proposer import ProposeInput, Proposer, register_proposer
-from fleetlab.spec.proposer_batch import ProposerInputBatch
+from fleetlab.spec_decode.proposer import ProposeInput, Proposer, register_proposer
+from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
 
 
 class DraftModelProposer(Proposer):

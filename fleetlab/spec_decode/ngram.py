@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from fleetlab.spec.proposer import ProposeInput, Proposer, register_proposer
+from fleetlab.spec_decode.proposer import ProposeInput, Proposer, register_proposer
 
 
 def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:

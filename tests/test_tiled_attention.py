@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fleetlab.attention import reference
+from fleetlab.attention import tiled
 from fleetlab.attention.backend import get_attention_backend
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.attention.naive import naive_paged_attention
-from fleetlab.attention.reference import ReferenceBackend, ReferenceMetadata, paged_attention
+from fleetlab.attention.tiled import ReferenceMetadata, TiledBackend, paged_attention
 from fleetlab.kv.paged_cache import PagedKVCache
 
 HQ, D, SCALE = 8, 4, 0.37
@@ -152,7 +152,7 @@ def test_the_naive_attention_and_its_fast_sibling_agree(data):
         np.testing.assert_allclose(naive, world.expected(r, c, n, window, sinks), atol=1e-5)
 
 
-@pytest.mark.parametrize("attention", [paged_attention, naive_paged_attention], ids=["reference", "naive"])
+@pytest.mark.parametrize("attention", [paged_attention, naive_paged_attention], ids=["tiled", "naive"])
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")])
 def test_garbage_outside_every_rows_context_changes_nothing(attention, poison):
     # Rows of different lengths share tiles: a short row reads the padding of its tile (stale
@@ -172,9 +172,9 @@ def test_garbage_outside_every_rows_context_changes_nothing(attention, poison):
             np.testing.assert_array_equal(got, want)
 
 
-def test_the_reference_backend_plans_once_per_layer_shape():
+def test_the_tiled_backend_plans_once_per_layer_shape():
     world = World([6, 3], num_kv_heads=2, block_size=4)
-    md = ReferenceBackend().build_metadata(AttentionMetadata.build([6, 3], [0, 0], world.tables, 4))
+    md = TiledBackend().build_metadata(AttentionMetadata.build([6, 3], [0, 0], world.tables, 4))
     assert isinstance(md, ReferenceMetadata) and md.plans == {}
     q = paddle.zeros([9, HQ, D])
     for _ in range(3):  # three layers of one step
@@ -202,16 +202,16 @@ def test_sinks_shrink_the_weights():
     assert np.abs(out).max() < 1e-10
 
 
-@pytest.mark.parametrize("limits", [reference.TileLimits(HQ * 12 * 2, 10**9, 3),
-                                    reference.TileLimits(10**9, 2 * D * 8, 10**9)])
+@pytest.mark.parametrize("limits", [tiled.TileLimits(HQ * 12 * 2, 10**9, 3),
+                                    tiled.TileLimits(10**9, 2 * D * 8, 10**9)])
 def test_small_tiles_change_the_plan_but_not_results(monkeypatch, limits):
     lengths = [11, 7, 3, 9, 2]
     rows = [(0, 0, 11), (1, 6, 1), (2, 0, 3), (3, 8, 1), (4, 1, 1)]
     world = World(lengths, num_kv_heads=2, block_size=2)
     _prefill(world, rows)
     md = AttentionMetadata.build([n for *_, n in rows], [c for _, c, _ in rows], world.tables, 2)
-    assert len(reference.plan_tiles(md, HQ, 2 * D, None, limits)) > 3
-    monkeypatch.setattr(reference, "tile_limits", lambda: limits)
+    assert len(tiled.plan_tiles(md, HQ, 2 * D, None, limits)) > 3
+    monkeypatch.setattr(tiled, "tile_limits", lambda: limits)
     for window in (None, 4):
         for (r, c, n), out in zip(rows, world.step(rows, window=window)):
             np.testing.assert_allclose(out, world.expected(r, c, n, window), atol=1e-5)
@@ -230,8 +230,8 @@ def test_half_precision_returns_query_dtype(dtype):
 
 
 def test_backend_is_registered_and_writes_then_attends():
-    assert get_attention_backend("reference") is ReferenceBackend
-    assert ReferenceBackend.name == "reference" and not ReferenceBackend.requires_reorder
+    assert get_attention_backend("tiled") is TiledBackend
+    assert TiledBackend.name == "tiled" and not TiledBackend.requires_reorder
     world = World([5, 3], num_kv_heads=4, block_size=2)
     md = AttentionMetadata.build([1, 3], [4, 0], world.tables, 2)
     _prefill(world, [(0, 4, 1)])
@@ -240,7 +240,7 @@ def test_backend_is_registered_and_writes_then_attends():
     v = np.concatenate([world.v[0][4:], world.v[1]])
     # Patched models hand over [heads, T, D] tensors transposed to [T, heads, D] (strided views).
     q, k, v = (paddle.to_tensor(x.transpose(1, 0, 2).copy()).transpose([1, 0, 2]) for x in (q, k, v))
-    out = ReferenceBackend().forward(0, q, k, v, world.cache, md, scale=SCALE).numpy()
+    out = TiledBackend().forward(0, q, k, v, world.cache, md, scale=SCALE).numpy()
     np.testing.assert_allclose(out[:1], world.expected(0, 4, 1), atol=1e-5)
     np.testing.assert_allclose(out[1:], world.expected(1, 0, 3), atol=1e-5)
 

@@ -1,0 +1,13 @@
+"""Speculative decoding: proposers that draft tokens, verified by the target in one step.
+
+- :mod:`fleetlab.spec_decode.config`: ``SpeculativeConfig`` (``LLM(speculative_config={...})``);
+- :mod:`fleetlab.spec_decode.proposer`: the ``Proposer`` interface and its lazy registry;
+- :mod:`fleetlab.spec_decode.ngram`: prompt lookup (no model);
+- :mod:`fleetlab.spec_decode.draft`: a small draft model with its own paged KV cache and its own
+  :class:`~fleetlab.spec_decode.proposer_batch.ProposerInputBatch`, kept in lockstep with the
+  main ``InputBatch`` row for row.
+
+The verification itself (accept the longest agreeing prefix plus a bonus token; rejection
+sampling when sampling) lives in :mod:`fleetlab.engine.sampler`, the bookkeeping (roll
+``num_computed_tokens`` back past rejected drafts) in :mod:`fleetlab.engine.scheduler`.
+"""
