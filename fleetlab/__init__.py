@@ -7,6 +7,11 @@ Four composable pieces, each driven by a notebook:
 3. a persistent batch with decode-first reordering (:class:`InputBatch`);
 4. a decode loop (:class:`Scheduler`, :class:`LLM`).
 
+The extension points are exported here too: :class:`AttentionBackend`,
+:class:`SchedulingPolicy`, :class:`Proposer` and their ``register_*`` functions (one
+:class:`Registry` rule set), batch fields (:class:`Field`, :data:`DEFAULT_FIELDS`), and step
+observers (:class:`StepRecorder`).
+
 Names are imported lazily so that ``import fleetlab`` stays cheap and the
 pieces that need Paddle only load it when used. Importing fleetlab first also keeps
 Paddle's and PaddleFormers' import-time notices out of sight (:mod:`fleetlab.quiet`).
@@ -36,6 +41,17 @@ _LAZY = {
     "PagedKVCache": "fleetlab.kv.paged_cache",
     "register_attention_backend": "fleetlab.attention.backend",
     "get_attention_backend": "fleetlab.attention.backend",
+    "AttentionBackend": "fleetlab.attention.backend",
+    "SchedulingPolicy": "fleetlab.engine.policies",
+    "register_policy": "fleetlab.engine.policies",
+    "Proposer": "fleetlab.spec_decode.proposer",
+    "register_proposer": "fleetlab.spec_decode.proposer",
+    "Registry": "fleetlab.registry",
+    "Field": "fleetlab.engine.batch_fields",
+    "FieldRegistry": "fleetlab.engine.batch_fields",
+    "DEFAULT_FIELDS": "fleetlab.engine.batch_fields",
+    "unpermute": "fleetlab.engine.input_batch",
+    "StepRecorder": "fleetlab.engine.observe",
 }
 _SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv", "serving", "spec_decode", "lessons"}
 

@@ -110,8 +110,8 @@ shared = "the red cat sat on the mat. "
 for text in [shared + "the dog", shared + "a cat"]:
     llm.add_request(text, fleetlab.SamplingParams(max_tokens=6))
 for _ in range(2):
-    finished, trace = llm.step(trace=True)
-    print(viz.describe_step(trace))
+    llm.step()
+    print(viz.describe_step(llm.traces[-1]))
 for a in viz.admissions(llm.traces, block_size=4)[-2:]:
     print(f"req {a.request_id} admitted in step {a.step}: {a.num_cached_tokens} tokens already in the cache "
           f"(blocks {a.cached_block_ids})")
@@ -149,7 +149,7 @@ viz.draw_batch(batch_rows)
 
 # %%
 while llm.has_unfinished_requests():
-    for out in llm.step():
+    for out in [o for o in llm.step() if o.finished]:
         print(f"req {out.request_id} finished: {out.text!r} ({out.finish_reason})")
 print(f"prefix cache hit rate: {llm.stats()['prefix_cache_hit_rate']:.0%}")
 

@@ -48,8 +48,9 @@ def serve(llm, arrivals, pool_frames=None):
     while llm.has_unfinished_requests() or step <= max(arrivals):
         for prompt, max_tokens in arrivals.get(step, []):
             llm.add_request(prompt, fleetlab.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        for out in llm.step():
-            outputs[out.request_id] = out
+        for out in llm.step():  # every request that gained tokens; keep the finished ones
+            if out.finished:
+                outputs[out.request_id] = out
         if pool_frames is not None:
             pool_frames.append(viz.pool_frame(llm))
         step += 1

@@ -56,8 +56,9 @@ def serve(llm, arrivals):
             params = fleetlab.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             rid = llm.add_request(prompt, params, request_id=request_id[0] if request_id else None)
             arrival_steps[rid] = step
-        for out in llm.step():
-            outputs[out.request_id] = out
+        for out in llm.step():  # every request that gained tokens; keep the finished ones
+            if out.finished:
+                outputs[out.request_id] = out
         step += 1
     return [outputs[rid] for rid in arrival_steps], arrival_steps
 

@@ -16,7 +16,7 @@ from fleetlab.bench.workloads import (
     padded_batches,
     shared_prefix_workload,
 )
-from fleetlab.engine.outputs import RowTrace, StepTrace
+from fleetlab.engine.observe import RowTrace, StepTrace
 
 STEP_PARTS = ("schedule", "batch_update", "metadata", "forward", "sample", "propose", "update", "other")
 

@@ -6,6 +6,7 @@ import pytest
 from conftest import random_prompts
 
 from fleetlab import LLM, SamplingParams
+from fleetlab.engine.observe import StepRecorder
 from fleetlab.patching.parity import reference_greedy
 
 
@@ -67,7 +68,7 @@ BAD = [
     (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(temperature=-0.5)), "temperature"),
     (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(top_p=0.0)), "top_p"),
     (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(top_p=1.5)), "top_p"),
-    (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(top_k=-1)), "top_k"),
+    (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(top_k=-2)), "top_k"),
     (dict(prompts=["hello"]), "no tokenizer"),
     (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(stop_token_ids=(5, 999))), "stop_token_ids"),
     (dict(prompt_token_ids=[[3, 4]], sampling_params=SamplingParams(stop_token_ids=tuple(range(3, 12)))),
@@ -136,10 +137,14 @@ def test_an_error_found_mid_run_finishes_only_that_request(llm, monkeypatch):
 
 def test_step_by_hand_and_stats(llm):
     llm.add_request(prompt_token_ids=[3, 4, 5], sampling_params=SamplingParams(max_tokens=2, ignore_eos=True))
-    outs, trace = llm.step(trace=True)
+    recorder = StepRecorder(llm)  # an observer: a StepTrace of every step from now on
+    llm.observers.append(recorder)
+    outs = llm.step()
+    trace = recorder.traces[-1]
     assert trace.rows[0].phase == "prefill" and trace.num_batched_tokens == 3
-    assert not outs and llm.has_unfinished_requests()
-    outs, trace = llm.step(trace=True)
+    assert not [o for o in outs if o.finished] and llm.has_unfinished_requests()
+    outs = llm.step()
+    trace = recorder.traces[-1]
     assert trace.rows[0].phase == "decode" and outs[0].finish_reason == "length"
     s = llm.stats()
     for key in ("num_blocks", "num_free_blocks", "prefix_cache_hit_rate", "num_preemptions", "kv_cache_utilization"):
@@ -187,7 +192,7 @@ def test_stream_outputs_carry_each_steps_new_tokens(llm):
     streamed = {rid: [] for rid in ids}
     finished = set()
     while llm.has_unfinished_requests():
-        for out in llm.step(stream=True):
+        for out in llm.step():
             assert out.new_token_ids, "a stream output always carries the step's tokens"
             streamed[out.request_id] += out.new_token_ids
             assert out.token_ids == streamed[out.request_id]

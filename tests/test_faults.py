@@ -83,7 +83,7 @@ def interrupt_on_call(monkeypatch, owner, name, call, error=KeyboardInterrupt):
 def test_an_interrupted_step_applies_not_at_all(fleet_model, oracle, monkeypatch, where, call):
     llm = LLM(fleet_model, block_size=4, max_num_batched_tokens=12)
     owner, name = {"sampler": (Sampler, "sample"), "forward": (llm.handle, "compute_logits"),
-                   "metadata": (llm.runner, "_prepare_inputs"), "condense": (llm.runner.batch, "condense"),
+                   "metadata": (llm.runner, "prepare_inputs"), "condense": (llm.runner.batch, "condense"),
                    "add_row": (llm.runner.batch, "add_request")}[where]
     interrupt_on_call(monkeypatch, owner, name, call)
     ids = [llm.add_request(prompt_token_ids=p, sampling_params=SP) for p in PROMPTS]

@@ -13,7 +13,7 @@ from conftest import random_prompts
 
 import fleetlab
 from fleetlab import LLM, SamplingParams
-from fleetlab.attention import reference
+from fleetlab.attention import tiled
 from fleetlab.attention import triton_backend as tb
 from fleetlab.engine.sampler import Sampler, SamplingTensors
 from fleetlab.models import tiny
@@ -44,9 +44,9 @@ def steps_with_syncs(llm, prompts, sp):
 def test_a_step_reads_the_device_once_and_uploads_a_fixed_number(monkeypatch, num_requests, num_layers,
                                                                   tile_scale):
     if tile_scale > 1:  # tiny tiles: many per step, yet their uploads stay the same
-        small = reference.TileLimits(reference.CPU_TILE_LIMITS.score_elements // tile_scale,
-                                     reference.CPU_TILE_LIMITS.kv_elements // tile_scale, 8)
-        monkeypatch.setattr(reference, "tile_limits", lambda: small)
+        small = tiled.TileLimits(tiled.CPU_TILE_LIMITS.score_elements // tile_scale,
+                                     tiled.CPU_TILE_LIMITS.kv_elements // tile_scale, 8)
+        monkeypatch.setattr(tiled, "tile_limits", lambda: small)
     model = tiny("fleet", seed=1, num_layers=num_layers)
     prompts = random_prompts(np.resize([5, 30, 9, 17], num_requests).tolist(), seed=num_requests)
     with LLM(model, block_size=4, max_num_batched_tokens=48) as llm:

@@ -13,8 +13,8 @@ import pytest
 from conftest import random_prompts
 
 from fleetlab import LLM, SamplingParams
-from fleetlab.engine.checks import FieldTypeError
 from fleetlab.patching.parity import reference_greedy
+from fleetlab.validation import FieldTypeError
 
 MAX_MODEL_LEN = 48
 SP = SamplingParams
@@ -70,7 +70,7 @@ def run(llm, request_id, **kwargs):
     rid = llm.add_request(request_id=request_id, **kwargs)
     done = {}
     for _ in range(200):
-        done.update({o.request_id: o for o in llm.step()})
+        done.update({o.request_id: o for o in llm.step() if o.finished})
         if rid in done:
             return done[rid]
     raise AssertionError(f"request {rid!r} did not finish")

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from fleetlab import LLM, SamplingParams, viz
 from fleetlab.bench.latency import LatencyStats, Percentiles, latency_stats, latency_table, token_steps
-from fleetlab.engine.outputs import RequestOutput, StepTrace
+from fleetlab.engine.observe import StepTrace
+from fleetlab.engine.outputs import RequestOutput
 
 
 def output(rid, n_tokens, arrival=None, first=None, finish=None):
@@ -102,7 +103,7 @@ def test_engine_run_with_late_arrivals(fleet_model):
             if step in (0, 3):
                 rid = llm.add_request(prompt_token_ids=[5 + step, 6, 7], sampling_params=params)
                 arrivals[rid] = llm.stats()["num_steps"]
-            done += llm.step()
+            done += [o for o in llm.step() if o.finished]
     finally:
         llm.handle.unpatch()
     stats = latency_stats(done, llm.traces, arrivals)

@@ -109,10 +109,10 @@ def test_a_backend_builds_its_own_metadata_once_per_step(fleet_model, workload):
 
 
 def test_backends_register_lazily_by_module_path(fleet_model):
-    register_attention_backend("lazy-naive", "fleetlab.attention.naive:NaiveBackend")
+    register_attention_backend("naive", "fleetlab.attention.naive:NaiveBackend", replace=True)  # a built-in
     from fleetlab.attention.naive import NaiveBackend
 
-    assert get_attention_backend("lazy-naive") is NaiveBackend
+    assert get_attention_backend("naive") is NaiveBackend
     with pytest.raises(ValueError, match="module:Class"):
         register_attention_backend("bad", "fleetlab.attention.naive")
 
@@ -147,14 +147,14 @@ def test_every_policy_finishes_everything_with_identical_greedy_tokens(fleet_mod
 
 def admission_step_of_low_priority(fleet_model, policy, steps=80):
     """One low-priority request at step 0, then a fresh high-priority one every step."""
-    llm = LLM(fleet_model, block_size=4, max_num_seqs=1, scheduling_policy=policy)
+    llm = LLM(fleet_model, block_size=4, max_num_seqs=1, scheduling_policy=policy, record_traces=True)
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     try:
         llm.add_request(prompt_token_ids=[5, 6, 7], sampling_params=one, request_id="low", priority=5)
         for step in range(steps):
             llm.add_request(prompt_token_ids=[8, 9], sampling_params=one, request_id=f"hi{step}", priority=0)
-            _, trace = llm.step(trace=True)
-            if any(r.request_id == "low" for r in trace.rows):
+            llm.step()
+            if any(r.request_id == "low" for r in llm.traces[-1].rows):
                 return step
     finally:
         llm.handle.unpatch()

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import pytest
 
+from fleetlab.engine.messages import ModelRunnerOutput
 from fleetlab.engine.request import Request, RequestStatus
-from fleetlab.engine.runner_output import ModelRunnerOutput
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
 from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.manager import KVCacheManager
+from fleetlab.spec_decode.stats import SpecDecodingStats
 
 BS = 4
 
@@ -62,8 +63,8 @@ def schedule(s):
 
 def step(s, tokens=None, drafts=None):
     so = schedule(s)
-    finished = s.update(so, answer(so, tokens, drafts), now=0.0)
-    return so, finished
+    outputs = s.update(so, answer(so, tokens, drafts), now=0.0)
+    return so, [o for o in outputs if o.finished]
 
 
 def test_budget_running_first_and_chunked_prefill():
@@ -157,11 +158,14 @@ def test_spec_tokens_are_scheduled_verified_and_rolled_back():
     so = schedule(s)
     assert so.num_scheduled_tokens == {"r": 4} and so.scheduled_spec_decode_tokens == {"r": [11, 12, 13]}
     # the target accepts 11, rejects 12 and samples 20 instead: 2 tokens gained
-    s.update(so, answer(so, tokens={"r": [11, 20]}, drafts={"r": [21, 22, 23]}), now=0.0)
+    result = answer(so, tokens={"r": [11, 20]}, drafts={"r": [21, 22, 23]})
+    s.update(so, result, now=0.0)
+    spec_stats = SpecDecodingStats()  # what the engine's observer counts from the step's messages
+    spec_stats.on_step(so, result, [])
     assert r.output_token_ids == [10, 11, 20]
     assert r.num_computed_tokens == 6 + 1 + 1  # the last token and the accepted draft; 12 and 13 rolled back
-    assert s.spec_stats.num_draft_tokens == 3 and s.spec_stats.num_accepted_tokens == 1
-    assert s.spec_stats.accepted_per_position == [1] and s.spec_stats.drafted_per_position == [1, 1, 1]
+    assert spec_stats.num_draft_tokens == 3 and spec_stats.num_accepted_tokens == 1
+    assert spec_stats.accepted_per_position == [1] and spec_stats.drafted_per_position == [1, 1, 1]
     so = schedule(s)
     assert so.num_scheduled_tokens == {"r": 4}
     assert so.scheduled_cached_reqs.new_token_ids == [[11, 20]]
@@ -197,11 +201,11 @@ def test_a_stop_inside_an_accepted_run_cuts_it_exactly(stop):
     step(s, tokens={"r": [10]}, drafts={"r": [11, 12, 99, 13]})
     so = schedule(s)
     accepted = [11, 12, 99, 13, 14] if stop != "min_tokens" else [11, 12, 99, 13, 99]
-    _, finished = None, s.update(so, answer(so, tokens={"r": accepted}), now=0.0)
+    finished = [o for o in s.update(so, answer(so, tokens={"r": accepted}), now=0.0) if o.finished]
     want = {"eos": [10, 11, 12, 99], "stop_id": [10, 11, 12], "max_tokens": [10, 11, 12],
             "min_tokens": [10, 11, 12, 99, 13, 99]}[stop]
     (req,) = finished
-    assert req.output_token_ids == want
+    assert req.token_ids == want
     assert req.finish_reason == ("length" if stop == "max_tokens" else "stop")
     assert s.kv.num_free_blocks == s.kv.num_blocks
 

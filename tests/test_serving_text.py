@@ -90,9 +90,10 @@ def test_chat_template_own_or_minimal():
 
 def test_engine_value_errors_become_400s_naming_the_field():
     from fleetlab import SamplingParams
+    from fleetlab.validation import check_sampling_params
 
     with pytest.raises(ValueError) as e:
-        SamplingParams(top_p=2.0).validate("cmpl-1")
+        check_sampling_params(SamplingParams(top_p=2.0), "cmpl-1")
     bad = bad_request_from_engine(e.value)
     assert bad.param == "top_p" and bad.status_code == 400 and not bad.message.startswith("request")
     bad = bad_request_from_engine(ValueError("request 'x': prompt_token_ids [999] outside the vocabulary [0, 55)"),

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 import fleetlab
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.input_batch import InputBatch
-from fleetlab.engine.sampler import Sampler
 from fleetlab.models import FAMILIES, tiny
 from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
+from fleetlab.spec_decode.rejection import RejectionSampler
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 TRAINED = SamplingParams(max_tokens=12)  # the trained model's answers end with EOS
@@ -226,13 +226,13 @@ def chi_square_same_distribution(a, b) -> tuple[float, float]:
     return stat, crit
 
 
-class AlwaysAccept(Sampler):
+class AlwaysAccept(RejectionSampler):
     @staticmethod
     def accept(p_draft, u):
         return u >= 0
 
 
-class ResampleFromTarget(Sampler):
+class ResampleFromTarget(RejectionSampler):
     @staticmethod
     def residual(probs, is_draft):
         return probs  # forgets to take the draft out: the draft's token is drawn too often
@@ -245,7 +245,8 @@ def sampling_runs():
     with LLM(target, **engine) as llm:
         off = sample_tokens(llm, 0)
     runs = {}
-    for name, sampler in (("right", Sampler), ("always_accept", AlwaysAccept), ("no_residual", ResampleFromTarget)):
+    for name, sampler in (("right", RejectionSampler), ("always_accept", AlwaysAccept),
+                          ("no_residual", ResampleFromTarget)):
         spec = {"method": "draft", "num_speculative_tokens": 2, "model": draft}
         with LLM(target, **engine, speculative_config=spec) as llm:
             llm.runner.sampler = sampler()

@@ -17,11 +17,12 @@ import numpy as np
 import paddle
 import pytest
 
-from fleetlab import LLM, EngineConfig
+from fleetlab import LLM
 from fleetlab.distributed import plan_shards
 from fleetlab.distributed.shard import plan_for, shard_model, sharded_info
 from fleetlab.distributed.worker import PARITY, prompts_for, run_family
 from fleetlab.models import tiny
+from fleetlab.validation import engine_config
 
 
 class FakeGroup:
@@ -79,7 +80,7 @@ def test_llm_refuses_tensor_parallel_without_a_launch_and_leaves_the_model_alone
         type(m).__name__ == "PagedCoreAttention" for m in model.sublayers())
     assert all(np.array_equal(a, p.numpy()) for a, p in zip(before, model.parameters()))
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig.from_kwargs(tensor_parallel_size=0)
+        engine_config(tensor_parallel_size=0)
 
 
 # ----- the split is exact: partial outputs of the ranks add up to the whole layer -----

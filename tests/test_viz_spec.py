@@ -6,7 +6,7 @@ import pytest
 from matplotlib.colors import to_hex
 
 from fleetlab import LLM, InputBatch, SamplingParams, viz
-from fleetlab.engine.outputs import RowTrace, StepTrace
+from fleetlab.engine.observe import RowTrace, StepTrace
 from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
 from fleetlab.viz._style import ALERT_COLOR
 from fleetlab.viz.spec import TOKEN_KINDS

@@ -1,4 +1,4 @@
-"""Attention backends: the base class and the one lazy registry that ``backend=name`` looks up.
+"""Attention backends: the base class, and the registry that ``backend=name`` looks up.
 
 A backend turns one layer's packed ``query/key/value`` into attention output over the
 paged cache. It declares what it needs from the engine as class attributes, so the
@@ -10,19 +10,12 @@ layer of the step gets that object.
 
 from __future__ import annotations
 
-import importlib
 from typing import ClassVar
 
 import paddle
 
 from fleetlab.attention.metadata import AttentionMetadata
-
-# name -> backend class, or "module:Class" for one not imported yet (imported on first use).
-_REGISTRY: dict[str, type[AttentionBackend] | str] = {
-    "tiled": "fleetlab.attention.tiled:TiledBackend",
-    "naive": "fleetlab.attention.naive:NaiveBackend",
-    "triton": "fleetlab.attention.triton_backend:TritonBackend",
-}
+from fleetlab.registry import Registry
 
 
 class AttentionBackend:
@@ -90,54 +83,12 @@ def current_device_kind() -> str:
     return paddle.device.get_device().split(":")[0]
 
 
-def register_attention_backend(name: str, cls: type[AttentionBackend] | str) -> type[AttentionBackend] | str:
-    """Make ``cls`` selectable as ``backend=name`` in ``LLM`` and ``patch_model``.
-
-    ``cls``: an ``AttentionBackend`` subclass, or ``"module:Class"`` to import on first use.
-    """
-    if isinstance(cls, str):
-        if ":" not in cls:
-            raise ValueError(f"backend {name!r}: a lazy backend is spelled 'module:Class', got {cls!r}")
-    else:
-        _check_backend_class(name, cls)
-    _REGISTRY[name] = cls
-    return cls
-
-
-def _check_backend_class(name: str, cls) -> None:
-    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
-        raise TypeError(f"backend {name!r} must be a subclass of fleetlab.attention.backend.AttentionBackend")
-    if not isinstance(cls.reorder_threshold, int) or cls.reorder_threshold < 1:
-        raise ValueError(f"backend {name!r}: reorder_threshold must be an int >= 1")
-    unknown = [d for d in cls.supported_devices if d not in ("cpu", "gpu", "xpu", "npu")]
-    if unknown:
-        raise ValueError(f"backend {name!r}: unknown device kinds {unknown} in supported_devices")
-
-
-def get_attention_backend(name: str) -> type[AttentionBackend]:
-    """The backend class registered as ``name`` (imported on first use)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown attention backend {name!r}; registered: {list_attention_backends()}")
-    entry = _REGISTRY[name]
-    if isinstance(entry, str):
-        module, _, attr = entry.partition(":")
-        entry = getattr(importlib.import_module(module), attr)
-        _check_backend_class(name, entry)
-        _REGISTRY[name] = entry
-    return entry
-
-
-def make_attention_backend(backend) -> AttentionBackend:
-    """An instance from ``backend``: a registered name, an ``AttentionBackend`` class, or an instance."""
-    if isinstance(backend, str):
-        return get_attention_backend(backend)()
-    if isinstance(backend, type) and issubclass(backend, AttentionBackend):
-        return backend()
-    if isinstance(backend, AttentionBackend):
-        return backend
-    raise TypeError(f"backend must be a registered name, an AttentionBackend class or instance; got {backend!r}")
-
-
-def list_attention_backends() -> list[str]:
-    """Names ``backend=`` accepts."""
-    return sorted(_REGISTRY)
+ATTENTION_BACKENDS = Registry("attention backend", AttentionBackend, {
+    "naive": "fleetlab.attention.naive:NaiveBackend",  # the one to read first
+    "tiled": "fleetlab.attention.tiled:TiledBackend",  # the default: rows batched into tiles
+    "triton": "fleetlab.attention.triton_backend:TritonBackend",  # GPU kernels
+})
+register_attention_backend = ATTENTION_BACKENDS.register
+get_attention_backend = ATTENTION_BACKENDS.get
+list_attention_backends = ATTENTION_BACKENDS.names
+make_attention_backend = ATTENTION_BACKENDS.make

@@ -31,6 +31,9 @@ class AttentionMetadata:
     work without a device-to-host sync. A backend that needs more (a plan of its kernels'
     work) builds it once per step in ``AttentionBackend.build_metadata``, as a subclass of
     this class (:meth:`extend`), and every layer of the step reads that.
+    ``batch``: the engine's ``InputBatch`` when built :meth:`from_batch` (row ``i`` of the
+    metadata is its row ``i``), so a backend can read any per-request field (its own
+    prototype fields too); None otherwise.
     """
 
     positions: paddle.Tensor
@@ -45,6 +48,7 @@ class AttentionMetadata:
     max_seq_len: int
     cu_seqlens_q_host: np.ndarray
     seq_lens_kv_host: np.ndarray
+    batch: object = None
 
     def extend(self, cls, **extra):
         """This metadata as an instance of ``cls`` (a dataclass subclass of this class), with
@@ -64,6 +68,19 @@ class AttentionMetadata:
         return np.diff(self.cu_seqlens_q_host)
 
     @classmethod
+    def from_batch(cls, batch, block_size: int, decode_threshold: int = 1) -> AttentionMetadata:
+        """The metadata of a step over the rows ``[0, num_reqs)`` of an ``InputBatch`` that is
+        condensed, scheduled (``set_num_scheduled``) and synced (``sync_to_device``): query
+        lengths from ``num_scheduled_tokens``, contexts from ``num_computed_tokens``, block
+        tables from the device mirror of ``block_table``."""
+        n = batch.num_reqs
+        width = max(1, int(batch.num_blocks[:n].max(initial=0)))
+        md = cls.build(batch.num_scheduled_tokens[:n], batch.num_computed_tokens[:n], batch.block_table[:n, :width],
+                       block_size, decode_threshold, block_tables_device=batch.dev("block_table")[:, :width])
+        md.batch = batch
+        return md
+
+    @classmethod
     def build(
         cls,
         query_lens,
@@ -79,8 +96,9 @@ class AttentionMetadata:
         Args:
           query_lens: ``[B]`` tokens each row schedules this step (>= 1).
           num_computed_tokens: ``[B]`` tokens of each row already in the cache.
-          block_tables: ``[B, max_blocks_per_seq]`` int block ids, -1 where unused. Every
-            position ``< num_computed + query_len`` must have its block allocated.
+          block_tables: ``[B, max_blocks_per_seq]`` int block ids, -1 where unused, or one
+            list of block ids per row (ragged: padded with -1 here). Every position
+            ``< num_computed + query_len`` must have its block allocated.
           block_size: tokens per block.
           decode_threshold: a row with at most this many query tokens is a decode;
             ``num_decodes`` counts the leading run of such rows.
@@ -90,7 +108,7 @@ class AttentionMetadata:
         """
         query_lens = np.asarray(query_lens, dtype=np.int64)
         num_computed = np.asarray(num_computed_tokens, dtype=np.int64)
-        tables = np.asarray(block_tables, dtype=np.int32)
+        tables = _padded(block_tables)
         if query_lens.ndim != 1 or query_lens.shape != num_computed.shape:
             raise ValueError("query_lens and num_computed_tokens must be 1-D arrays of equal length")
         if tables.ndim != 2 or tables.shape[0] != query_lens.shape[0]:
@@ -132,3 +150,14 @@ class AttentionMetadata:
             cu_seqlens_q_host=cu,
             seq_lens_kv_host=seq_lens,
         )
+
+
+def _padded(block_tables) -> np.ndarray:
+    """Block tables as an int32 ``[B, width]`` array, ragged rows padded with -1."""
+    if isinstance(block_tables, np.ndarray):
+        return block_tables.astype(np.int32, copy=False)
+    rows = [list(row) for row in block_tables]
+    tables = np.full((len(rows), max(map(len, rows), default=0)), -1, dtype=np.int32)
+    for i, row in enumerate(rows):
+        tables[i, : len(row)] = row
+    return tables

@@ -382,16 +382,16 @@ def bench_step_breakdown(cfg: BenchConfig) -> list[dict]:
                             seed=cfg.seed + 2)
         model = build_model(size, wl.max_seq_len + 1, seed=cfg.seed)
         run_fleetlab(model, wl.head(2), cfg)  # warm-up
-        llm = make_llm(model, cfg, wl.max_seq_len + 1, max_num_seqs=max(batch, cfg.max_num_seqs),
-                       record_traces=False)
+        llm = make_llm(model, cfg, wl.max_seq_len + 1, max_num_seqs=max(batch, cfg.max_num_seqs))
         try:
             for prompt, n in zip(wl.prompts, wl.output_lens):
                 llm.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=n, ignore_eos=True))
             sums, steps = dict.fromkeys((*STEP_KEYS, "other", "total"), 0.0), 0
             while llm.has_unfinished_requests():
                 start = time.perf_counter()
-                _, trace = llm.step(trace=True)
-                wall = time.perf_counter() - start
+                llm.step()
+                trace = llm.traces[-1]
+                wall = time.perf_counter() - start - trace.timings["record"]  # less the recorder's own time
                 if len(trace.rows) == batch and all(r.phase == "decode" for r in trace.rows):
                     for key in STEP_KEYS:
                         sums[key] += trace.timings.get(key, 0.0)

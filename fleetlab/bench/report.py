@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fleetlab.engine.outputs import STEP_TIMING_PARTS
+from fleetlab.engine.observe import STEP_TIMING_PARTS
 
 # The parts of an engine step that ``StepTrace.timings`` records (plus "other", the rest).
 STEP_KEYS = STEP_TIMING_PARTS

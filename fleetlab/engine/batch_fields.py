@@ -58,6 +58,24 @@ class Field:
         if not isinstance(self.per_row_shape, tuple):
             raise TypeError(f"field {self.name!r}: per_row_shape must be a tuple")
 
+    def check_value(self, where: str, value):
+        """``value`` as one row of this field (a numpy value of its dtype and rank; an object
+        field takes anything), or ``ValueError`` naming the field: a value of another kind
+        (text for a number, a float for an int) or out of the dtype's range is never coerced."""
+        if self.dtype == "object":
+            return value
+        raw = np.asarray(value)
+        kinds = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}.get(np.dtype(self.dtype).kind, "")
+        with np.errstate(over="ignore", invalid="ignore"):
+            cast = raw.astype(self.dtype) if raw.dtype.kind in kinds else None
+        # A float may round (to float32), but never overflow; an int must stay the same int.
+        same = cast is not None and (np.isfinite(cast) | ~np.isfinite(raw) if cast.dtype.kind == "f"
+                                     else cast == raw).all()
+        if not same or raw.ndim != len(self.per_row_shape):
+            raise ValueError(f"{where} {self.name}={value!r:.60} does not fit the field: {self.dtype} values of "
+                             f"shape {self.per_row_shape} per row")
+        return cast
+
     def resolve_shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
         """``per_row_shape`` with size-parameter names replaced by their values."""
         shape = []
@@ -79,15 +97,22 @@ class FieldRegistry:
 
     Iteration yields fields in registration order. ``copy()`` gives an independent
     registry, so a notebook or test can add fields without touching ``DEFAULT_FIELDS``.
+    A batch's own registry is frozen: its buffers are allocated once, from the fields it
+    was built with.
     """
 
-    def __init__(self, fields: tuple[Field, ...] | list[Field] = ()) -> None:
+    def __init__(self, fields: tuple[Field, ...] | list[Field] = (), *, frozen: bool = False) -> None:
         self._fields: dict[str, Field] = {}
         for field in fields:
             self.register(field)
+        self.frozen = frozen
 
     def register(self, field: Field) -> Field:
         """Add ``field``; a second field with the same name is an error."""
+        if getattr(self, "frozen", False):
+            raise ValueError(f"cannot add field {field.name!r}: a batch's fields are fixed once it is built; "
+                             "register it on a copy and pass it as InputBatch(..., fields=...) "
+                             "(or LLM(..., batch_fields=[...]))")
         if not isinstance(field, Field):
             raise TypeError(f"expected a Field, got {type(field).__name__}")
         if field.name in self._fields:
@@ -95,8 +120,9 @@ class FieldRegistry:
         self._fields[field.name] = field
         return field
 
-    def copy(self) -> FieldRegistry:
-        return FieldRegistry(tuple(self._fields.values()))
+    def copy(self, *, frozen: bool = False) -> FieldRegistry:
+        """An independent registry with the same fields (unfrozen unless asked)."""
+        return FieldRegistry(tuple(self._fields.values()), frozen=frozen)
 
     def names(self) -> list[str]:
         return list(self._fields)

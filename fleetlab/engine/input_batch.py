@@ -161,7 +161,7 @@ class InputBatch:
             "max_blocks_per_seq": _positive("max_blocks_per_seq", max_blocks_per_seq),
             "max_stop_ids": _positive("max_stop_ids", max_stop_ids, minimum=0),
         }
-        self._fields = (fields if fields is not None else DEFAULT_FIELDS).copy()
+        self._fields = (fields if fields is not None else DEFAULT_FIELDS).copy(frozen=True)
         self._check_registry()
         self._place = place
         self._rng = np.random.default_rng(seed)
@@ -271,8 +271,7 @@ class InputBatch:
         output = np.asarray(list(output_token_ids), dtype=np.int64)
         blocks = np.asarray(list(block_ids), dtype=np.int64)
         stop = list(getattr(sampling, "stop_token_ids", None) or ())
-        extra = dict(extra or {})
-        self._check_new_request(req_id, prompt, output, num_computed_tokens, blocks, stop, extra)
+        extra = self._check_new_request(req_id, prompt, output, num_computed_tokens, blocks, stop, extra or {})
         row = self._free_row()
         self._clear_rows(np.array([row]))
         num_tokens = len(prompt) + len(output)
@@ -297,8 +296,9 @@ class InputBatch:
         self._synced_rows = None
         return row
 
-    def _check_new_request(self, req_id, prompt, output, num_computed, blocks, stop, extra) -> None:
-        """Every check runs before the row is touched, so a rejected add leaves no trace."""
+    def _check_new_request(self, req_id, prompt, output, num_computed, blocks, stop, extra) -> dict:
+        """Every check runs before the row is touched, so a rejected add leaves no trace;
+        returns the ``extra`` values as their fields hold them."""
         if req_id is None:
             raise ValueError("req_id None is reserved for empty rows (field 'req_id')")
         if req_id in self._req_id_to_row:
@@ -330,6 +330,8 @@ class InputBatch:
         unknown = [name for name in extra if name not in self._fields or name == "req_id"]
         if unknown:
             raise ValueError(f"request {req_id!r}: extra values for unknown fields {unknown}")
+        return {name: self._fields[name].check_value(f"request {req_id!r}: extra field", value)
+                for name, value in extra.items()}
 
     def _set_sampling(self, row: int, sampling, num_prompt: int) -> None:
         values = {name: getattr(sampling, name, None) for name in _SAMPLING_ATTRS}

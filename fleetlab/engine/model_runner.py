@@ -1,21 +1,21 @@
 """``ModelRunner``: one step of the patched model over the persistent InputBatch.
 
-It rebuilds its InputBatch from the step's :class:`SchedulerOutput` alone (new requests
-in full, the rest as diffs), condenses it, reorders it decode-first when the attention
-backend asks (a proposer's batch follows row for row), builds the attention metadata,
-runs the model on the packed tokens under ``forward_context``, computes logits only at the
-positions it scores (each row's last token; a verify row's last ``k + 1`` tokens), samples
-and verifies drafts, and lets the proposer draft the next ones. Results leave keyed by
-request id in a :class:`ModelRunnerOutput`, so the row order never leaks out.
+It applies the step's :class:`SchedulerOutput` to its InputBatch (new requests in full, the
+rest as diffs), condenses it, reorders it decode-first when the attention backend asks (a
+proposer's batch follows row for row), builds the attention metadata, runs the model on the
+packed tokens under ``forward_context``, computes logits only at the positions it scores
+(each row's last token; a row verifying ``k`` drafts scores ``k + 1``), samples, and lets a
+speculative proposer draft the next tokens. Results leave keyed by request id in a
+:class:`ModelRunnerOutput`, so the row order never leaks out.
 
-The runner never advances a request's progress: the next message tells it what the
-scheduler committed. If anything in a step raises, the engine calls :meth:`reset` and the
-scheduler resends every request in full, so no half-applied step survives.
+The runner reports what it computed and never advances a request's progress: the next
+message tells it what the scheduler committed. If anything in a step raises, the engine
+calls :meth:`reset` and the scheduler resends every request in full, so no half-applied step
+survives.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,11 +25,9 @@ from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
 from fleetlab.device import upload
 from fleetlab.engine.input_batch import InputBatch
-from fleetlab.engine.runner_output import ModelRunnerOutput
+from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.sampler import Sampler, SamplingTensors
-from fleetlab.engine.scheduler_output import SchedulerOutput
 from fleetlab.engine.side_data import chunk_embeds
-from fleetlab.spec_decode.proposer import ProposeInput, Proposer
 
 
 @dataclass(slots=True)
@@ -59,39 +57,32 @@ class ModelRunner:
       reorder: put decode rows first each step (the backend's ``requires_reorder``).
       decode_threshold: the most query tokens a decode row carries (1, or ``k + 1`` when
         verifying ``k`` drafts).
-      proposer: a speculative-decoding :class:`~fleetlab.spec_decode.proposer.Proposer`, or None.
+      sampler: turns scored logits into each row's tokens (default :class:`Sampler`; with
+        speculation, :class:`~fleetlab.spec_decode.rejection.RejectionSampler`).
+      proposer: drafts the next step's tokens (a :class:`~fleetlab.spec_decode.proposer.Proposer`), or None.
     """
 
     def __init__(self, handle, kv_cache, input_batch: InputBatch, *, reorder: bool, decode_threshold: int = 1,
-                 proposer: Proposer | None = None):
+                 sampler: Sampler | None = None, proposer=None):
         self.handle = handle
         self.kv_cache = kv_cache
         self.batch = input_batch
         self.reorder = reorder
         self.decode_threshold = decode_threshold
         self.block_size = kv_cache.block_size
-        self.sampler = Sampler()
+        self.sampler = sampler or Sampler()
         self.proposer = proposer
         if proposer is not None:
             proposer.bind(input_batch)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step ``so`` plans (at least one request)."""
-        t0 = time.perf_counter()
-        out = ModelRunnerOutput(reordered=self.reorder)
-        out.order_before, out.order_after, out.num_decodes = self._update_batch(so)
-        t1 = time.perf_counter()
-        inputs = self._prepare_inputs()
-        t2 = time.perf_counter()
-        logits = self._forward(inputs)
-        t3 = time.perf_counter()
-        num_computed_after = self._sample(logits, inputs, out)
-        t4 = time.perf_counter()
-        if self.proposer is not None and out.sampled_token_ids:
-            out.spec_token_ids = self.proposer.propose(self.batch, self._propose_input(out, num_computed_after))
-        t5 = time.perf_counter()
-        out.timings = {"batch_update": t1 - t0, "metadata": t2 - t1, "forward": t3 - t2, "sample": t4 - t3,
-                       "propose": t5 - t4}
+        out = self.update_batch(so)
+        inputs = self.prepare_inputs()
+        logits = self.forward(inputs)
+        out.sampled_token_ids, out.errors = self.sample(logits, inputs)
+        if self.proposer is not None:
+            out.spec_token_ids = self.proposer.propose(self.batch, out.sampled_token_ids)
         return out
 
     def reset(self) -> None:
@@ -103,7 +94,8 @@ class ModelRunner:
             self.proposer.reset()
 
     # ------------------------------------------------------------------ batch update
-    def _update_batch(self, so: SchedulerOutput):
+    def update_batch(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Apply the message to the batch, condense, reorder; the row orders go in the output."""
         b = self.batch
         scheduled = so.num_scheduled_tokens
         resent = {new.req_id for new in so.scheduled_new_reqs}
@@ -112,10 +104,9 @@ class ModelRunner:
         for req_id in [r for r in b.req_ids if r is not None and (r not in scheduled or r in resent)]:
             b.remove_request(req_id)
         for new in so.scheduled_new_reqs:
-            extra = {"prompt_embeds": new.prompt_embeds} if new.prompt_embeds else None
             b.add_request(new.req_id, new.prompt_token_ids, output_token_ids=new.output_token_ids,
                           num_computed_tokens=new.num_computed_tokens, block_ids=new.block_ids,
-                          sampling=new.sampling, eos_token_id=new.sampling.eos_token_id, extra=extra)
+                          sampling=new.sampling, eos_token_id=new.sampling.eos_token_id, extra=new.extra)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             b.update_request(req_id, cached.new_token_ids[i], cached.new_block_ids[i], cached.num_computed_tokens[i],
@@ -124,21 +115,19 @@ class ModelRunner:
             b.set_spec_tokens(req_id, drafts)
         b.condense()
         b.set_num_scheduled(scheduled)
-        order_before = list(b.req_ids[: b.num_reqs])
-        num_decodes = 0
+        out = ModelRunnerOutput(order_before=list(b.req_ids), reordered=self.reorder)
         if self.reorder:
-            _, num_decodes = b.reorder_split_prefill_and_decode(self.decode_threshold)
+            _, out.num_decodes = b.reorder_split_prefill_and_decode(self.decode_threshold)
+        out.order_after = list(b.req_ids)
         b.sync_to_device()  # one copy per device field, after every row has moved
-        return order_before, list(b.req_ids[: b.num_reqs]), num_decodes
+        return out
 
     # ------------------------------------------------------------------ inputs and forward
-    def _prepare_inputs(self) -> StepInputs:
+    def prepare_inputs(self) -> StepInputs:
         b, n = self.batch, self.batch.num_reqs
         q = b.num_scheduled_tokens[:n].astype(np.int64)
         c = b.num_computed_tokens[:n].astype(np.int64)
-        max_blocks = max(1, int(b.num_blocks[:n].max()))
-        md = AttentionMetadata.build(q, c, b.block_table[:n, :max_blocks], self.block_size, self.decode_threshold,
-                                     block_tables_device=b.dev("block_table")[:, :max_blocks])
+        md = AttentionMetadata.from_batch(b, self.block_size, self.decode_threshold)
         row_of_token = np.repeat(np.arange(n), q)
         pos = c[row_of_token] + np.arange(md.num_tokens) - md.cu_seqlens_q_host[:-1][row_of_token]
         input_ids = upload(b.token_ids[row_of_token, pos].reshape(1, -1), np.int64)
@@ -161,7 +150,7 @@ class ModelRunner:
             return None
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
-    def _forward(self, inputs: StepInputs) -> paddle.Tensor:
+    def forward(self, inputs: StepInputs) -> paddle.Tensor:
         """Logits ``[P, vocab]`` (float32) at the scored positions; the K/V of every token is written."""
         md = inputs.metadata
         embeds = None
@@ -174,41 +163,27 @@ class ModelRunner:
                                                 upload(inputs.logits_indices), inputs_embeds=embeds)
         return logits.astype("float32") if logits.dtype != paddle.float32 else logits
 
-    # ------------------------------------------------------------------ sampling and verification
-    def _sample(self, logits: paddle.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> np.ndarray:
-        """Fill ``out.sampled_token_ids`` / ``out.errors``; returns each row's computed tokens
-        after the step (rejected drafts excluded). Accepted tokens are also written after each
-        row's known tokens (scratch: the next message appends them for real) for the proposer."""
-        b, n = self.batch, self.batch.num_reqs
-        num_computed_after = (b.num_computed_tokens[:n] + b.num_scheduled_tokens[:n]).astype(np.int64)
-        if len(inputs.pos_row) == 0:
-            return num_computed_after
-        res = self.sampler.sample(logits, self._sampling_tensors(inputs))
-        req_ids = b.req_ids
+    # ------------------------------------------------------------------ sampling
+    def sample(self, logits: paddle.Tensor, inputs: StepInputs) -> tuple[dict, dict]:
+        """``({request id: tokens gained}, {request id: error})`` for the rows that scored."""
         starts = np.flatnonzero(inputs.pos_offset == 0)
-        for start in starts.tolist():
-            row = int(inputs.pos_row[start])
-            num_spec = int(b.num_spec_tokens[row])
-            span = slice(start, start + num_spec + 1)
-            if not res.finite[span].all():
-                out.errors[req_ids[row]] = "the model produced non-finite logits"
-                continue
-            accepted = res.accepted[start : start + num_spec]
-            m = num_spec if accepted.all() else int(np.argmin(accepted))
-            end = int(b.num_tokens[row])
-            tokens = b.token_ids[row, end : end + m].tolist() + [int(res.tokens[start + m])]
-            b.token_ids[row, end : end + m + 1] = tokens
-            num_computed_after[row] -= num_spec - m
-            out.sampled_token_ids[req_ids[row]] = tokens
-        return num_computed_after
+        if len(starts) == 0:
+            return {}, {}
+        rows = inputs.pos_row[starts].tolist()
+        tokens = self.sampler.sample_rows(logits, self._sampling_tensors(inputs, starts))
+        req_ids = self.batch.req_ids
+        sampled = {req_ids[r]: t for r, t in zip(rows, tokens) if t is not None}
+        errors = {req_ids[r]: "the model produced non-finite logits" for r, t in zip(rows, tokens) if t is None}
+        return sampled, errors
 
-    def _sampling_tensors(self, inputs: StepInputs) -> SamplingTensors:
+    def _sampling_tensors(self, inputs: StepInputs, starts: np.ndarray) -> SamplingTensors:
+        """Each scored position's settings: its row's (device fields, gathered by the sampler
+        only for positions that sample), its draw index, banned ids and the draft it verifies."""
         b = self.batch
         rows, offset = inputs.pos_row, inputs.pos_offset
         draw_index = (b.num_tokens[rows] - b.num_prompt_tokens[rows] + offset).astype(np.int64)
-        num_spec = b.num_spec_tokens[rows]
-        drafts = np.where(offset < num_spec, b.token_ids[rows, np.minimum(b.num_tokens[rows] + offset,
-                                                                          b.sizes["max_model_len"] - 1)], -1)
+        drafts = np.where(offset < b.num_spec_tokens[rows],
+                          b.token_ids[rows, np.minimum(b.num_tokens[rows] + offset, b.sizes["max_model_len"] - 1)], -1)
         banned = [[] for _ in range(len(rows))]
         # Only positions short of min_tokens ban anything; find them in one vector op, not a loop.
         for p in np.flatnonzero(draw_index < b.min_tokens[rows]).tolist():
@@ -217,22 +192,7 @@ class ModelRunner:
             if not b.ignore_eos[row] and b.eos_token_id[row] >= 0:
                 ids.append(int(b.eos_token_id[row]))
             banned[p] = ids
-        index = upload(rows, np.int64)
         return SamplingTensors(
-            greedy=b.temperature[rows] == 0, temperature=paddle.gather(b.dev("temperature"), index),
-            top_k=paddle.gather(b.dev("top_k"), index), top_p=paddle.gather(b.dev("top_p"), index),
-            seeds=b.seed[rows], draw_index=draw_index, banned=banned, draft_token_ids=drafts.astype(np.int64))
-
-    def _propose_input(self, out: ModelRunnerOutput, num_computed_after: np.ndarray) -> ProposeInput:
-        """How far each row got, and how many drafts each row that sampled may take."""
-        b, n = self.batch, self.batch.num_reqs
-        gained = np.zeros(n, np.int64)
-        for req_id, tokens in out.sampled_token_ids.items():
-            gained[b.row_of(req_id)] = len(tokens)
-        num_tokens = b.num_tokens[:n].astype(np.int64) + gained
-        room = np.minimum(b.sizes["max_model_len"] - num_tokens,
-                          b.max_tokens[:n] - (num_tokens - b.num_prompt_tokens[:n]) - 1)
-        if self.proposer.num_lookahead_tokens:  # the draft writes K/V up to k - 1 slots past the end
-            room = np.minimum(room, b.num_blocks[:n].astype(np.int64) * self.block_size - num_tokens + 1)
-        max_drafts = np.where(gained > 0, np.clip(room, 0, self.proposer.num_speculative_tokens), 0)
-        return ProposeInput(num_tokens, num_computed_after, max_drafts.astype(np.int64))
+            greedy=b.temperature[rows] == 0, temperature=b.dev("temperature"), top_k=b.dev("top_k"),
+            top_p=b.dev("top_p"), seeds=b.seed[rows], draw_index=draw_index, banned=banned,
+            draft_token_ids=drafts.astype(np.int64), row_starts=starts, pos_row=rows, batch=b)

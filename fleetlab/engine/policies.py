@@ -1,12 +1,14 @@
 """Scheduling policies: who is admitted next, and who is preempted when blocks run out.
 
-A policy is a small object with two methods, selected by name in the engine config
-(``scheduling_policy="fcfs"``). Register your own with :func:`register_policy`.
+A policy is a small object with two methods, chosen in the engine config by name
+(``scheduling_policy="fcfs"``), class or instance. Register your own with
+:func:`register_policy` to choose it by name.
 """
 
 from __future__ import annotations
 
 from fleetlab.engine.request import Request
+from fleetlab.registry import Registry
 
 
 class SchedulingPolicy:
@@ -61,22 +63,9 @@ class PriorityPolicy(SchedulingPolicy):
         return max(reversed(running), key=lambda r: r.priority)
 
 
-_POLICIES: dict[str, type[SchedulingPolicy]] = {
-    "fcfs": SchedulingPolicy,
-    "spf": ShortestPromptFirst,
-    "priority": PriorityPolicy,
-}
-
-
-def register_policy(name: str, cls: type[SchedulingPolicy]) -> None:
-    """Make ``cls`` selectable as ``scheduling_policy=name``."""
-    _POLICIES[name] = cls
-
-
-def make_policy(name_or_policy) -> SchedulingPolicy:
-    """A policy instance from a registered name (or the instance itself, unchanged)."""
-    if isinstance(name_or_policy, SchedulingPolicy):
-        return name_or_policy
-    if name_or_policy not in _POLICIES:
-        raise ValueError(f"unknown scheduling_policy {name_or_policy!r}; known: {sorted(_POLICIES)}")
-    return _POLICIES[name_or_policy]()
+POLICIES = Registry("scheduling_policy", SchedulingPolicy, {
+    "fcfs": "fleetlab.engine.policies:SchedulingPolicy",
+    "spf": "fleetlab.engine.policies:ShortestPromptFirst",
+    "priority": "fleetlab.engine.policies:PriorityPolicy",
+})
+register_policy = POLICIES.register

@@ -38,8 +38,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
-    # (positions int64 [m], embeddings float32 [m, hidden]) replacing those prompt tokens' embeddings
-    prompt_embeds: tuple | None = None
+    extra: dict = field(default_factory=dict)  # values of its own InputBatch fields, e.g. prompt_embeds
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None
@@ -66,9 +65,8 @@ class Request:
     def num_cacheable_tokens(self) -> int:
         """Leading tokens whose K/V depend on token ids alone, so the prefix cache may share
         them: all of them, or those before the first position with a replaced embedding."""
-        if self.prompt_embeds is None:
-            return self.num_tokens
-        return int(self.prompt_embeds[0].min())
+        side = self.extra.get("prompt_embeds")  # (positions int64 [m], embeddings [m, hidden])
+        return self.num_tokens if side is None else int(side[0].min())
 
     @property
     def is_finished(self) -> bool:

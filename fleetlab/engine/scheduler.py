@@ -10,48 +10,29 @@ request the policy never preempts (the oldest, under the default first-come-firs
 policy) can always finish: the loop cannot deadlock.
 
 The step is a transaction: :meth:`Scheduler.schedule` plans it and sends the runner a
-:class:`~fleetlab.engine.scheduler_output.SchedulerOutput`; :meth:`Scheduler.update`
-commits the runner's :class:`~fleetlab.engine.runner_output.ModelRunnerOutput` (tokens
-advance here and nowhere else, rejected drafts roll ``num_computed_tokens`` back); if the
-runner fails instead, :meth:`Scheduler.rollback` undoes what planning changed.
+:class:`~fleetlab.engine.messages.SchedulerOutput`; :meth:`Scheduler.update` commits the
+runner's :class:`~fleetlab.engine.messages.ModelRunnerOutput` and returns the step's
+:class:`~fleetlab.engine.outputs.RequestOutput` s (a request's tokens advance here and
+nowhere else; drafts the target rejected roll ``num_computed_tokens`` back); if the runner
+fails instead, :meth:`Scheduler.rollback` undoes what planning changed.
+
+Speculative decoding needs no branch here: a request's drafts (``spec_token_ids``, empty
+without speculation) are scheduled after its known tokens, and the slots a draft model
+writes past a request's end are reserved by ``num_lookahead_tokens`` (0 without it).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import time
 
-from fleetlab.engine.policies import SchedulingPolicy, make_policy
+from fleetlab.engine.messages import ModelRunnerOutput, NewRequestData, RowSampling, SchedulerOutput
+from fleetlab.engine.outputs import RequestOutput
+from fleetlab.engine.policies import POLICIES, SchedulingPolicy
 from fleetlab.engine.request import Request, RequestStatus
-from fleetlab.engine.runner_output import ModelRunnerOutput
-from fleetlab.engine.scheduler_output import NewRequestData, RowSampling, SchedulerOutput
 from fleetlab.kv.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class SpecDecodingStats:
-    """Draft tokens verified and accepted so far, in all and by draft position."""
-
-    num_drafts: int = 0  # verify rows
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        for counts, n in ((self.drafted_per_position, num_draft_tokens), (self.accepted_per_position, num_accepted)):
-            counts.extend([0] * (n - len(counts)))
-            for i in range(n):
-                counts[i] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
 
 class Scheduler:
@@ -62,7 +43,7 @@ class Scheduler:
       max_num_batched_tokens, max_num_seqs, max_model_len: the step's budget and caps.
       enable_chunked_prefill: let a prompt take several steps; without it a prompt is
         admitted only when it fits whole in the step's remaining budget.
-      policy: a :class:`SchedulingPolicy` or its registered name.
+      policy: a :class:`SchedulingPolicy` instance or class, or its registered name.
       num_lookahead_tokens: slots reserved past a request's last token when it samples
         (a draft model writes its proposals there).
     """
@@ -76,13 +57,13 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_lookahead_tokens = num_lookahead_tokens
-        self.policy = make_policy(policy)
+        self.policy = POLICIES.make(policy)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.step_count = 0
         self.num_preemptions = 0
-        self.spec_stats = SpecDecodingStats()
+        self.num_generated_tokens = 0
         # What the runner holds of each request: (tokens, blocks) as of the last message.
         self._sent: dict[str, tuple[int, int]] = {}
         self._finished_ids: set[str] = set()
@@ -206,7 +187,7 @@ class Scheduler:
         sampling = RowSampling(sp.temperature, sp.top_k, sp.top_p, req.seed, sp.max_tokens, sp.min_tokens,
                                sp.ignore_eos, tuple(sp.stop_token_ids), req.eos_token_id)
         return NewRequestData(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), sampling,
-                              blocks, req.num_computed_tokens, req.prompt_embeds)
+                              blocks, req.num_computed_tokens, req.extra)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         logger.debug("step %d: preempting %s", self.step_count, req.request_id)
@@ -222,54 +203,60 @@ class Scheduler:
         out.preempted_req_ids.append(req.request_id)
 
     # ------------------------------------------------------------------ committing
-    def update(self, out: SchedulerOutput, result: ModelRunnerOutput, now: float) -> list[Request]:
-        """Commit the step: advance every scheduled request by what the runner returned.
+    def update(self, out: SchedulerOutput, result: ModelRunnerOutput, now: float | None = None) -> list[RequestOutput]:
+        """Commit the step: advance every scheduled request by what the runner computed, and
+        return a ``RequestOutput`` for each request that gained tokens or finished.
 
-        A verify row's ``num_computed_tokens`` moves past its scheduled tokens, then back
-        over the drafts that were rejected (their K/V are dropped: later tokens overwrite
-        their slots, and blocks past the new end are freed). Accepted tokens are appended
-        one at a time, so a stop token, EOS, ``max_tokens`` or the model's length inside an
-        accepted run ends the request exactly where plain decoding would. Returns the
-        requests that finished in this step (their blocks are freed).
+        A row verifying ``k`` drafts computed ``k + 1`` positions and gained the accepted
+        drafts plus one token: ``num_computed_tokens`` moves back over the rejected ones
+        (their K/V are dropped: later tokens overwrite their slots, and blocks past the new
+        end are freed). Tokens are appended one at a time, so a stop token, EOS,
+        ``max_tokens`` or the model's length inside an accepted run ends the request exactly
+        where plain decoding would. Finished requests free their blocks.
         """
+        now = time.perf_counter() if now is None else now
         self.kv.commit_step()
-        finished = []
+        outputs = []
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests[rid]
             req.num_computed_tokens += n
+            tokens = result.sampled_token_ids.get(rid)
             if rid in result.errors:
                 req.error = result.errors[rid]
-                self._finish(req, "error", now, finished)
-                continue
-            tokens = result.sampled_token_ids.get(rid)
-            if tokens is None:
+                self._finish(req, "error", now)
+            elif tokens is None:
                 continue  # a prefill chunk that did not reach the prompt's end
-            drafts = out.scheduled_spec_decode_tokens.get(rid, ())
-            if drafts:
-                req.num_computed_tokens -= len(drafts) + 1 - len(tokens)
-                self.spec_stats.observe(len(drafts), len(tokens) - 1)
-            if self._append_tokens(req, tokens, now, finished):
-                continue
-            req.spec_token_ids = list(result.spec_token_ids.get(rid, ()))
-            if drafts:
-                keep = min(req.num_tokens + self.num_lookahead_tokens, self.max_model_len)
-                if self.kv.free_blocks_beyond(req, keep) and rid in self._sent:
-                    num_tokens, num_blocks = self._sent[rid]  # the runner's table is cut back next step
-                    self._sent[rid] = (num_tokens, min(num_blocks, self.kv.num_held_blocks(rid)))
-        return finished
+            else:
+                num_rejected = len(out.scheduled_spec_decode_tokens.get(rid, ())) + 1 - len(tokens)
+                req.num_computed_tokens -= num_rejected
+                tokens = self._append_tokens(req, tokens, now)
+                if not req.is_finished:
+                    req.spec_token_ids = result.spec_token_ids.get(rid, [])
+                    if num_rejected:
+                        self._free_rejected_slots(req)
+            outputs.append(RequestOutput.from_request(req, tokens or []))
+        return outputs
 
-    def _append_tokens(self, req: Request, tokens: list[int], now: float, finished: list[Request]) -> bool:
-        """Append accepted tokens until one stops the request; True if it finished."""
-        for token in tokens:
+    def _free_rejected_slots(self, req: Request) -> None:
+        """Give back the blocks past the request's new end (and its lookahead), and tell the
+        runner its table is cut back (the next diff's ``num_blocks``)."""
+        rid = req.request_id
+        if self.kv.free_blocks_beyond(req, min(req.num_tokens + self.num_lookahead_tokens, self.max_model_len)):
+            self._sent[rid] = (self._sent[rid][0], self.kv.num_held_blocks(rid))
+
+    def _append_tokens(self, req: Request, tokens: list[int], now: float) -> list[int]:
+        """Append ``tokens`` until one stops the request; returns those kept."""
+        if req.first_token_time is None:
+            req.first_token_time = now
+        for i, token in enumerate(tokens):
+            self.num_generated_tokens += 1
             req.output_token_ids.append(token)
             req.token_times.append(now)
-            if req.first_token_time is None:
-                req.first_token_time = now
             reason = self._stop_reason(req)
             if reason:
-                self._finish(req, reason, now, finished)
-                return True
-        return False
+                self._finish(req, reason, now)
+                return tokens[: i + 1]
+        return tokens
 
     def _stop_reason(self, req: Request) -> str | None:
         sp = req.sampling_params
@@ -284,11 +271,10 @@ class Scheduler:
             return "length"
         return None
 
-    def _finish(self, req: Request, reason: str, now: float, finished: list[Request]) -> None:
+    def _finish(self, req: Request, reason: str, now: float) -> None:
         req.finish_time = now
         self.running.remove(req)
         self._retire(req, reason)
-        finished.append(req)
 
     def _retire(self, req: Request, reason: str) -> None:
         """Free a finished request's blocks and forget it (the engine keeps no history)."""

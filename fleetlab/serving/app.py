@@ -42,6 +42,7 @@ from fleetlab.serving.chat_template import chat_prompt_ids, encode_text
 from fleetlab.serving.detokenizer import TextStream
 from fleetlab.serving.errors import BadRequest, EngineDead, ServingError, bad_request_from_engine, error_body
 from fleetlab.serving.metrics import CONTENT_TYPE, ServerMetrics
+from fleetlab.validation import check_sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class OpenAIServing:
                             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                             min_tokens=req.min_tokens)
         try:
-            sp.validate("-")
+            check_sampling_params(sp, "-")
         except ValueError as e:
             raise bad_request_from_engine(e, prompt_field) from e
         return sp

@@ -255,7 +255,7 @@ class AsyncLLM:
                 if not self._take_commands(streams, block=idle):
                     break
                 if self.llm.has_unfinished_requests():
-                    self._route(streams, self.llm.step(stream=True))
+                    self._route(streams, self.llm.step())
                 self._stats = self.llm.stats()
         except Exception as e:  # a bug in a step: fail every request, keep the server answering
             logger.exception("fleetlab engine loop stopped")

@@ -6,13 +6,13 @@ both caches use them, so a block shared through the prefix cache holds valid K/V
 Its per-request state lives in a :class:`~fleetlab.spec_decode.proposer_batch.ProposerInputBatch`
 that follows the main ``InputBatch`` row for row (condense, reorder decode-first).
 
-Each step, after the target verified the last drafts:
+Each step, after the target's step:
 
-1. roll back: the draft's cache is valid only up to the target's ``num_computed_tokens``
-   (drafts the target rejected were written by the draft model too);
-2. catch up, in one packed forward over every row: the tokens the target computed this
-   step that the draft has not, plus the new token of each row that will propose (its
-   logits give the first draft);
+1. the draft's cache is valid up to the target's ``num_computed_tokens`` as the step began
+   (it caught up in every earlier step; drafts the target rejected are overwritten now);
+2. catch up, in one packed forward over every row: what the target computed this step,
+   and for each row that gained tokens, up to its new last token (its logits give the
+   first draft);
 3. ``k - 1`` more forwards of one token per proposing row, each feeding the previous draft
    (kept on the device: the drafts come back to the host in one read at the end).
 
@@ -30,7 +30,7 @@ from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
 from fleetlab.device import check_model_dtype_runs, upload
 from fleetlab.kv.paged_cache import PagedKVCache
-from fleetlab.spec_decode.proposer import ProposeInput, Proposer, register_proposer
+from fleetlab.spec_decode.proposer import Proposer
 from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
 
 
@@ -76,39 +76,42 @@ class DraftModelProposer(Proposer):
         if self._owns_patch:
             self.handle.unpatch()
 
-    def propose(self, batch, inputs: ProposeInput) -> dict[str, list[int]]:
-        n = batch.num_reqs
-        computed = self.batch.num_computed_tokens[:n]
-        np.minimum(computed, inputs.num_computed_tokens[:n], out=computed)
-        proposing = inputs.max_drafts[:n] > 0
-        upto = np.where(proposing, inputs.num_tokens[:n], inputs.num_computed_tokens[:n])
-        rows = np.flatnonzero(upto > computed)
+    def propose(self, batch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+        n, req_ids = batch.num_reqs, batch.req_ids
+        start = batch.num_computed_tokens[:n].astype(np.int64)
+        num_tokens = batch.num_tokens[:n].astype(np.int64)
+        gained = np.array([len(sampled.get(rid, ())) for rid in req_ids], dtype=np.int64)
+        upto = np.where(gained > 0, num_tokens + gained,
+                        np.minimum(start + batch.num_scheduled_tokens[:n], num_tokens))
+        max_drafts = np.where(gained > 0, self.max_drafts(batch, upto), 0)
+        rows = np.flatnonzero(upto > start)
         if len(rows) == 0:
             return {}
-        token_ids = batch.token_ids
-        q = (upto - computed)[rows]
-        ids = np.concatenate([token_ids[r, computed[r] : upto[r]] for r in rows.tolist()])
-        scored = np.flatnonzero(proposing[rows])  # catch-up rows that propose, in row order
-        logits = self._forward(batch, rows, q, computed[rows], upload(ids.reshape(1, -1)), scored)
-        computed[rows] = upto[rows]
+        ids = np.concatenate([np.concatenate([batch.token_ids[r, start[r]: min(upto[r], num_tokens[r])],
+                                              sampled.get(req_ids[r], [])]) for r in rows.tolist()])
+        scored = np.flatnonzero(max_drafts[rows] > 0)  # catch-up rows that propose, in row order
+        logits = self._forward(batch, rows, (upto - start)[rows], start[rows], upload(ids.reshape(1, -1), np.int64),
+                               scored)
+        reach = self.batch.num_computed_tokens  # a record of the draft cache's extent, for drawing
+        reach[rows] = upto[rows]
         prop_rows = rows[scored]
         if len(prop_rows) == 0:  # the catch-up alone keeps the draft's cache in step
             return {}
-        drafts = [paddle.argmax(logits, axis=-1)]
-        for i in range(1, int(inputs.max_drafts[prop_rows].max())):
-            keep = np.flatnonzero(inputs.max_drafts[prop_rows] > i)
+        drafts, pos = [paddle.argmax(logits, axis=-1)], upto.copy()
+        for i in range(1, int(max_drafts[prop_rows].max())):
+            keep = np.flatnonzero(max_drafts[prop_rows] > i)
             sub = prop_rows[keep]
             prev = paddle.gather(drafts[-1], upload(keep)) if len(keep) < len(prop_rows) else drafts[-1]
-            logits = self._forward(batch, sub, np.ones(len(sub), np.int64), computed[sub], prev.reshape([1, -1]),
+            logits = self._forward(batch, sub, np.ones(len(sub), np.int64), pos[sub], prev.reshape([1, -1]),
                                    np.arange(len(sub)))
-            computed[sub] += 1
+            pos[sub] += 1
+            reach[sub] = pos[sub]
             step = paddle.full([len(prop_rows)], -1, dtype="int64")
             drafts.append(paddle.scatter(step, upload(keep), paddle.argmax(logits, axis=-1)))
         host = paddle.stack(drafts, axis=1).numpy()  # [num proposing rows, max drafts]: one read
         out = {}
-        req_ids = batch.req_ids
         for j, row in enumerate(prop_rows.tolist()):
-            proposal = host[j, : inputs.max_drafts[row]].tolist()
+            proposal = host[j, : max_drafts[row]].tolist()
             self.batch.set_drafts(row, proposal)
             out[req_ids[row]] = proposal
         return out
@@ -126,5 +129,3 @@ class DraftModelProposer(Proposer):
         with paddle.no_grad(), forward_context(md, self.kv_cache):
             return self.handle.compute_logits(input_ids.astype("int64"), md.positions.reshape([1, -1]), last)
 
-
-register_proposer("draft", DraftModelProposer)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from fleetlab.spec_decode.proposer import ProposeInput, Proposer, register_proposer
+from fleetlab.spec_decode.proposer import Proposer
 
 
 def ngram_propose(tokens: np.ndarray, k: int, min_n: int, max_n: int) -> list[int]:
@@ -38,16 +38,16 @@ class NgramProposer(Proposer):
 
     name = "ngram"
 
-    def propose(self, batch, inputs: ProposeInput) -> dict[str, list[int]]:
+    def propose(self, batch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
         cfg = self.config
-        token_ids, req_ids = batch.token_ids, batch.req_ids
+        n = batch.num_reqs
+        req_ids, token_ids, num_tokens = batch.req_ids, batch.token_ids, batch.num_tokens[:n].astype(np.int64)
+        gained = np.array([len(sampled.get(rid, ())) for rid in req_ids], dtype=np.int64)
+        max_drafts = np.where(gained > 0, self.max_drafts(batch, num_tokens + gained), 0)
         drafts = {}
-        for row in np.flatnonzero(inputs.max_drafts > 0).tolist():
-            proposal = ngram_propose(token_ids[row, : inputs.num_tokens[row]], int(inputs.max_drafts[row]),
-                                     cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        for row in np.flatnonzero(max_drafts > 0).tolist():
+            tokens = np.concatenate([token_ids[row, : num_tokens[row]], sampled[req_ids[row]]])
+            proposal = ngram_propose(tokens, int(max_drafts[row]), cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             if proposal:
                 drafts[req_ids[row]] = proposal
         return drafts
-
-
-register_proposer("ngram", NgramProposer)

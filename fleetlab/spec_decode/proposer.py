@@ -1,64 +1,13 @@
-"""The ``Proposer`` interface and its registry (built-ins load lazily, like attention backends)."""
+"""The ``Proposer`` interface, its registry, and how many drafts a row may take."""
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
-_BUILTIN_MODULES = {"ngram": "fleetlab.spec_decode.ngram", "draft": "fleetlab.spec_decode.draft"}
-_REGISTRY: dict[str, type[Proposer]] = {}
-
-
-@dataclass(slots=True)
-class ProposeInput:
-    """What the runner tells a proposer after verifying a step; arrays are ``[num_reqs]`` by row.
-
-    num_tokens: each row's known tokens after the step (accepted drafts and the new token
-      are already in ``batch.token_ids``; ``batch.num_tokens`` still counts the old ones).
-    num_computed_tokens: the target's K/V-computed tokens after the step (past rejected drafts).
-    max_drafts: drafts each row may get: 0 for rows that sampled nothing or failed, else
-      at most ``k``, the room left before ``max_tokens`` or the model's length, and the
-      row's allocated slots.
-    """
-
-    num_tokens: np.ndarray
-    num_computed_tokens: np.ndarray
-    max_drafts: np.ndarray
-
-
-class Proposer:
-    """Drafts tokens for the rows of an ``InputBatch``.
-
-    Class attribute ``name`` is the registry name. ``num_lookahead_tokens``: slots the
-    scheduler must reserve past a row's last token when it samples (a draft model writes
-    its proposals' K/V there; a model-free proposer needs none).
-    """
-
-    name: ClassVar[str] = "base"
-
-    def __init__(self, config, context) -> None:
-        self.config = config
-        self.num_speculative_tokens = config.num_speculative_tokens
-
-    @property
-    def num_lookahead_tokens(self) -> int:
-        return 0
-
-    def bind(self, batch) -> None:
-        """Called once with the runner's (empty) ``InputBatch``."""
-
-    def propose(self, batch, inputs: ProposeInput) -> dict[str, list[int]]:
-        """Drafts per request id for the rows with ``max_drafts > 0``."""
-        raise NotImplementedError
-
-    def reset(self) -> None:
-        """Forget per-request state (the runner was reset after a failed step)."""
-
-    def close(self) -> None:
-        """Release what the proposer holds (a draft model's patch)."""
+from fleetlab.registry import Registry
 
 
 @dataclass(slots=True)
@@ -66,7 +15,8 @@ class ProposerContext:
     """What a proposer may need from the engine to build itself.
 
     backend: the target's attention backend instance; num_blocks / block_size: the paged
-    pool the draft cache mirrors (same block ids); max_model_len; vocab_size: the target's.
+    pool the draft cache mirrors (same block ids); max_model_len; vocab_size: the target's;
+    decode_threshold: the most query tokens a decode row carries.
     """
 
     backend: object
@@ -77,22 +27,53 @@ class ProposerContext:
     decode_threshold: int
 
 
-def register_proposer(name: str, cls: type[Proposer]) -> type[Proposer]:
-    """Make ``cls`` selectable as ``speculative_config={"method": name, ...}``."""
-    if not (isinstance(cls, type) and issubclass(cls, Proposer)):
-        raise TypeError(f"proposer {name!r} must be a subclass of fleetlab.spec_decode.proposer.Proposer")
-    _REGISTRY[name] = cls
-    return cls
+class Proposer:
+    """Drafts tokens for the rows of an ``InputBatch``, right after the target's step.
+
+    Class attribute ``name`` is the registry name. ``num_lookahead_tokens``: slots the
+    scheduler must reserve past a row's last token when it samples (a draft model writes
+    its proposals' K/V there; a model-free proposer needs none).
+    """
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, config, context: ProposerContext) -> None:
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.max_model_len = context.max_model_len
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        return 0
+
+    def bind(self, batch) -> None:
+        """Called once with the runner's (empty) ``InputBatch``."""
+
+    def propose(self, batch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Drafts per request id, after a step in which the rows of ``batch`` gained
+        ``sampled[request id]`` (rows absent from it gained nothing; the batch itself still
+        holds the step's inputs: its ``num_computed_tokens`` and ``num_tokens`` as the step began)."""
+        raise NotImplementedError(f"proposer {self.name!r} ({type(self).__name__}) must implement propose()")
+
+    def max_drafts(self, batch, num_tokens: np.ndarray) -> np.ndarray:
+        """Drafts each row may take once it holds ``num_tokens`` (``[num_reqs]``): at most
+        ``k``, and room for them plus the bonus token before ``max_tokens`` and the model's length."""
+        n = batch.num_reqs
+        room = np.minimum(self.max_model_len - num_tokens,
+                          batch.max_tokens[:n] - (num_tokens - batch.num_prompt_tokens[:n]) - 1)
+        return np.clip(room, 0, self.num_speculative_tokens)
+
+    def reset(self) -> None:
+        """Forget per-request state (the runner was reset after a failed step)."""
+
+    def close(self) -> None:
+        """Release what the proposer holds (a draft model's patch)."""
 
 
-def get_proposer(name: str) -> type[Proposer]:
-    """The proposer class registered as ``name`` (built-ins load on first use)."""
-    if name not in _REGISTRY and name in _BUILTIN_MODULES:
-        importlib.import_module(_BUILTIN_MODULES[name])
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown proposer {name!r}; registered: {list_proposers()}")
-    return _REGISTRY[name]
-
-
-def list_proposers() -> list[str]:
-    return sorted(set(_REGISTRY) | set(_BUILTIN_MODULES))
+PROPOSERS = Registry("proposer", Proposer, {
+    "ngram": "fleetlab.spec_decode.ngram:NgramProposer",
+    "draft": "fleetlab.spec_decode.draft:DraftModelProposer",
+})
+register_proposer = PROPOSERS.register
+get_proposer = PROPOSERS.get
+list_proposers = PROPOSERS.names

@@ -1,9 +1,9 @@
 """``ProposerInputBatch``: a draft model's per-request state, row for row beside the InputBatch.
 
-A production engine's MTP/draft proposer keeps its own batch of per-request buffers (how
-far its own KV cache is computed, the drafts it proposed...). When the main batch
-condenses or reorders decode-first, those rows must move the same way, or the draft model
-reads another request's state. Here the proposer batch *follows* the main batch: it is
+A production engine's MTP/draft proposer keeps its own batch of per-request buffers (the
+drafts it proposed, how far its own cache reaches...). When the main batch condenses or
+reorders decode-first, those rows must move the same way, or the draft model reads another
+request's state. Here the proposer batch *follows* the main batch: it is
 attached with ``InputBatch.add_follower`` and every row move, clear and add of the main
 batch is replayed on it, through its own field registry. Lockstep holds by construction
 (``check_lockstep`` verifies it; the tests fingerprint it under random operations).
@@ -17,7 +17,9 @@ from fleetlab.engine.batch_fields import Field, FieldRegistry
 
 PROPOSER_FIELDS = FieldRegistry([
     Field("req_id", (), "object", "host", None, "request id, mirrors the main batch's row"),
-    Field("num_computed_tokens", (), "int32", "host", 0, "tokens whose K/V are in the draft's own cache"),
+    Field("num_computed_tokens", (), "int32", "host", 0,
+          "how far the draft's own cache reaches after its last forward (past the target's, by the "
+          "drafts it wrote); a record for drawing: positions come from the main batch"),
     Field("draft_token_ids", ("num_speculative_tokens",), "int64", "host", -1,
           "the drafts proposed in the last step, -1 unused"),
     Field("num_draft_tokens", (), "int32", "host", 0, "valid entries of draft_token_ids"),
@@ -58,8 +60,7 @@ class ProposerInputBatch:
             self._np[f.name][rows] = f.fill
 
     def on_add(self, batch, row: int, req_id) -> None:
-        """A request joined the main batch: its draft cache is valid as far as the target's
-        (prefix-cache hits and the K/V of earlier steps were written by both models)."""
+        """A request joined the main batch in ``row`` (its prefix-cache hits hold both models' K/V)."""
         self._np["req_id"][row] = req_id
         self._np["num_computed_tokens"][row] = batch.num_computed_tokens[row]
 

@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
-from fleetlab.engine.outputs import STEP_TIMING_PARTS
+from fleetlab.engine.observe import STEP_TIMING_PARTS
 from fleetlab.viz._style import (
     ALERT_COLOR,
     EDGE_COLOR,

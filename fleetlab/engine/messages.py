@@ -1,9 +1,11 @@
-"""``SchedulerOutput``: the message the scheduler sends the model runner each step.
+"""The two messages of an engine step: ``SchedulerOutput`` out, ``ModelRunnerOutput`` back.
 
-It carries only what the runner cannot know: a request's full data the first time the
-runner sees it (:class:`NewRequestData`), and for requests it already holds only what
-changed since their last step (:class:`CachedRequestData`). The runner rebuilds its
-``InputBatch`` from this message alone; no scheduler ``Request`` object crosses it.
+``SchedulerOutput`` carries only what the runner cannot know: a request's full data the
+first time the runner sees it (:class:`NewRequestData`), and for requests it already holds
+only what changed since their last step (:class:`CachedRequestData`). The runner rebuilds
+its ``InputBatch`` from this message alone; no scheduler ``Request`` object crosses it.
+``ModelRunnerOutput`` carries what the step computed, keyed by request id; the scheduler
+alone turns it into progress.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class NewRequestData:
 
     Sent on admission, after a preemption (``num_computed_tokens`` restarts from the
     prefix-cache hits), and when a running request was left out of the previous step.
-    ``prompt_embeds`` (optional): ``(positions int64 [m], embeddings float32 [m, hidden])``
-    replacing the token embeddings at those prompt positions.
+    ``extra``: values of the request's own batch fields by name (side data such as
+    ``prompt_embeds``, or a prototype's field like a LoRA id), set on its row.
     """
 
     req_id: str
@@ -46,7 +48,7 @@ class NewRequestData:
     sampling: RowSampling
     block_ids: list[int]
     num_computed_tokens: int
-    prompt_embeds: tuple | None = None
+    extra: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -104,3 +106,25 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         """Tokens the step runs in all (the packed batch length ``T``)."""
         return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one step computed, keyed by request id (the row order never leaks out).
+
+    sampled_token_ids: request id -> the tokens it gained: the drafts the target accepted,
+      then one token of its own (sampled, or the bonus after a fully accepted run); absent
+      for rows whose chunk stopped short of their last known token (a mid-prompt chunk).
+    spec_token_ids: request id -> drafts proposed for the next step.
+    errors: request id -> message (e.g. non-finite logits); those requests stop.
+    order_before / order_after: request ids by batch row before and after the reorder;
+    num_decodes: leading rows the attention backend treats as decodes.
+    """
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    order_before: list[str] = field(default_factory=list)
+    order_after: list[str] = field(default_factory=list)
+    num_decodes: int = 0
+    reordered: bool = False

@@ -1,0 +1,31 @@
+"""``LogitsProcessor``: a pass over a step's scored logits before sampling, and the hook for one.
+
+Penalties, logit biases and grammar masks all change the logits of some rows before the
+sampler picks (greedy rows included, before temperature, top-k and top-p). Each is a
+``LogitsProcessor`` given to the sampler: its per-request state lives in batch fields it
+declares (registered on the InputBatch when the engine is built, filled per request from
+``request_values(sampling_params)``), so that state moves with its row like any other field,
+and the sampler calls every processor on every step. A processor with nothing to do for a
+step (no row uses it) returns the logits as they are.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import paddle
+
+
+class LogitsProcessor:
+    """Base class: ``fields`` it keeps per request; ``request_values`` fills them; ``__call__``
+    changes ``logits [P, vocab]`` (one row per scored position; ``st.pos_row[p]`` is its batch
+    row and ``st.batch`` the InputBatch) and returns them."""
+
+    fields: ClassVar[tuple] = ()
+
+    def request_values(self, sampling_params) -> dict:
+        """This request's values of ``fields`` by name (none: the fields' fills)."""
+        return {}
+
+    def __call__(self, logits: paddle.Tensor, st) -> paddle.Tensor:
+        raise NotImplementedError(f"logits processor {type(self).__name__} must implement __call__(logits, st)")

@@ -1,0 +1,82 @@
+"""``Registry``: one way to name every pluggable kind (attention backends, proposers, policies).
+
+Each kind is a base class and a registry of its subclasses by name. Wherever fleetlab takes
+one (``LLM(backend=...)``, ``scheduling_policy=...``, ``speculative_config={"method": ...}``)
+it accepts a registered name, a subclass, or an instance (:meth:`Registry.make`). Built-ins
+are listed as ``"module:Class"`` strings and imported on first use, so that naming the Triton
+backend does not import Triton. The rules are the same for every kind: an entry must be a
+subclass of the kind's base and carry the name it is registered under, and replacing a
+built-in takes ``replace=True`` (a user's own entry may be registered again: a notebook cell
+that defines and registers a class can be re-run).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+
+class Registry:
+    """Names -> subclasses of ``base`` (``kind`` names the kind in messages)."""
+
+    def __init__(self, kind: str, base: type, builtins: dict[str, str]):
+        self.kind, self.base = kind, base
+        self._entries: dict[str, type | str] = dict(builtins)
+        self._builtins = frozenset(builtins)
+
+    def register(self, name: str, cls, *, replace: bool = False):
+        """Make ``cls`` (a subclass of the base, or ``"module:Class"`` imported on first use)
+        selectable as ``name``; returns ``cls``. A built-in's name needs ``replace=True``."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"{self.kind} name must be a non-empty str, got {name!r}")
+        if name in self._builtins and not replace:
+            raise ValueError(f"{self.kind} {name!r} is built in ({self._describe(name)}); pass "
+                             "replace=True to replace it, or choose another name")
+        if isinstance(cls, str):
+            if ":" not in cls:
+                raise ValueError(f"{self.kind} {name!r}: a lazy entry is spelled 'module:Class', got {cls!r}")
+        else:
+            self._check(name, cls)
+        self._entries[name] = cls
+        return cls
+
+    def get(self, name: str) -> type:
+        """The class registered as ``name`` (imported on first use)."""
+        if not isinstance(name, str) or name not in self._entries:
+            raise ValueError(f"unknown {self.kind} {name!r}; registered: {self.names()}")
+        entry = self._entries[name]
+        if isinstance(entry, str):
+            module, _, attr = entry.partition(":")
+            entry = self._check(name, getattr(importlib.import_module(module), attr))
+            self._entries[name] = entry
+        return entry
+
+    def resolve(self, spec) -> type:
+        """The class ``spec`` names: a registered name, a subclass, or an instance's class."""
+        if isinstance(spec, str):
+            return self.get(spec)
+        if isinstance(spec, type) and issubclass(spec, self.base):
+            return spec
+        if isinstance(spec, self.base):
+            return type(spec)
+        raise TypeError(f"{self.kind} must be a registered name ({self.names()}), a subclass of "
+                        f"{self.base.__name__} or an instance of one; got {spec!r:.80}")
+
+    def make(self, spec, *args, **kwargs):
+        """An instance from ``spec``: a name or a class (built with ``args``), or an instance (as is)."""
+        return spec if isinstance(spec, self.base) else self.resolve(spec)(*args, **kwargs)
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def _check(self, name: str, cls) -> type:
+        if not (isinstance(cls, type) and issubclass(cls, self.base)):
+            raise TypeError(f"{self.kind} {name!r} must be a subclass of {self.base.__module__}."
+                            f"{self.base.__name__}, got {cls!r:.80}")
+        if getattr(cls, "name", name) != name:
+            raise ValueError(f"{self.kind} {name!r}: class {cls.__name__} says name={cls.name!r}; register it "
+                             f"under that name, or subclass it with name = {name!r}")
+        return cls
+
+    def _describe(self, name: str) -> str:
+        entry = self._entries[name]
+        return entry if isinstance(entry, str) else f"{entry.__module__}.{entry.__name__}"

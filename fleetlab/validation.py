@@ -1,0 +1,426 @@
+"""The edge: every check of what users send, in one place, before anything is queued.
+
+The engine core trusts what passes here and states its own invariants instead
+(``InputBatch.check_invariants``, ``BlockPool.check_invariants``). A refusal is a
+``ValueError`` that names the request (or the config) and the field; a value of the wrong
+type raises :class:`FieldTypeError`, which is a ``TypeError`` and a ``ValueError`` at once
+(so code that catches the engine's ``ValueError`` s, such as the OpenAI server's 400 answers,
+catches it too). Nothing is coerced silently: numpy scalars and 0-d arrays count as the
+numbers they hold, but a ``bool`` is not an int, a float is not an int, and a numeric string
+is not a number. What passes is bounded to what the batch's buffers hold: ``max_tokens`` /
+``min_tokens`` by ``max_model_len``, ``top_k`` by the vocabulary, seeds by int64.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import numbers
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import fields, replace
+
+import numpy as np
+
+from fleetlab.attention.backend import ATTENTION_BACKENDS
+from fleetlab.engine.config import EngineConfig
+from fleetlab.engine.policies import POLICIES
+from fleetlab.engine.request import Request
+from fleetlab.engine.sampling_params import SamplingParams
+from fleetlab.spec_decode.config import SpeculativeConfig
+from fleetlab.spec_decode.proposer import PROPOSERS
+
+logger = logging.getLogger(__name__)
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+MIN_TEMPERATURE = 1e-5
+"""Temperatures in ``(0, MIN_TEMPERATURE)`` are greedy: ``logits / T`` would overflow float32."""
+
+
+class FieldTypeError(TypeError, ValueError):
+    """A setting of the wrong type (a ``TypeError`` that is also a ``ValueError``)."""
+
+
+# ----------------------------------------------------------------------------- one value
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _scalar(value):
+    """A 0-d numpy array as the numpy scalar it holds; anything else unchanged."""
+    return value[()] if isinstance(value, np.ndarray) and value.ndim == 0 else value
+
+
+def _interval(low, high, low_open: bool = False) -> str:
+    def num(x):
+        return f"{x:g}" if isinstance(x, float) else str(x)
+
+    if high is None:
+        return "" if low is None else f" {'>' if low_open else '>='} {num(low)}"
+    if low is None:
+        return f" <= {num(high)}"
+    return f" in {'(' if low_open else '['}{num(low)}, {num(high)}]"
+
+
+def int_field(where: str, name: str, value, low: int | None = None, high: int | None = None) -> int:
+    """``value`` as a Python int within ``[low, high]`` (None: unbounded on that side)."""
+    value = _scalar(value)
+    rule = "an int" + _interval(low, high)
+    if isinstance(value, (bool, np.bool_)):
+        raise FieldTypeError(f"{where} {name}={value!r} must be {rule} (a bool is not an int here)")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise FieldTypeError(f"{where} {name}={_short(value)} must be {rule}, not {type(value).__name__}") from None
+    if (low is not None and number < low) or (high is not None and number > high):
+        raise ValueError(f"{where} {name}={number} must be {rule}")
+    return int(number)
+
+
+def float_field(where: str, name: str, value, low: float, high: float, *, low_open: bool = False,
+                note: str = "") -> float:
+    """``value`` (an int or float, numpy's included) as a Python float in ``[low, high]``
+    (``(low, high]`` with ``low_open``); NaN is always refused. ``note`` ends the message."""
+    value = _scalar(value)
+    rule = "a number" + _interval(low, high, low_open) + note
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise FieldTypeError(f"{where} {name}={_short(value)} must be {rule}, not {type(value).__name__}")
+    number = float(value)
+    if not (low < number if low_open else low <= number) or not number <= high:  # NaN fails both
+        raise ValueError(f"{where} {name}={value!r} must be {rule}")
+    return number
+
+
+def bool_field(where: str, name: str, value) -> bool:
+    """``value`` (``True``/``False`` or a numpy bool) as a Python bool; nothing else is truthy here."""
+    value = _scalar(value)
+    if not isinstance(value, (bool, np.bool_)):
+        raise FieldTypeError(f"{where} {name}={_short(value)} must be True or False, not {type(value).__name__}")
+    return bool(value)
+
+
+def is_sequence(value) -> bool:
+    """A list-like of items: a list, tuple, range or numpy array of >= 1 dimension (a str is
+    text, a mapping is keyed, a 0-d array is a scalar)."""
+    if isinstance(value, np.ndarray):
+        return value.ndim > 0
+    return isinstance(value, Sequence) and not isinstance(value, (str, bytes))
+
+
+def token_ids_field(where: str, name: str, value, hint: str = "") -> list[int]:
+    """A flat sequence of int token ids (a list, tuple, range or 1-D integer numpy array) as a
+    list of Python ints (their range is the caller's to check); ``hint`` ends the message
+    for a nested list."""
+    if isinstance(value, np.ndarray):
+        if value.ndim == 1 and value.dtype.kind in "iu":
+            return value.tolist()  # exact Python ints, whatever the integer dtype
+        raise FieldTypeError(f"{where} {name} must be a flat sequence of int token ids; got a numpy array "
+                             f"of shape {value.shape} and dtype {value.dtype}{hint}")
+    if not is_sequence(value):
+        raise FieldTypeError(f"{where} {name}={_short(value)} must be a sequence of int token ids (e.g. "
+                             f"[5, 17]), not {type(value).__name__}")
+    ids = []
+    for i, t in enumerate(value):
+        if type(t) is not int:  # the common case stays fast
+            if is_sequence(t):
+                raise FieldTypeError(f"{where} {name}[{i}]={_short(t)} is a {type(t).__name__}, but {name} is "
+                                     f"a flat sequence of int token ids{hint}")
+            t = int_field(where, f"{name}[{i}]", t)
+        ids.append(t)
+    return ids
+
+
+# ----------------------------------------------------------------------------- configs
+def check_sampling_params(sp, request_id: str = "?"):
+    """A checked copy of ``SamplingParams`` ``sp`` holding plain Python values (ints, floats, a
+    tuple of stop ids, a temperature below ``MIN_TEMPERATURE`` as 0, ``top_k`` -1 as 0: "no
+    limit", as vLLM spells it); ``sp`` itself is left as it is."""
+    where = f"request {request_id!r}: sampling field"
+    max_tokens = int_field(where, "max_tokens", sp.max_tokens, 1)
+    temperature = float_field(where, "temperature", sp.temperature, 0.0, FLOAT32_MAX,
+                              note=f" (0 = greedy; below {MIN_TEMPERATURE:g} counts as greedy)")
+    top_p = float_field(where, "top_p", sp.top_p, 0.0, 1.0, low_open=True)
+    if np.float32(top_p) == 0:  # the sampler's float32 buffer would hold 0: nothing kept
+        raise ValueError(f"{where} top_p={top_p!r} must be in (0, 1] and stay > 0 as a float32 (>= 1e-45)")
+    top_k = int_field(where, "top_k", sp.top_k, -1)
+    stop = token_ids_field(where, "stop_token_ids", sp.stop_token_ids)
+    if any(t < 0 for t in stop):
+        raise ValueError(f"{where} stop_token_ids holds {[t for t in stop if t < 0][:5]}: token ids are >= 0")
+    return replace(sp, max_tokens=max_tokens, temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
+                   top_k=max(top_k, 0), top_p=top_p,
+                   seed=None if sp.seed is None else int_field(where, "seed", sp.seed, 0, INT64_MAX),
+                   stop_token_ids=tuple(stop), ignore_eos=bool_field(where, "ignore_eos", sp.ignore_eos),
+                   min_tokens=int_field(where, "min_tokens", sp.min_tokens, 0, max_tokens))
+
+
+def engine_config(**kwargs) -> EngineConfig:
+    """A checked ``EngineConfig`` from keywords (numpy scalars stored as the Python values they
+    hold); see its docstring for the bounds."""
+    known = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise TypeError(f"unknown engine config field(s) {unknown}; known: {sorted(known)}")
+    cfg = EngineConfig(**kwargs)
+    where = "engine config:"
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
+        setattr(cfg, name, int_field(where, name, getattr(cfg, name), 1, INT32_MAX))
+    for name, high in (("num_blocks", INT32_MAX), ("max_model_len", INT32_MAX), ("kv_cache_memory_bytes", INT64_MAX)):
+        if getattr(cfg, name) is not None:
+            setattr(cfg, name, int_field(where, name, getattr(cfg, name), 1, high))
+    cfg.seed = int_field(where, "seed", cfg.seed, 0, INT64_MAX)
+    for name in ("enable_prefix_caching", "enable_chunked_prefill", "record_traces"):
+        setattr(cfg, name, bool_field(where, name, getattr(cfg, name)))
+    if cfg.reorder is not None:
+        cfg.reorder = bool_field(where, "reorder", cfg.reorder)  # None: the backend decides
+    for name, registry in (("backend", ATTENTION_BACKENDS), ("scheduling_policy", POLICIES)):
+        try:
+            registry.resolve(getattr(cfg, name))
+        except TypeError as exc:
+            raise FieldTypeError(f"{where} {name}={getattr(cfg, name)!r:.60}: {exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"{where} {name}: {exc}") from None
+    return cfg
+
+
+def check_backend_fits(cfg: EngineConfig, backend_cls) -> None:
+    """Refuse, before any step, an attention backend whose declared needs the config cannot meet."""
+    name = backend_cls.name
+    if not isinstance(backend_cls.reorder_threshold, int) or backend_cls.reorder_threshold < 1:
+        raise ValueError(f"attention backend {name!r}: reorder_threshold must be an int >= 1")
+    if backend_cls.requires_reorder and cfg.reorder is False:
+        raise ValueError(f"engine config: reorder=False, but attention backend {name!r} requires decode-first "
+                         "rows (requires_reorder=True)")
+    if backend_cls.reorder_threshold > cfg.max_num_batched_tokens:
+        raise ValueError(f"attention backend {name!r}: reorder_threshold={backend_cls.reorder_threshold} exceeds "
+                         f"max_num_batched_tokens={cfg.max_num_batched_tokens}")
+
+
+def resolve_max_model_len(cfg: EngineConfig, model_max_len: int) -> int:
+    """The engine's ``max_model_len``: the config's, or the model's when unset or larger (asking
+    for more than the model has positions for is logged at WARNING level, naming both)."""
+    if cfg.max_model_len is not None and cfg.max_model_len > model_max_len:
+        logger.warning("engine config: max_model_len=%d exceeds the model's %d positions; serving at most %d "
+                       "tokens per sequence", cfg.max_model_len, model_max_len, model_max_len)
+    max_model_len = model_max_len if cfg.max_model_len is None else min(cfg.max_model_len, model_max_len)
+    if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < max_model_len:
+        raise ValueError(f"engine config: without chunked prefill, max_num_batched_tokens="
+                         f"{cfg.max_num_batched_tokens} must be >= max_model_len={max_model_len}")
+    return max_model_len
+
+
+def check_speculative_config(config):
+    """A checked ``SpeculativeConfig`` from a dict (or one passed through); see its docstring."""
+    if not isinstance(config, SpeculativeConfig):
+        if not isinstance(config, dict):
+            raise FieldTypeError(f"speculative_config must be a dict; got {type(config).__name__}")
+        unknown = sorted(set(config) - {f.name for f in fields(SpeculativeConfig)})
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: "
+                             f"{sorted(f.name for f in fields(SpeculativeConfig))}")
+        missing = [name for name in ("method", "num_speculative_tokens") if name not in config]
+        if missing:
+            raise ValueError(f"speculative_config: field {missing[0]!r} is required")
+        config = SpeculativeConfig(**config)
+    if not isinstance(config.method, str) or config.method not in PROPOSERS.names():
+        raise ValueError(f"speculative_config: method={config.method!r} is not a registered proposer; "
+                         f"known: {PROPOSERS.names()}")
+    where = "speculative_config: field"
+    config.num_speculative_tokens = int_field(where, "num_speculative_tokens", config.num_speculative_tokens, 1, 16)
+    config.prompt_lookup_min = int_field(where, "prompt_lookup_min", config.prompt_lookup_min, 1, 64)
+    config.prompt_lookup_max = int_field(where, "prompt_lookup_max", config.prompt_lookup_max, 1, 64)
+    if config.prompt_lookup_min > config.prompt_lookup_max:
+        raise ValueError(f"speculative_config: prompt_lookup_min={config.prompt_lookup_min} exceeds "
+                         f"prompt_lookup_max={config.prompt_lookup_max}")
+    if config.method == "draft" and config.model is None:
+        raise ValueError("speculative_config: method='draft' needs field 'model' (e.g. "
+                         "fleetlab.models.load_tiny_draft()[0])")
+    return config
+
+
+# ----------------------------------------------------------------------------- requests
+_ONE_PROMPT = (" (one request holds one prompt: call add_request once per prompt, or pass "
+               "generate(prompt_token_ids=[[...], [...]]))")
+
+
+class InputProcessor:
+    """Tokenizes and checks requests for one engine; what passes is a ``Request`` that fits.
+
+    Args:
+      tokenizer: anything with ``encode(text)`` returning a list of int token ids or a
+        mapping with ``"input_ids"`` (or None: token ids only).
+      vocab_size, max_model_len, eos_token_id, hidden_size: the model's.
+      block_size, num_blocks: the pool's (a request the whole pool could not hold is refused).
+      max_stop_ids: stop ids a batch row keeps; batch_fields: the batch's field registry
+        (``extra`` values must name its fields); processors: the sampler's logits processors
+        (each fills its own fields from a request's sampling params).
+      num_lookahead_tokens: extra slots a running request may hold (speculative drafts).
+      seed: draws the seed of requests that set none.
+    """
+
+    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, eos_token_id, hidden_size: int,
+                 block_size: int, num_blocks: int, max_stop_ids: int, batch_fields, processors=(),
+                 num_lookahead_tokens: int = 0, seed: int = 0):
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.eos_token_id, self.hidden_size = eos_token_id, hidden_size
+        self.block_size, self.num_blocks, self.max_stop_ids = block_size, num_blocks, max_stop_ids
+        self.batch_fields, self.processors, self.num_lookahead_tokens = batch_fields, processors, num_lookahead_tokens
+        self._ids, self._arrivals = itertools.count(), itertools.count()
+        self._rng = np.random.default_rng(seed)
+
+    def process(self, prompt, sampling_params, prompt_token_ids, request_id, live_ids, priority=0,
+                prompt_embeds=None, extra=None):
+        """A checked ``Request``; ``live_ids``: ids of requests the engine still holds (a
+        duplicate is refused; an id the engine picks skips them)."""
+        rid = self._request_id(request_id, live_ids)
+        priority = int_field(f"request {rid!r}:", "priority", priority)
+        ids = self._tokenize(rid, prompt, prompt_token_ids)
+        sp = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(sp, SamplingParams):
+            raise FieldTypeError(f"request {rid!r}: sampling_params must be a fleetlab.SamplingParams, "
+                                 f"not {type(sp).__name__}")
+        sp = self._bound(rid, ids, check_sampling_params(sp, rid))
+        extra = self._extra(rid, extra, prompt_embeds, len(ids))
+        for processor in self.processors:
+            extra.update(processor.request_values(sp))
+        seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**62))
+        return Request(rid, ids, sp, seed=seed, arrival_order=next(self._arrivals), eos_token_id=self.eos_token_id,
+                       priority=priority, extra=extra)
+
+    def _request_id(self, request_id, live_ids) -> str:
+        """The user's id (a str, or an int written as one), or the engine's next unused one."""
+        if request_id is None:
+            rid = str(next(self._ids))
+            while rid in live_ids:  # a user chose it: skip it, never collide
+                rid = str(next(self._ids))
+            return rid
+        if isinstance(request_id, (int, np.integer)) and not isinstance(request_id, (bool, np.bool_)):
+            request_id = str(int(request_id))
+        if not isinstance(request_id, str):
+            raise FieldTypeError(f"request_id={request_id!r:.60} must be a str or an int (or None: the engine "
+                                 f"picks one), not {type(request_id).__name__}")
+        if request_id in live_ids:
+            raise ValueError(f"request {request_id!r}: request_id {request_id!r} is already used by a request that "
+                             "has not finished (ids must be unique among live requests)")
+        return request_id
+
+    def _tokenize(self, rid, prompt, prompt_token_ids) -> list[int]:
+        where = f"request {rid!r}:"
+        if prompt is not None and prompt_token_ids is not None:
+            raise ValueError(f"{where} give exactly one of prompt and prompt_token_ids")
+        if prompt_token_ids is not None:
+            ids = token_ids_field(where, "prompt_token_ids", prompt_token_ids, _ONE_PROMPT)
+        else:
+            ids = self._encode(where, prompt)
+        if not ids:
+            raise ValueError(f"{where} prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{where} prompt_token_ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"{where} prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
+                             "room to generate")
+        return ids
+
+    def _encode(self, where: str, prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            raise FieldTypeError(f"{where} prompt={prompt!r:.60} must be a str (text to tokenize), not "
+                                 f"{type(prompt).__name__}; token ids go in prompt_token_ids")
+        if self.tokenizer is None:
+            raise ValueError(f"{where} prompt is text but the LLM has no tokenizer")
+        out, name = self.tokenizer.encode(prompt), "tokenizer.encode(prompt)"
+        if isinstance(out, Mapping):
+            if "input_ids" not in out:
+                raise ValueError(f"{where} {name} returned a mapping without 'input_ids' (keys "
+                                 f"{sorted(map(str, out))[:8]}); expected token ids or a mapping holding them")
+            out, name = out["input_ids"], name + "['input_ids']"
+        return token_ids_field(where, name, out)
+
+    def _bound(self, rid, ids, sp: SamplingParams) -> SamplingParams:
+        """Refuse what the batch row cannot hold; clamp what means the same clamped."""
+        where = f"request {rid!r}: sampling field stop_token_ids"
+        if len(sp.stop_token_ids) > self.max_stop_ids:
+            raise ValueError(f"{where} holds {len(sp.stop_token_ids)} ids; the engine keeps at most "
+                             f"{self.max_stop_ids}")
+        bad = [t for t in sp.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"{where} {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        max_tokens = min(sp.max_tokens, self.max_model_len - len(ids))
+        need = -(-min(len(ids) + max_tokens + self.num_lookahead_tokens, self.max_model_len) // self.block_size)
+        if need > self.num_blocks:
+            raise ValueError(f"request {rid!r}: needs {need} KV blocks but the pool has only {self.num_blocks} "
+                             "(num_blocks is too small for even this one request)")
+        return replace(sp, max_tokens=max_tokens, min_tokens=min(sp.min_tokens, max_tokens),
+                       top_k=min(sp.top_k, self.vocab_size))
+
+    def _extra(self, rid, extra, prompt_embeds, num_prompt_tokens: int) -> dict:
+        """The request's own batch-field values: ``extra`` (by field name, each value checked by
+        the field's dtype and shape) and side data ``prompt_embeds``."""
+        extra = dict(extra or {})
+        if prompt_embeds is not None:
+            extra["prompt_embeds"] = normalize_prompt_embeds(rid, prompt_embeds, num_prompt_tokens, self.hidden_size)
+        for name, value in extra.items():
+            if name not in self.batch_fields or name == "req_id":
+                raise ValueError(f"request {rid!r}: extra field {name!r} is not a field of the engine's InputBatch "
+                                 f"(pass LLM(..., batch_fields=[Field({name!r}, ...)]) to add it)")
+            extra[name] = self.batch_fields[name].check_value(f"request {rid!r}: extra field", value)
+        return extra
+
+
+def normalize_prompt_embeds(request_id: str, prompt_embeds, num_prompt_tokens: int, hidden_size: int):
+    """``(positions int64 [m], embeddings float32 [m, hidden_size])`` from what a user passes.
+
+    Accepts ``{prompt position: vector [hidden_size]}`` or an array ``[num_prompt_tokens,
+    hidden_size]`` (every position replaced). Raises ``ValueError`` naming the request and
+    ``prompt_embeds`` for a position outside the prompt, a wrong width, or a non-finite value.
+    """
+    def bad(why):
+        raise ValueError(f"request {request_id!r}: prompt_embeds {why}")
+
+    if isinstance(prompt_embeds, dict):
+        if not prompt_embeds:
+            bad("is an empty dict")
+        items = sorted(prompt_embeds.items())
+        try:
+            positions = np.array([int(p) for p, _ in items], dtype=np.int64)
+            values = np.stack([np.asarray(v, dtype=np.float32) for _, v in items])
+        except (TypeError, ValueError) as exc:
+            bad(f"must map int positions to vectors of {hidden_size} floats ({exc})")
+    else:
+        values = np.asarray(prompt_embeds, dtype=np.float32)
+        if values.ndim != 2 or values.shape[0] != num_prompt_tokens:
+            bad(f"as an array must be [num_prompt_tokens={num_prompt_tokens}, {hidden_size}]; "
+                f"got {list(values.shape)}")
+        positions = np.arange(num_prompt_tokens, dtype=np.int64)
+    if values.ndim != 2 or values.shape[1] != hidden_size:
+        bad(f"vectors must have the model's hidden size {hidden_size}; got shape {list(values.shape)}")
+    if positions.min() < 0 or positions.max() >= num_prompt_tokens:
+        bad(f"positions {positions.tolist()[:5]} must lie in the prompt [0, {num_prompt_tokens})")
+    if not np.isfinite(values).all():
+        bad("holds non-finite values")
+    return positions, values
+
+
+def generate_items(prompts, prompt_token_ids, sampling_params) -> list[tuple]:
+    """``generate``'s arguments as ``(prompt, prompt_token_ids, sampling_params)`` per request."""
+    if (prompts is None) == (prompt_token_ids is None):
+        raise ValueError("generate: give exactly one of prompts and prompt_token_ids")
+    if prompts is not None:
+        if not isinstance(prompts, str) and not is_sequence(prompts):
+            raise FieldTypeError(f"generate: prompts={prompts!r:.60} must be a str or a list of str, "
+                                 f"not {type(prompts).__name__}")
+        items = [(p, None) for p in ([prompts] if isinstance(prompts, str) else list(prompts))]
+    else:
+        seqs = prompt_token_ids
+        if not is_sequence(seqs):
+            raise FieldTypeError(f"generate: prompt_token_ids={seqs!r:.60} must be a list of token-id lists "
+                                 f"(or one list of token ids), not {type(seqs).__name__}")
+        # One flat prompt ([5, 17, 3]) or a list of prompts: a first entry that is not itself a
+        # sequence means one prompt (the InputProcessor refuses floats, strings, bools in it).
+        items = [(None, s) for s in ([seqs] if len(seqs) and not is_sequence(seqs[0]) else seqs)]
+    sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
+    if len(sps) != len(items):
+        raise ValueError(f"generate: {len(sps)} sampling_params for {len(items)} prompts")
+    return [(p, ids, sp) for (p, ids), sp in zip(items, sps)]

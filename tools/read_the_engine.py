@@ -1,0 +1,129 @@
+"""The README's reading guide: the files one request passes through, in order, with their size.
+
+    python tools/read_the_engine.py            # print the table (Markdown) and the core's total
+    python tools/read_the_engine.py --check    # exit 1 if README.md's table differs from it
+
+"Code lines" leave out blank lines, comments and docstrings; "lines" are the file as it is.
+The README carries the table between ``<!-- read-the-engine -->`` and ``<!-- /read-the-engine -->``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import sys
+import tokenize
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+START, END = "<!-- read-the-engine -->", "<!-- /read-the-engine -->"
+
+# (file, where the request is in it) in the order a request meets them.
+PATH = [
+    ("fleetlab/llm.py", "`LLM.add_request`: the front door takes a prompt"),
+    ("fleetlab/validation.py", "`InputProcessor.process`: every check, once, at the edge"),
+    ("fleetlab/engine/request.py", "`Request`: the scheduler's record of it"),
+    ("fleetlab/engine/scheduler.py", "`Scheduler.schedule`: admitted under the token budget"),
+    ("fleetlab/kv/manager.py", "`KVCacheManager.allocate_slots`: prefix-cache hits, then new blocks"),
+    ("fleetlab/kv/block_pool.py", "`BlockPool`: reference counts, LRU free queue, chained block keys"),
+    ("fleetlab/engine/messages.py", "`SchedulerOutput`: the step's plan sent to the runner"),
+    ("fleetlab/engine/model_runner.py", "`ModelRunner.execute`: the plan applied to the batch, the model run"),
+    ("fleetlab/engine/input_batch.py", "`InputBatch`: its row, condensed and reordered decode-first"),
+    ("fleetlab/engine/batch_fields.py", "`Field`: every per-request buffer, declared once"),
+    ("fleetlab/attention/metadata.py", "`AttentionMetadata.from_batch`: positions, `slot_mapping`, `block_tables`"),
+    ("fleetlab/context.py", "`forward_context`: how attention deep in the model finds the step"),
+    ("fleetlab/attention/backend.py", "`AttentionBackend.forward`: write K/V, then `attend`"),
+    ("fleetlab/kv/paged_cache.py", "`PagedKVCache.write`: K/V into their slots"),
+    ("fleetlab/attention/naive.py", "`naive_paged_attention`: the attention to read (the default, `tiled.py`, batches it)"),
+    ("fleetlab/engine/sampler.py", "`Sampler`: its next token, in the step's one device read"),
+    ("fleetlab/engine/outputs.py", "`RequestOutput`: what `Scheduler.update` hands back"),
+    ("fleetlab/engine/observe.py", "`StepRecorder`: what `LLM.step` shows its observers"),
+]
+# With speculative decoding, the request also passes through these.
+SPEC_PATH = [
+    ("fleetlab/spec_decode/proposer.py", "`Proposer`: how many drafts a row may take"),
+    ("fleetlab/spec_decode/ngram.py", "prompt lookup"),
+    ("fleetlab/spec_decode/draft.py", "a draft model on its own paged cache"),
+    ("fleetlab/spec_decode/proposer_batch.py", "`ProposerInputBatch`: the proposer's rows, in lockstep"),
+    ("fleetlab/spec_decode/rejection.py", "`RejectionSampler`: drafts verified, the target's distribution kept"),
+]
+# The core as issue 23 counts it: engine/, kv/, attention/ (naive, tiled, metadata, backend),
+# context.py, spec_decode/, the front door.
+CORE = ["fleetlab/engine", "fleetlab/kv", "fleetlab/attention/naive.py", "fleetlab/attention/tiled.py",
+        "fleetlab/attention/metadata.py", "fleetlab/attention/backend.py", "fleetlab/context.py",
+        "fleetlab/spec_decode", "fleetlab/llm.py", "fleetlab/registry.py"]
+
+
+def code_lines(path: Path) -> int:
+    """Lines holding code: not blank, not only a comment, not part of a docstring."""
+    source = path.read_text(encoding="utf-8")
+    docstrings = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(
+                    first.value.value, str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    lines = set()
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in skip:
+            lines.update(range(tok.start[0], tok.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def core_files() -> list[Path]:
+    files = []
+    for entry in CORE:
+        path = ROOT / entry
+        files += sorted(path.rglob("*.py")) if path.is_dir() else [path]
+    return files
+
+
+def table() -> str:
+    """The reading guide as Markdown."""
+    rows = ["| # | file | what happens to the request there | code lines | lines |", "|---|---|---|---|---|"]
+    for i, (name, what) in enumerate(PATH + SPEC_PATH, 1):
+        path = ROOT / name
+        spec = " (speculative decoding)" if (name, what) in SPEC_PATH else ""
+        rows.append(f"| {i} | `{name}` | {what}{spec} | {code_lines(path)} | "
+                    f"{len(path.read_text(encoding='utf-8').splitlines())} |")
+    files = core_files()
+    total = sum(code_lines(p) for p in files)
+    rows.append(f"\nThe whole core (engine/, kv/, attention's naive, tiled, metadata and backend, context.py, "
+                f"spec_decode/, the front door and its registry): **{total} code lines in {len(files)} files**; the "
+                f"checks at the edge (`fleetlab/validation.py`) add {code_lines(ROOT / 'fleetlab/validation.py')}.")
+    return "\n".join(rows)
+
+
+def readme_table() -> str:
+    text = README.read_text(encoding="utf-8")
+    if START not in text or END not in text:
+        raise SystemExit(f"README.md has no {START} ... {END} block")
+    return text.split(START, 1)[1].split(END, 1)[0].strip()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare with README.md; exit 1 if it differs")
+    parser.add_argument("--write", action="store_true", help="write the table into README.md")
+    args = parser.parse_args(argv)
+    now = table()
+    if args.write:
+        text = README.read_text(encoding="utf-8")
+        head, rest = text.split(START, 1)
+        README.write_text(f"{head}{START}\n{now}\n{END}{rest.split(END, 1)[1]}", encoding="utf-8")
+    elif args.check:
+        if readme_table() != now:
+            print("README.md's reading guide is out of date: run python tools/read_the_engine.py --write",
+                  file=sys.stderr)
+            return 1
+    else:
+        print(now)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
