@@ -2,7 +2,8 @@
 
 Names: ``all`` (default: the engine benchmark), ``engine`` (fleetlab vs PaddleFormers
 generate, KV memory, prefix caching, step-time breakdown), ``reorder`` (condense +
-decode-first reorder cost), ``attention`` (reference paged attention), ``triton``
+decode-first reorder cost), ``attention`` (the tiled paged attention
+against the naive one, one layer), ``triton``
 (Triton paged-attention kernels: decode, multi-token decode, prefill; needs a GPU with
 torch and triton), ``serve`` (an OpenAI-compatible server under Poisson traffic: TTFT /
 TPOT / ITL and throughput per request rate), ``tp`` (one process vs two tensor-parallel
