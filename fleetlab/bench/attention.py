@@ -107,14 +107,13 @@ def bench_case(case: Case, args, bar=None) -> dict:
     def naive():
         return naive_paged_attention(query, kc, vc, md, scale=scale)
 
+    def timed(name, fn):
+        if bar is not None:
+            bar.set_postfix_str(f"{case.name}: {name}")
+        return time_call(fn, args.repeats, bar.update if bar is not None else None)
+
     err = float((tiled().astype("float32") - naive().astype("float32")).abs().max())
-    tick = bar.update if bar is not None else None
-    if bar is not None:
-        bar.set_postfix_str(f"{case.name}: tiled")
-    fast = time_call(tiled, args.repeats, tick)
-    if bar is not None:
-        bar.set_postfix_str(f"{case.name}: naive")
-    slow = time_call(naive, args.repeats, tick)
+    fast, slow = timed("tiled", tiled), timed("naive", naive)
     return {"case": case.name, "num_reqs": case.num_reqs, "query_len": case.query_len,
             "num_computed": case.num_computed, "tiled_ms": fast[0], "tiled_best_ms": fast[1],
             "naive_ms": slow[0], "naive_best_ms": slow[1], "max_diff": err}
@@ -130,10 +129,9 @@ def run(args, argv=None) -> dict:
     """Time every case, write ``<args.out>/attention.json``; returns the result."""
     start = time.perf_counter()
     machine = MachineRecord()
-    records = []
-    with section("attention cases", 2 * (args.repeats + 2) * 2, quiet=args.quiet, unit="call") as bar:
-        for case in cases(args):
-            records.append(bench_case(case, args, bar))
+    todo = cases(args)
+    with section("attention cases", len(todo) * 2 * (args.repeats + 2), quiet=args.quiet, unit="call") as bar:
+        records = [bench_case(case, args, bar) for case in todo]  # 2 functions, repeats + 2 calls each
     config = {k: getattr(args, k) for k in ("num_decodes", "context", "prefill_tokens", "heads", "kv_heads",
                                             "head_dim", "block_size", "dtype", "repeats")}
     result = {"schema_version": 1,

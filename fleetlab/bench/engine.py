@@ -453,7 +453,7 @@ def run(cfg: BenchConfig, preset: str = "custom", argv=None, quiet: bool = True)
     return result
 
 
-def _parse(argv) -> tuple[BenchConfig, str]:
+def _parse(argv) -> tuple[BenchConfig, str, bool]:
     p = argparse.ArgumentParser(prog="python -m fleetlab bench engine", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a few-second run (tests, smoke checks)")

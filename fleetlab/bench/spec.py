@@ -276,6 +276,7 @@ def run(cfg: SpecBenchConfig, preset: str = "custom", argv=None, quiet: bool = T
     rep_configs = [("off", None)] + [(f"ngram k={k}", spec_config("ngram", k, **lookup)) for k in cfg.ngram_ks]
 
     alone_configs = [("off", None)] + [(f"draft k={k}", spec_config("draft", k, draft=draft)) for k in cfg.alone_ks]
+
     def bar(desc, configs):
         return section(f"spec, {desc}", (cfg.rounds + 1) * len(configs), quiet=quiet)
 
@@ -361,7 +362,7 @@ def why(result: dict) -> str:
             f"and a small draft, a draft forward is a few percent of a target forward.")
 
 
-def _parse(argv) -> tuple[SpecBenchConfig, str]:
+def _parse(argv) -> tuple[SpecBenchConfig, str, bool]:
     p = argparse.ArgumentParser(prog="python -m fleetlab bench spec", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a few-second run (tests, smoke checks)")
