@@ -7,6 +7,9 @@ KV-cache utilization, prefix-cache hit rate and preemptions.
 ``--tensor-parallel-size N`` splits the model over N processes. Started plainly, the demo
 starts itself again under ``python -m paddle.distributed.launch --nproc_per_node N`` (it
 prints that line); rank 0 prints, and adds what its shard holds and what the all-reduces cost.
+
+A progress bar on stderr counts the requests as they finish (``-q``: none; none either
+under tensor parallelism, where the launcher passes rank 0's output on line by line).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model over N processes (started through paddle.distributed.launch)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (stderr)")
     args = p.parse_args(argv)
     tp_size = args.tensor_parallel_size
     if tp_size > 1:
@@ -90,16 +94,19 @@ def main(argv=None) -> int:
     from fleetlab.models import load_tiny
 
     model, tok = load_tiny()
+    num_params = _num_params(model)  # before LLM keeps only this rank's shard of it
     llm = LLM(model, tok, block_size=args.block_size, num_blocks=args.num_blocks,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               record_traces=True, tensor_parallel_size=tp_size)
     prompts = make_prompts(args.num_prompts, args.seed)
-    print(f"fleetlab demo: {len(prompts)} prompts, tiny trained Llama "
-          f"({sum(int(w.numel()) for w in model.parameters()) / 1e6:.2f}M parameters), "
+    split = f", split over {tp_size} ranks" if tp_size > 1 else ""
+    print(f"fleetlab demo: {len(prompts)} prompts, tiny trained Llama ({num_params / 1e6:.2f}M parameters{split}), "
           f"KV pool of {args.num_blocks} blocks x {args.block_size} tokens, "
-          f"{args.max_num_seqs} rows, budget {args.max_num_batched_tokens} tokens/step\n")
+          f"{args.max_num_seqs} rows, budget {args.max_num_batched_tokens} tokens/step\n", flush=True)
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=24), use_tqdm=False)
+    # A rank's output reaches the terminal through the launcher, which reads it line by line: a
+    # bar would arrive as one line per update, so only a single process draws one.
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24), use_tqdm=not args.quiet and tp_size == 1)
     elapsed = time.perf_counter() - t0
 
     width = max(len(pr) for pr in prompts)
@@ -121,8 +128,12 @@ def main(argv=None) -> int:
     total = sum(check(p_, o.text) != "" for p_, o in zip(prompts, outs))
     print(f"  arithmetic right: {right}/{total}")
     if llm.tensor_parallel is not None:
-        _report_tensor_parallel(llm, elapsed)
+        _report_tensor_parallel(llm, elapsed, num_params, _num_params(model))
     return 0
+
+
+def _num_params(model) -> int:
+    return sum(int(w.numel()) for w in model.parameters())
 
 
 def _relaunch(argv, tp_size: int) -> int:
@@ -155,7 +166,8 @@ def _serve_quietly(args) -> int:
     return 0
 
 
-def _report_tensor_parallel(llm, elapsed: float) -> None:
+def _report_tensor_parallel(llm, elapsed: float, num_params: int, rank_params: int) -> None:
+    """Rank 0's shard (``rank_params`` of the model's ``num_params``), its KV cache and the all-reduces."""
     state = llm.tensor_parallel
     tp, sharded = state.tp, state.sharded
     plan = sharded.plan
@@ -163,7 +175,8 @@ def _report_tensor_parallel(llm, elapsed: float) -> None:
     print(f"\n  tensor parallel: {tp.size} ranks on {tp.backend} ({sharded.layers} layers); rank {tp.rank} holds "
           f"query heads {list(sharded.shard.q_heads)} of {plan.num_heads}, KV heads {list(sharded.shard.kv_heads)} "
           f"of {plan.num_kv_heads}, MLP columns {sharded.shard.mlp_columns[0]}:{sharded.shard.mlp_columns[1]} "
-          f"of {plan.intermediate_size}")
+          f"of {plan.intermediate_size}: {rank_params / 1e6:.2f}M of the {num_params / 1e6:.2f}M "
+          f"parameters (embeddings, norms and the LM head stay whole on every rank)")
     print(f"  KV cache on this rank: {llm.kv_cache.bytes_allocated / 1024:.0f} KiB "
           f"(one process would hold {full_kv / 1024:.0f} KiB); block tables identical on every rank")
     steps = llm.stats()["num_steps"]

@@ -3,6 +3,8 @@
 Benchmarks are commands, not timed tests: nothing here checks a speed.
 """
 
+import contextlib
+import io
 import json
 
 import numpy as np
@@ -26,20 +28,29 @@ def tiny_result(tmp_path_factory):
     from fleetlab.bench.cli import main
 
     out = tmp_path_factory.mktemp("bench")
-    assert main(["engine", "--tiny", "--out", str(out)]) == 0
-    return out, json.loads((out / "bench.json").read_text())
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["engine", "--tiny", "--out", str(out)]) == 0
+    return out, json.loads((out / "bench.json").read_text()), err.getvalue()
 
 
 def test_tiny_run_writes_json_and_plots(tiny_result):
-    out, r = tiny_result
+    out, r, _ = tiny_result
     assert r["schema_version"] == 1 and r["preset"] == "tiny"
-    assert set(r["machine"]) >= {"processor", "cpu_count", "paddle", "paddleformers", "device"}
+    assert set(r["machine"]) >= {"processor", "cpu_count", "paddle", "paddleformers", "device", "omp_num_threads",
+                                 "load_average", "load_average_end", "cpu_use"}
     assert r["plots"] and all((out / name).read_bytes()[:4] == b"\x89PNG" for name in r["plots"])
     assert engine.headline_table(r).count("\n| ") >= 5
 
 
+def test_tiny_run_shows_a_progress_bar_per_section(tiny_result):
+    *_, err = tiny_result
+    bars = {piece.split(":")[0] for piece in err.replace("\r", "\n").splitlines() if "100%" in piece}
+    assert bars == {"throughput, tiny model", "prefix caching", "step breakdown"}, err
+
+
 def test_tiny_throughput_counts_real_tokens_and_agrees(tiny_result):
-    _, r = tiny_result
+    _, r, _ = tiny_result
     tp = r["throughput"]
     n_out = tp["workload"]["num_output_tokens"]
     for m in tp["models"]:
@@ -52,7 +63,7 @@ def test_tiny_throughput_counts_real_tokens_and_agrees(tiny_result):
 
 
 def test_tiny_memory_prefix_and_breakdown_are_consistent(tiny_result):
-    _, r = tiny_result
+    _, r, _ = tiny_result
     kv = r["kv_memory"]
     for key in ("paged", "padded", "reserved"):
         assert 0 < kv[key]["token_fill"] <= 1

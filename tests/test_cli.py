@@ -3,16 +3,20 @@
 import os
 import re
 
+import pytest
+
 from fleetlab.__main__ import main
 from fleetlab.demo import check, timeline
 
 
 def test_demo_prints_answers_timeline_and_figures(capsys):
-    assert main(["demo", "--num-prompts", "10", "--num-blocks", "16"]) == 0
-    out = capsys.readouterr().out
+    assert main(["demo", "--num-prompts", "10", "--num-blocks", "16", "-q"]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""  # -q: no progress bar
     assert re.search(r"arithmetic right: (\d+)/(\d+)", out)
     right, total = map(int, re.search(r"arithmetic right: (\d+)/(\d+)", out).groups())
     assert total >= 4 and right >= total - 1  # the shipped model gets >= 99% of held-out sums
+    assert "tiny trained Llama (1.00M parameters)" in out
     assert "output tokens/s" in out and "prefix-cache hit rate" in out
     assert len(re.findall(r"req +\d+ \|[PDx. ]+\|", out)) == 10
 
@@ -34,8 +38,8 @@ NOISE = re.compile(r"warning|\bINFO\b|\x1b\[|PyTorch was not found|ccache|distut
 
 
 def test_demo_prints_no_library_notices():
-    """The demo, as a user runs it, shows only its own output: no warning or INFO line
-    from Paddle, PaddleFormers or transformers (fleetlab.quiet keeps them out)."""
+    """The demo, as a user runs it, shows only its own output and a progress bar on stderr: no
+    warning or INFO line from Paddle, PaddleFormers or transformers (fleetlab.quiet keeps them out)."""
     import subprocess
     import sys
 
@@ -45,8 +49,57 @@ def test_demo_prints_no_library_notices():
                           text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr
     noisy = [line for line in (done.stdout + done.stderr).splitlines() if NOISE.search(line)]
-    assert noisy == [] and done.stderr == "", noisy or done.stderr
+    assert noisy == [], noisy
+    bar = [piece for piece in re.split(r"[\r\n]", done.stderr) if piece.strip()]
+    assert bar and all(BAR.match(piece) for piece in bar), done.stderr
+    assert "3/3" in bar[-1]
     assert "arithmetic right" in done.stdout
+
+
+# A progress bar's line: "requests:  33%|###   | 1/3 [00:00<00:01,  1.5req/s]"
+BAR = re.compile(r"requests: +\d+%\|.*\| \d+/\d+ \[")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_demo_prints_no_launcher_notices():
+    """``demo --tensor-parallel-size 2`` shows the launch line and the demo's own output: no
+    glog line, no "Modified FLAGS" block, no ccache warning; the model's size is the whole
+    model's, and rank 0's shard is named as a part of it."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "FLEETLAB_LIBRARY_NOTICES")}
+    done = subprocess.run([sys.executable, "-m", "fleetlab", "demo", "--num-prompts", "4", "--tensor-parallel-size",
+                           "2"], capture_output=True, text=True, timeout=240, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    lines = [ln for ln in (done.stdout + done.stderr).splitlines() if "paddle.distributed.launch" not in ln]
+    noisy = [ln for ln in lines if NOISE.search(ln) or GLOG.match(ln) or "FLAGS" in ln or set(ln.strip()) == {"="}]
+    assert noisy == [] and done.stderr == "", noisy or done.stderr
+    assert "tiny trained Llama (1.00M parameters, split over 2 ranks)" in done.stdout
+    assert re.search(r"rank 0 holds .*: 0\.\d\dM of the 1\.00M parameters", done.stdout)
+
+
+# A C++ log line from glog: "I1201 21:39:51.986334 11147 tcp_store.cc:336] ..."
+GLOG = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")
+
+
+def test_notice_filter_drops_the_modified_flags_block_and_passes_bars_as_they_come():
+    import io
+
+    from fleetlab.distributed.launch import NoticeFilter
+
+    out = io.StringIO()
+    shown = NoticeFilter(out)
+    shown.write("before\n=== Modified FLAGS detected ===\nFLAGS(name='x', current_value=True, default_value=")
+    shown.write("False)\n==========\nafter\n\rbar 1/2")
+    assert out.getvalue() == "before\nafter\n\r"  # the unfinished bar piece waits for its end ...
+    shown.write("\rbar 2/2")
+    assert out.getvalue() == "before\nafter\n\rbar 1/2\r"
+    shown.finish()  # ... or for the end of the stream
+    assert out.getvalue() == "before\nafter\n\rbar 1/2\rbar 2/2"
+    everything = io.StringIO()
+    NoticeFilter(everything, drop=False).write("=== Modified FLAGS detected ===\n")
+    assert everything.getvalue() == "=== Modified FLAGS detected ===\n"
 
 
 def test_verbose_turns_fleetlab_info_on():

@@ -462,11 +462,11 @@ TestBatchMachine.settings = settings(max_examples=30, stateful_step_count=25, de
 
 
 # ---------------------------------------------------------------- benchmark (correctness only, not timed)
-def test_reorder_benchmark_runs_and_both_strategies_agree(capsys):
+def test_reorder_benchmark_runs_and_both_strategies_agree(capsys, tmp_path):
     from fleetlab.bench import reorder
 
     assert reorder.main(["--rows", "8", "16", "--steps", "4", "--warmup", "2", "--max-model-len", "64",
-                         "--chunk", "8"]) == 0
+                         "--chunk", "8", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     rows = [line.split()[0] for line in out.splitlines() if line[:5].strip().isdigit()]
     assert rows == ["8", "16"] and "moves/gather" in out

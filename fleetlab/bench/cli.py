@@ -2,13 +2,17 @@
 
 Names: ``all`` (default: the engine benchmark), ``engine`` (fleetlab vs PaddleFormers
 generate, KV memory, prefix caching, step-time breakdown), ``reorder`` (condense +
-decode-first reorder cost), ``attention`` (reference paged attention), ``triton``
-(Triton paged-attention kernels: decode, multi-token decode, prefill; needs a GPU with
-torch and triton), ``serve`` (an OpenAI-compatible server under Poisson traffic: TTFT /
-TPOT / ITL and throughput per request rate), ``tp`` (one process vs two tensor-parallel
-processes: step time and the share spent in all-reduce), ``spec`` (speculative decoding on
-the shipped tiny model with its draft, and ngram on a repetitive workload: acceptance, target
-forwards per output token, engine steps, wall-clock speed-up).
+decode-first reorder cost), ``attention`` (the tiled paged attention against the naive one,
+one layer), ``triton`` (Triton paged-attention kernels: decode, multi-token decode, prefill;
+needs a GPU with torch and triton), ``serve`` (an OpenAI-compatible server under Poisson
+traffic: TTFT / TPOT / ITL and throughput per request rate), ``tp`` (one process vs two
+tensor-parallel processes: step time and the share spent in all-reduce), ``spec``
+(speculative decoding on the shipped tiny model with its draft, and ngram on a repetitive
+workload: acceptance, target forwards per output token, engine steps, wall-clock speed-up).
+
+Each but ``triton`` writes its figures to ``benchmarks/results/`` (``--out`` for another folder),
+records the machine's threads and load there (:mod:`fleetlab.bench.machine`), and shows a
+progress bar per section on stderr (``-q``: none).
 """
 
 from __future__ import annotations

@@ -21,14 +21,17 @@ Every figure is measured in one run, on one machine, with the same models and re
 
 Results go to ``<out>/bench.json`` and ``<out>/*.png`` (default ``benchmarks/results``),
 which the ``05_performance`` notebook reads; :mod:`fleetlab.bench.report` draws the
-PNGs and the README table. ``--tiny`` runs a few-second version (tests).
+PNGs and the README table. ``--tiny`` runs a few-second version (tests). A progress bar per
+section goes to stderr (``-q``: none).
 
 JSON schema (``schema_version`` 1; times in seconds unless the key says ``_ms``)::
 
     schema_version: 1
     created: ISO-8601 time; command: the command line; preset: "full" | "tiny"; elapsed_s: float
     machine: {platform, processor, cpu_count, python, paddle, paddleformers, device, omp_num_threads,
-              load_average: [1, 5, 15 min] at the start, load_average_end: the same at the end}
+              load_average: [1, 5, 15 min] at the start, load_average_end: the same at the end,
+              cpu_use: {seconds, total, own, other}: mean busy cores while measuring}
+              (see fleetlab.bench.machine)
     config: the BenchConfig used (all fields)
     throughput:
       workload: {name, num_requests, prompt_len: [lo, hi], output_len: [lo, hi],
@@ -80,7 +83,8 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from fleetlab.bench.machine import load_average, machine_info
+from fleetlab.bench.machine import MachineRecord, describe
+from fleetlab.bench.progress import add_quiet, bars_and_logs, run_step, section
 from fleetlab.bench.report import STEP_KEYS, headline_table, write_plots
 from fleetlab.bench.workloads import Workload, mixed_workload, padded_batches, shared_prefix_workload
 
@@ -280,12 +284,13 @@ def _occupancy(token_steps: int, slot_steps: int, peak_slots: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- the figures
-def bench_throughput(cfg: BenchConfig, workload: Workload) -> tuple[dict, dict]:
+def bench_throughput(cfg: BenchConfig, workload: Workload, quiet: bool = True) -> tuple[dict, dict]:
     """Figure 1 at every model size, plus figure 2 (KV memory) from the first size's runs."""
     models, kv_memory = [], None
     for size in cfg.sizes:
         model = build_model(size, workload.max_seq_len + 1, seed=cfg.seed)
-        entry, fl = _measure_size(model, size, cfg, workload)
+        with section(f"throughput, {size} model", 1 + 2 * cfg.repeats, quiet=quiet) as bar:
+            entry, fl = _measure_size(model, size, cfg, workload, bar)
         models.append(entry)
         logger.info("throughput %s: paddleformers %.0f tok/s, fleetlab %.0f tok/s (x%.2f)", size,
                     entry["paddleformers"]["tokens_per_s"], entry["fleetlab"]["tokens_per_s"], entry["speedup"])
@@ -297,16 +302,18 @@ def bench_throughput(cfg: BenchConfig, workload: Workload) -> tuple[dict, dict]:
              "engine": engine, "models": models}, kv_memory)
 
 
-def _measure_size(model, size: str, cfg: BenchConfig, workload: Workload) -> tuple[dict, dict]:
+def _measure_size(model, size: str, cfg: BenchConfig, workload: Workload, bar=None) -> tuple[dict, dict]:
     """Both sides on one model, ``cfg.repeats`` times each, alternating which goes first
-    (on a shared machine the load drifts; the best run of each side counts)."""
-    _warm_up(model, workload, cfg)
+    (on a shared machine the load drifts; the best run of each side counts). ``bar``: a
+    progress bar advanced once per run (the warm-up counts as one)."""
+    run_step(bar, "warm-up", lambda: _warm_up(model, workload, cfg))
     pf_runs, fl_runs = [], []
     for i in range(cfg.repeats):
-        sides = [lambda: pf_runs.append(run_paddleformers(model, workload, cfg.pf_batch_size)),
-                 lambda: fl_runs.append(run_fleetlab(model, workload, cfg))]
-        for run_side in sides if i % 2 == 0 else sides[::-1]:
-            run_side()
+        sides = [(f"PaddleFormers generate {i + 1}/{cfg.repeats}",
+                  lambda: pf_runs.append(run_paddleformers(model, workload, cfg.pf_batch_size))),
+                 (f"fleetlab LLM {i + 1}/{cfg.repeats}", lambda: fl_runs.append(run_fleetlab(model, workload, cfg)))]
+        for what, run_side in sides if i % 2 == 0 else sides[::-1]:
+            run_step(bar, what, run_side)
     pf, fl = pf_runs[-1], fl_runs[-1]
     entry = {
         "size": size, "num_params": num_params(model), "config": dict(MODEL_SIZES[size]),
@@ -349,17 +356,19 @@ def _kv_memory(size: str, model, workload: Workload, cfg: BenchConfig, fl: dict)
     return result
 
 
-def bench_prefix_caching(cfg: BenchConfig) -> dict:
-    """Figure 3: a shared-prefix workload with prefix caching on and off."""
+def bench_prefix_caching(cfg: BenchConfig, bar=None) -> dict:
+    """Figure 3: a shared-prefix workload with prefix caching on and off. ``bar``: a progress
+    bar advanced once per run (warm-up, on, off)."""
     size = cfg.sizes[0]
     vocab = MODEL_SIZES[size]["vocab_size"]
     wl = shared_prefix_workload(cfg.prefix_requests, cfg.prefix_len, cfg.prefix_suffix_len,
                                 cfg.prefix_output_len, vocab, seed=cfg.seed + 1)
     model = build_model(size, wl.max_seq_len + 1, seed=cfg.seed)
-    run_fleetlab(model, wl.head(2), cfg)  # warm-up
+    run_step(bar, "warm-up", lambda: run_fleetlab(model, wl.head(2), cfg))
     runs = {}
     for name, on in (("on", True), ("off", False)):  # "on" first: any warm-up advantage goes to "off"
-        fl = run_fleetlab(model, wl, cfg, enable_prefix_caching=on)
+        fl = run_step(bar, f"{cfg.prefix_requests} requests, caching {name}",
+                      lambda on=on: run_fleetlab(model, wl, cfg, enable_prefix_caching=on))
         decode_tokens = sum(1 for tr in fl["traces"] for r in tr.rows if r.phase == "decode")
         prefill = sum(tr.num_batched_tokens for tr in fl["traces"]) - decode_tokens
         runs[name] = {"seconds": fl["seconds"], "tokens_per_s": wl.num_output_tokens / fl["seconds"],
@@ -411,30 +420,40 @@ def bench_step_breakdown(cfg: BenchConfig) -> list[dict]:
 # ----------------------------------------------------------------------------- output
 
 
-def run(cfg: BenchConfig, preset: str = "custom", argv=None) -> dict:
-    """Run every figure with ``cfg``; write ``bench.json`` and the PNGs to ``cfg.out``; return the result."""
+def run(cfg: BenchConfig, preset: str = "custom", argv=None, quiet: bool = True) -> dict:
+    """Run every figure with ``cfg``; write ``bench.json`` and the PNGs to ``cfg.out``; return the result.
+
+    ``quiet=False`` shows a progress bar per section on stderr.
+    """
     start = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
+    machine = MachineRecord()
     result = {
         "schema_version": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m fleetlab bench engine " + " ".join(argv or []), "preset": preset,
-        "machine": machine_info(), "config": dataclasses.asdict(cfg),
+        "machine": machine.info, "config": dataclasses.asdict(cfg),
     }
     vocab = min(MODEL_SIZES[s]["vocab_size"] for s in cfg.sizes)
     workload = mixed_workload(cfg.num_requests, cfg.prompt_len, cfg.output_len, vocab, seed=cfg.seed)
-    result["throughput"], result["kv_memory"] = bench_throughput(cfg, workload)
-    result["prefix_caching"] = bench_prefix_caching(cfg)
-    result["step_breakdown"] = bench_step_breakdown(cfg)
-    result["machine"]["load_average_end"] = load_average()
+    result["throughput"], result["kv_memory"] = bench_throughput(cfg, workload, quiet)
+    with section("prefix caching", 3, quiet=quiet) as bar:
+        result["prefix_caching"] = bench_prefix_caching(cfg, bar)
+    result["step_breakdown"] = []
+    with section("step breakdown", len(cfg.breakdown_batches), quiet=quiet, unit="batch") as bar:
+        for batch in cfg.breakdown_batches:  # one batch size at a time, so the bar moves
+            bar.set_postfix_str(f"decode steps at batch {batch}")
+            result["step_breakdown"] += bench_step_breakdown(dataclasses.replace(cfg, breakdown_batches=(batch,)))
+            bar.update()
+    machine.close()
     result["plots"] = write_plots(result, out)
     result["elapsed_s"] = time.perf_counter() - start
     (out / "bench.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     return result
 
 
-def _parse(argv) -> tuple[BenchConfig, str]:
+def _parse(argv) -> tuple[BenchConfig, str, bool]:
     p = argparse.ArgumentParser(prog="python -m fleetlab bench engine", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a few-second run (tests, smoke checks)")
@@ -448,6 +467,7 @@ def _parse(argv) -> tuple[BenchConfig, str]:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--repeats", type=int, help="timed runs per side; the best counts")
     p.add_argument("--seed", type=int)
+    add_quiet(p)
     args = p.parse_args(argv)
     preset = "tiny" if args.tiny else "full"
     cfg = dataclasses.replace(PRESETS[preset])
@@ -464,16 +484,18 @@ def _parse(argv) -> tuple[BenchConfig, str]:
         cfg.prompt_len = tuple(args.prompt_len)
     if args.output_len:
         cfg.output_len = tuple(args.output_len)
-    return cfg, preset
+    return cfg, preset, args.quiet
 
 
 def main(argv=None) -> int:
     """Entry point of ``python -m fleetlab bench [engine] [options]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg, preset = _parse(argv)
+    cfg, preset, quiet = _parse(argv)
     _quiet_libraries()
     print(f"fleetlab engine benchmark ({preset}): results -> {cfg.out}", flush=True)
-    result = run(cfg, preset, argv)
+    with bars_and_logs():
+        result = run(cfg, preset, argv, quiet)
+    print(f"{describe(result['machine'])}\n")
     print(headline_table(result))
     print(f"\nwrote {Path(cfg.out) / 'bench.json'} and {', '.join(result['plots'])} in {result['elapsed_s']:.0f} s")
     return 0

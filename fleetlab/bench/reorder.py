@@ -12,21 +12,34 @@ Both batches see the same requests: every step some requests finish, new ones ar
 (prompts chunked), and each running request gains one token. Only the decode-first part
 is timed; both strategies are checked to agree on which requests are decodes.
 
-Run: ``python -m fleetlab bench reorder`` (or ``python -m fleetlab.bench.reorder``).
+Run: ``python -m fleetlab bench reorder [--out DIR] [-q]``. Results: ``<out>/reorder.json``::
+
+    schema_version, created, command, preset ("full" | "tiny"), elapsed_s
+    machine: see fleetlab.bench.machine (threads, load average, cpu_use while measuring)
+    config: {rows, steps, warmup, max_model_len, chunk, finish_rate, seed}
+    results: list of ReorderTiming fields, one per row count (medians in microseconds)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import json
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import paddle
 
+from fleetlab.bench.machine import MachineRecord, describe
+from fleetlab.bench.progress import add_quiet, section
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.lessons.reorder import decode_first_order
 
+DEFAULT_OUT = Path("benchmarks/results")
 # Host fields the step reads besides the device fields (query lengths, context lengths).
 _HOST_STEP_READS = ("num_computed_tokens", "num_scheduled_tokens", "num_tokens")
 
@@ -132,9 +145,10 @@ def _time_gather(batch: InputBatch, threshold: int, device_fields: list[str]) ->
 
 def run_benchmark(
     rows: int, steps: int = 200, *, max_model_len: int = 2048, block_size: int = 16, chunk: int = 128,
-    finish_rate: float = 0.05, decode_threshold: int = 1, warmup: int = 10, seed: int = 0,
+    finish_rate: float = 0.05, decode_threshold: int = 1, warmup: int = 10, seed: int = 0, tick=None,
 ) -> ReorderTiming:
-    """Run ``warmup + steps`` steps of the workload on two batches of ``rows`` rows."""
+    """Run ``warmup + steps`` steps of the workload on two batches of ``rows`` rows;
+    ``tick()`` (a progress bar's) runs after each step, outside the timing."""
     sizes = {"max_num_seqs": rows, "max_model_len": max_model_len,
              "max_blocks_per_seq": -(-max_model_len // block_size)}
     moving, gathering = InputBatch(**sizes), InputBatch(**sizes)
@@ -158,6 +172,8 @@ def run_benchmark(
             _finish_step(batch, sched)
         for rid, n in sched.items():
             work.reqs[rid].computed += n
+        if tick is not None:
+            tick()
     a = np.array(samples, dtype=np.float64)
     med = np.median(a, axis=0)
     return ReorderTiming(rows, steps, float(a[:, 5].mean()), med[0] * 1e6, float(a[:, 2].mean()),
@@ -177,9 +193,33 @@ def format_table(results: list[ReorderTiming]) -> str:
     return "\n".join(lines)
 
 
+def run(args, argv=None) -> dict:
+    """Every ``args.rows`` size, one progress bar each; writes ``<args.out>/reorder.json``."""
+    start = time.perf_counter()
+    machine = MachineRecord()
+    results = []
+    for rows in args.rows:
+        with section(f"reorder, {rows} rows", args.warmup + args.steps, quiet=args.quiet, unit="step") as bar:
+            results.append(run_benchmark(rows, args.steps, max_model_len=args.max_model_len, chunk=args.chunk,
+                                         finish_rate=args.finish_rate, warmup=args.warmup, seed=args.seed,
+                                         tick=bar.update))
+    config = {k: getattr(args, k) for k in ("rows", "steps", "warmup", "max_model_len", "chunk", "finish_rate",
+                                            "seed")}
+    result = {"schema_version": 1,
+              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": "python -m fleetlab bench reorder " + " ".join(argv or []),
+              "preset": "tiny" if args.tiny else "full", "machine": machine.close(), "config": config,
+              "results": [dataclasses.asdict(r) for r in results], "elapsed_s": time.perf_counter() - start}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "reorder.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Print the per-step cost table for each ``--rows`` size."""
-    p = argparse.ArgumentParser(prog="fleetlab bench reorder", description=__doc__.split("\n\n")[0])
+    """Print the per-step cost table for each ``--rows`` size; write reorder.json."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="python -m fleetlab bench reorder", description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[64, 256, 1024])
     p.add_argument("--steps", type=int, default=200, help="timed steps per size")
     p.add_argument("--warmup", type=int, default=10)
@@ -187,17 +227,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk", type=int, default=128, help="prefill chunk per step")
     p.add_argument("--finish-rate", type=float, default=0.05, help="chance a decode finishes each step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(DEFAULT_OUT), help=f"folder for reorder.json (default {DEFAULT_OUT})")
+    p.add_argument("--tiny", action="store_true", help="a seconds-long run (tests, smoke checks)")
+    add_quiet(p)
     args = p.parse_args(argv)
-    results = [
-        run_benchmark(rows, args.steps, max_model_len=args.max_model_len, chunk=args.chunk,
-                      finish_rate=args.finish_rate, warmup=args.warmup, seed=args.seed)
-        for rows in args.rows
-    ]
-    device = paddle.device.get_device()
-    print(f"decode-first batching per step, median of {args.steps} steps (microseconds), device {device}")
+    if args.tiny:
+        args.rows, args.steps, args.warmup, args.max_model_len, args.chunk = [8, 16], 4, 2, 64, 8
+    result = run(args, argv)
+    print(f"decode-first batching per step, median of {args.steps} steps (microseconds), "
+          f"device {paddle.device.get_device()}")
     print("moves = condense + two-pointer reorder of all fields; +sync = then sync_to_device()")
     print("gather = index map (no row moves) + gather of the fields a step reads; +upload = device copy")
-    print(format_table(results))
+    print(format_table([ReorderTiming(**r) for r in result["results"]]))
+    print(f"\n{describe(result['machine'])}")
+    print(f"wrote {Path(args.out) / 'reorder.json'} in {result['elapsed_s']:.0f} s")
     return 0
 
 

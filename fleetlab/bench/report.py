@@ -18,34 +18,30 @@ STEP_KEYS = STEP_TIMING_PARTS
 
 
 def headline_table(result: dict) -> str:
-    """The README table (markdown) of a ``bench.json`` result."""
+    """The markdown table of a ``bench.json`` result: what ``bench engine`` prints and README shows."""
     tp, kv, px = result["throughput"], result["kv_memory"], result["prefix_caching"]
-    m = result["machine"]
-    load = m.get("load_average") or ["?"]
-    lines = [(f"Measured on {m['processor']} ({m['cpu_count']} cores, {m['device']}), Paddle {m['paddle']}, "
-              f"PaddleFormers {m['paddleformers']}, OMP_NUM_THREADS={m['omp_num_threads']}, "
-              f"load average {load[0]} at the start."), "",
-             "| figure | PaddleFormers generate | fleetlab LLM | fleetlab / PaddleFormers |", "|---|---|---|---|"]
     wl = tp["workload"]
-    for e in tp["models"]:
+    lines = ["| figure | PaddleFormers generate | fleetlab `LLM` | ratio |", "|---|---|---|---|"]
+    for i, e in enumerate(tp["models"]):
         a = e["agreement"]
+        what = (f"{wl['num_requests']} requests, prompts {wl['prompt_len'][0]}-{wl['prompt_len'][1]}, "
+                f"outputs {wl['output_len'][0]}-{wl['output_len'][1]}" if i == 0 else "same requests")
         lines.append(
-            f"| output tok/s, {e['size']} Llama ({e['num_params'] / 1e6:.1f}M params), {wl['num_requests']} requests, "
-            f"in {wl['prompt_len'][0]}-{wl['prompt_len'][1]} / out {wl['output_len'][0]}-{wl['output_len'][1]} tokens "
+            f"| output tok/s, Llama {e['num_params'] / 1e6:.1f}M params, {what} "
             f"| {e['paddleformers']['tokens_per_s']:.0f} (static batches of {tp['paddleformers_batch_size']}) "
-            f"| {e['fleetlab']['tokens_per_s']:.0f} | **{e['speedup']:.2f}x** (CPU time: {e['cpu_time_speedup']:.2f}x; "
-            f"greedy outputs identical {a['identical_requests']}/{a['requests']}) |")
+            f"| {e['fleetlab']['tokens_per_s']:.0f} | **{e['speedup']:.2f}x** (CPU time {e['cpu_time_speedup']:.2f}x; "
+            f"greedy tokens identical {a['identical_requests']}/{a['requests']}) |")
     lines.append(f"| allocated KV memory holding real tokens | {100 * kv['padded']['token_fill']:.0f}% "
                  f"(padded batches) | {100 * kv['paged']['token_fill']:.0f}% (paged, block {kv['block_size']}) "
-                 f"| reserving the longest sequence: {100 * kv['reserved']['token_fill']:.0f}% |")
+                 f"| reserving max length: {100 * kv['reserved']['token_fill']:.0f}% |")
     lines.append(f"| prefix caching, {px['workload']['num_requests']} requests sharing {px['workload']['prefix_len']} "
-                 f"tokens: output tok/s off / on | | {px['off']['tokens_per_s']:.0f} / {px['on']['tokens_per_s']:.0f} "
-                 f"(hit rate {100 * px['on']['hit_rate']:.0f}%) | **{px['speedup']:.2f}x** with caching |")
+                 f"tokens, tok/s off / on | | {px['off']['tokens_per_s']:.0f} / {px['on']['tokens_per_s']:.0f} "
+                 f"(hit rate {100 * px['on']['hit_rate']:.0f}%) | **{px['speedup']:.2f}x** |")
     for b in result["step_breakdown"]:
         ms = b["ms_per_step"]
-        lines.append(f"| decode step, batch {b['batch_size']}: model forward / engine overhead | | "
+        lines.append(f"| decode step at batch {b['batch_size']}: model forward / engine overhead | | "
                      f"{ms['forward']:.1f} ms / {ms['total'] - ms['forward']:.2f} ms "
-                     f"| overhead {100 * b['overhead_share']:.1f}% of the step |")
+                     f"| overhead {100 * b['overhead_share']:.1f}% |")
     return "\n".join(lines)
 
 

@@ -22,7 +22,8 @@ Results: ``<out>/serving.json`` and ``<out>/serving.png`` (latency and throughpu
 rate). Schema (``schema_version`` 1)::
 
     schema_version, created, command, elapsed_s
-    machine: {platform, processor, cpu_count, python, load_average}
+    machine: see fleetlab.bench.machine (threads, load average, cpu_use while measuring: the
+             server is this command's child, so its work counts as ``own``)
     server: {url, started_here, args}
     model; workload: {num_prompts, output_len: [lo, hi], seed, prompt_chars: [min, max]}
     runs: list of {rate (float, inf as "inf"), num_requests, completed, failed, duration_s,
@@ -45,7 +46,8 @@ from pathlib import Path
 
 import numpy as np
 
-from fleetlab.bench.machine import machine_info
+from fleetlab.bench.machine import MachineRecord, describe
+from fleetlab.bench.progress import add_quiet, section
 
 DEFAULT_RATES = (2.0, 8.0, 32.0, math.inf)
 
@@ -99,15 +101,22 @@ async def _one(client, model: str, prompt: str, max_tokens: int, start: float, o
 
 
 async def run_rate(url: str, model: str, prompts: list[str], output_lens: list[int], rate: float,
-                   seed: int = 0) -> dict:
-    """Send every prompt at Poisson arrivals of ``rate``; returns the run's figures (see the module docstring)."""
+                   seed: int = 0, bar=None) -> dict:
+    """Send every prompt at Poisson arrivals of ``rate``; returns the run's figures (see the module docstring).
+    ``bar``: a progress bar advanced as each request ends."""
     import httpx
+
+    async def one(client, prompt, n, start, offset):
+        rec = await _one(client, model, prompt, n, start, offset)
+        if bar is not None:
+            bar.update()
+        return rec
 
     offsets = poisson_offsets(len(prompts), rate, seed)
     limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
         start = time.perf_counter()
-        records = await asyncio.gather(*(_one(client, model, p, n, start, o)
+        records = await asyncio.gather(*(one(client, p, n, start, o)
                                          for p, n, o in zip(prompts, output_lens, offsets)))
     return summarize(records, rate)
 
@@ -146,16 +155,20 @@ def workload(num_prompts: int, output_len: tuple[int, int], seed: int) -> tuple[
 
 
 def run_benchmark(url: str, rates=DEFAULT_RATES, num_prompts: int = 64, output_len=(16, 64), seed: int = 0,
-                  warmup: int = 4) -> dict:
+                  warmup: int = 4, quiet: bool = True) -> dict:
     """Measure a running server at ``url`` (``http://host:port``) at each rate; returns the result dict
-    (``runs`` and ``workload`` of the JSON schema)."""
+    (``runs`` and ``workload`` of the JSON schema). ``quiet=False``: a progress bar per rate on stderr."""
     import httpx
 
     model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
     prompts, lens = workload(num_prompts, tuple(output_len), seed)
     if warmup:
         _run(run_rate(url, model, prompts[:warmup], [2] * min(warmup, len(prompts)), math.inf, seed))
-    runs = [_run(run_rate(url, model, prompts, lens, float(rate), seed)) for rate in rates]
+    runs = []
+    for rate in rates:
+        name = "all at once" if math.isinf(rate) else f"{rate:g} requests/s"
+        with section(f"serve, {name}", len(prompts), quiet=quiet, unit="req") as bar:
+            runs.append(_run(run_rate(url, model, prompts, lens, float(rate), seed, bar)))
     return {"workload": {"num_prompts": num_prompts, "output_len": list(output_len), "seed": seed,
                          "prompt_chars": [min(map(len, prompts)), max(map(len, prompts))]},
             "model": model, "runs": runs}
@@ -245,6 +258,7 @@ def _parse(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results", help="folder for serving.json and serving.png")
     p.add_argument("--tiny", action="store_true", help="a seconds-long run (tests): 6 prompts, 2 rates, 3-6 tokens")
+    add_quiet(p)
     args = p.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     lo, hi = (int(x) for x in args.output_len.split("-"))
@@ -260,6 +274,7 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, rates, output_len = _parse(argv)
     t0 = time.perf_counter()
+    machine = MachineRecord()
     server = None
     if args.url is None:
         from fleetlab.serving.launch import ServerProcess
@@ -269,7 +284,7 @@ def main(argv=None) -> int:
     url = args.url or server.url
     try:
         print(f"fleetlab serving benchmark: {url}, rates {rates}, {args.num_prompts} prompts each", flush=True)
-        result = run_benchmark(url, rates, args.num_prompts, output_len, args.seed)
+        result = run_benchmark(url, rates, args.num_prompts, output_len, args.seed, quiet=args.quiet)
     finally:
         if server is not None:
             server.stop()
@@ -277,12 +292,13 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = {"schema_version": 1, "created": datetime.datetime.now().isoformat(timespec="seconds"),
               "command": " ".join(["python -m fleetlab bench serve", *argv]), "elapsed_s": time.perf_counter() - t0,
-              "machine": machine_info(),
+              "machine": machine.close(),
               "server": {"url": url, "started_here": server is not None,
                          "args": args.server_args if server is not None else None},
               **result, "plots": ["serving.png"]}
     (out / "serving.json").write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
     draw(result).savefig(out / "serving.png", dpi=110)
     print(table(result))
-    print(f"\nwrote {out / 'serving.json'} and {out / 'serving.png'} in {result['elapsed_s']:.0f} s")
+    print(f"\n{describe(result['machine'])}")
+    print(f"wrote {out / 'serving.json'} and {out / 'serving.png'} in {result['elapsed_s']:.0f} s")
     return 0 if all(r["failed"] == 0 for r in result["runs"]) else 1

@@ -43,6 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
+from fleetlab.bench.machine import MachineRecord, describe
+from fleetlab.bench.progress import add_quiet, section
+
 DEFAULT_OUT = Path("benchmarks/results")
 MIN_OUTPUT_TOKENS = 8  # the goal is stated for requests that produce at least this many tokens
 
@@ -243,16 +246,14 @@ def goal(workload: dict, k: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- the whole benchmark
-def run(cfg: SpecBenchConfig, preset: str = "custom", argv=None) -> dict:
-    """Measure both workloads; write ``spec.json`` and ``spec.png`` to ``cfg.out``; return the result."""
-    from tqdm.auto import tqdm
-
+def run(cfg: SpecBenchConfig, preset: str = "custom", argv=None, quiet: bool = True) -> dict:
+    """Measure both workloads; write ``spec.json`` and ``spec.png`` to ``cfg.out``; return the result.
+    ``quiet=False``: a progress bar per workload on stderr."""
     import fleetlab
     from fleetlab import SamplingParams
-    from fleetlab.bench.engine import machine_info
 
     start = time.perf_counter()
-    machine = machine_info()  # the load average as the runs begin
+    machine = MachineRecord()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = fleetlab.models.load_tiny()
@@ -275,14 +276,18 @@ def run(cfg: SpecBenchConfig, preset: str = "custom", argv=None) -> dict:
     rep_configs = [("off", None)] + [(f"ngram k={k}", spec_config("ngram", k, **lookup)) for k in cfg.ngram_ks]
 
     alone_configs = [("off", None)] + [(f"draft k={k}", spec_config("draft", k, draft=draft)) for k in cfg.alone_ks]
-    total = (cfg.rounds + 1) * (len(trained_configs) + len(rep_configs) + len(alone_configs))
-    with tqdm(total=total, desc="spec bench runs", unit="run", file=sys.stderr) as bar:
+
+    def bar(desc, configs):
+        return section(f"spec, {desc}", (cfg.rounds + 1) * len(configs), quiet=quiet)
+
+    with bar("trained workload", trained_configs) as b:
         trained = bench_workload("trained", model, [tokenizer.encode(p) for p in kept], trained_sp, trained_configs,
-                                 cfg.rounds, engine, bar)
-        repetitive = bench_workload("repetitive", rep_model, rep_prompts, rep_sp, rep_configs, cfg.rounds, engine,
-                                    bar)
+                                 cfg.rounds, engine, b)
+    with bar("repetitive workload", rep_configs) as b:
+        repetitive = bench_workload("repetitive", rep_model, rep_prompts, rep_sp, rep_configs, cfg.rounds, engine, b)
+    with bar("one request at a time", alone_configs) as b:
         alone = bench_alone(model, [tokenizer.encode(p) for p in kept[: cfg.alone_requests]], trained_sp,
-                            alone_configs, cfg.rounds, engine, bar)
+                            alone_configs, cfg.rounds, engine, b)
     trained.update(model="shipped tiny Llama (4 layers) + its 2-layer draft", prompts=kept,
                    num_candidates=len(candidates), min_output_tokens=MIN_OUTPUT_TOKENS,
                    sampling={"temperature": 0, "max_tokens": cfg.max_tokens, "stops_at_eos": True})
@@ -293,11 +298,10 @@ def run(cfg: SpecBenchConfig, preset: str = "custom", argv=None) -> dict:
         "schema_version": 1,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m fleetlab bench spec " + " ".join(argv or []), "preset": preset,
-        "machine": machine, "config": dataclasses.asdict(cfg),
+        "machine": machine.close(), "config": dataclasses.asdict(cfg),
         "workloads": {"trained": trained, "repetitive": repetitive},
         "alone": alone, "goal": goal(trained, cfg.headline_k),
     }
-    result["machine"]["load_average_end"] = machine_info()["load_average"]
     result["plots"] = write_plots(result, out)
     result["elapsed_s"] = time.perf_counter() - start
     (out / "spec.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -358,13 +362,14 @@ def why(result: dict) -> str:
             f"and a small draft, a draft forward is a few percent of a target forward.")
 
 
-def _parse(argv) -> tuple[SpecBenchConfig, str]:
+def _parse(argv) -> tuple[SpecBenchConfig, str, bool]:
     p = argparse.ArgumentParser(prog="python -m fleetlab bench spec", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a few-second run (tests, smoke checks)")
     p.add_argument("--out", help=f"results folder (default {DEFAULT_OUT})")
     p.add_argument("--rounds", type=int, help="timed rounds per configuration (after one warm-up)")
     p.add_argument("--seed", type=int)
+    add_quiet(p)
     args = p.parse_args(argv)
     preset = "tiny" if args.tiny else "full"
     cfg = dataclasses.replace(PRESETS[preset])
@@ -374,17 +379,18 @@ def _parse(argv) -> tuple[SpecBenchConfig, str]:
             setattr(cfg, name, value)
     if cfg.rounds < 1:
         p.error("--rounds must be >= 1")
-    return cfg, preset
+    return cfg, preset, args.quiet
 
 
 def main(argv=None) -> int:
     """Entry point of ``python -m fleetlab bench spec [options]``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    cfg, preset = _parse(argv)
+    cfg, preset, quiet = _parse(argv)
     print(f"fleetlab speculative decoding benchmark ({preset}): results -> {cfg.out}", flush=True)
-    result = run(cfg, preset, argv)
+    result = run(cfg, preset, argv, quiet)
     print(summary(result))
-    print(f"\nwrote {Path(cfg.out) / 'spec.json'} and {', '.join(result['plots'])} in {result['elapsed_s']:.0f} s")
+    print(f"\n{describe(result['machine'])}")
+    print(f"wrote {Path(cfg.out) / 'spec.json'} and {', '.join(result['plots'])} in {result['elapsed_s']:.0f} s")
     return 0
 
 

@@ -19,14 +19,17 @@ Run: ``python -m fleetlab bench tp [--tiny] [--out DIR]``.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from fleetlab.bench.machine import machine_info
+from fleetlab.bench.machine import MachineRecord, describe
+from fleetlab.bench.progress import add_quiet, section
 
 PRESETS = {
     # ~12M parameters: matmuls big enough that splitting them shows, small enough for 2 cores.
@@ -43,40 +46,50 @@ PRESETS = {
 RUNS = (("tp1 x 1 thread", 1, 1), ("tp1 x 2 threads", 1, 2), ("tp2 x 1 thread", 2, 1))
 
 
-def run(preset: str = "default", out: str | Path | None = None, timeout: float = 600, runs=RUNS) -> dict:
+def run(preset: str = "default", out: str | Path | None = None, timeout: float = 600, runs=RUNS,
+        quiet: bool = True, argv=None) -> dict:
     """Run the configurations ``runs`` (``(name, tp_size, threads)``; default all three);
-    return (and, with ``out``, write) the result dict."""
+    return (and, with ``out``, write) the result dict. ``quiet=False``: a progress bar on stderr."""
     from fleetlab.distributed.launch import launch
 
+    start = time.perf_counter()
+    machine = MachineRecord()
     cfg = PRESETS[preset]
     workload = {**cfg["workload"], "model_overrides": cfg["model_overrides"], "record_step": 3}
     results = []
-    for name, tp_size, threads in runs:
-        folder = Path(tempfile.mkdtemp(prefix="fleetlab-bench-tp-"))
-        args = ["fleetlab.distributed.worker", "--out", str(folder / "out"), "--families", "llama",
-                "--tensor-parallel-size", str(tp_size), "--workload", json.dumps(workload)]
-        t0 = time.perf_counter()
-        if tp_size == 1:
-            result = _run_alone(args, threads, timeout)
-        else:
-            result = launch(args, tp_size, log_dir=folder / "logs", timeout=timeout, threads_per_rank=threads)
-        if result.returncode:
-            raise RuntimeError(f"bench tp: run {name!r} failed (exit {result.returncode}):\n{result.output[-3000:]}")
-        ranks = [json.loads((folder / "out" / f"rank{r}.json").read_text())["families"]["llama"]
-                 for r in range(tp_size)]
-        results.append(_summarize(name, tp_size, threads, ranks, time.perf_counter() - t0))
+    with section("bench tp runs", len(runs), quiet=quiet) as bar:
+        for name, tp_size, threads in runs:
+            bar.set_postfix_str(name)
+            folder = Path(tempfile.mkdtemp(prefix="fleetlab-bench-tp-"))
+            args = ["fleetlab.distributed.worker", "--out", str(folder / "out"), "--families", "llama",
+                    "--tensor-parallel-size", str(tp_size), "--workload", json.dumps(workload)]
+            t0 = time.perf_counter()
+            if tp_size == 1:
+                result = _run_alone(args, threads, timeout)
+            else:
+                result = launch(args, tp_size, log_dir=folder / "logs", timeout=timeout, threads_per_rank=threads)
+            if result.returncode:
+                raise RuntimeError(f"bench tp: run {name!r} failed (exit {result.returncode}):\n"
+                                   f"{result.output[-3000:]}")
+            ranks = [json.loads((folder / "out" / f"rank{r}.json").read_text())["families"]["llama"]
+                     for r in range(tp_size)]
+            results.append(_summarize(name, tp_size, threads, ranks, time.perf_counter() - t0))
+            bar.update()
     tokens = [r.pop("tokens") for r in results]
-    result = {"schema_version": 1, "preset": preset, "machine": machine_info(), "model": cfg["model_overrides"],
-              "workload": cfg["workload"], "runs": results,
-              "identical_tokens": all(t == tokens[0] for t in tokens)}
+    result = {"schema_version": 1, "preset": preset,
+              "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": "python -m fleetlab bench tp " + " ".join(argv or []),
+              "machine": machine.close(), "model": cfg["model_overrides"], "workload": cfg["workload"],
+              "runs": results, "identical_tokens": all(t == tokens[0] for t in tokens),
+              "elapsed_s": time.perf_counter() - start}
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "tp.json").write_text(json.dumps(result, indent=1))
+        result["plots"] = ["tp_step_time.png"]
+        (out / "tp.json").write_text(json.dumps(result, indent=1) + "\n")
         from fleetlab.viz.tp import draw_tp_step_times
 
         draw_tp_step_times(result).savefig(out / "tp_step_time.png", dpi=110, bbox_inches="tight")
-        result["plots"] = ["tp_step_time.png"]
     return result
 
 
@@ -130,31 +143,37 @@ def _summarize(name: str, tp_size: int, threads: int, ranks: list[dict], wall_s:
 
 
 def table(result: dict) -> str:
-    """The README's markdown table of a ``tp.json`` result."""
-    lines = ["| run | decode step | step with prefill | all-reduces per step | time in all-reduce | "
+    """The markdown table of a ``tp.json`` result: what ``bench tp`` prints and README shows."""
+    lines = ["| run | decode step | step with prefill | all-reduces per step | time inside all-reduce | "
              "KV cache per rank |", "|---|---|---|---|---|---|"]
     for r in result["runs"]:
-        ar = (f"{r['all_reduce_per_step']} ({r['all_reduce_ms_per_call']:.2f} ms each in steps, "
-              f"{r['all_reduce_alone_ms']:.2f} ms alone)"
-              if r["tp_size"] > 1 else "0")
-        share = f"{100 * r['all_reduce_share']:.0f}% of serving time" if r["tp_size"] > 1 else "-"
-        lines.append(f"| {r['name']} | {r['decode_step_ms']:.1f} ms | {r['prefill_step_ms']:.1f} ms | {ar} | "
-                     f"{share} | {r['kv_cache_bytes_per_rank'] / 2**20:.2f} MiB "
-                     f"({r['num_kv_heads_per_rank']} KV heads) |")
+        ar, share = "0", "-"
+        if r["tp_size"] > 1:
+            ar = (f"{r['all_reduce_per_step']}: {_ms(r['all_reduce_ms_per_call'])} ms each in a step, "
+                  f"{r['all_reduce_alone_ms']:.2f} ms alone")
+            share = f"{100 * r['all_reduce_share']:.0f}% of serving"
+        heads = r["num_kv_heads_per_rank"]
+        lines.append(f"| {r['name']} | {_ms(r['decode_step_ms'])} ms | {_ms(r['prefill_step_ms'])} ms | {ar} | "
+                     f"{share} | {r['kv_cache_bytes_per_rank'] / 2**20:.3g} MiB ({heads} KV head"
+                     f"{'s' if heads != 1 else ''}) |")
     return "\n".join(lines)
 
 
+def _ms(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="python -m fleetlab bench tp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a seconds-long run on the tiny test model")
     p.add_argument("--out", default="benchmarks/results", help="folder for tp.json and tp_step_time.png")
+    add_quiet(p)
     args = p.parse_args(argv)
-    result = run("tiny" if args.tiny else "default", args.out)
-    m = result["machine"]
+    result = run("tiny" if args.tiny else "default", args.out, quiet=args.quiet, argv=argv)
     print(f"bench tp ({result['preset']}): Llama {result['model'] or 'tiny'}, {len(result['workload']['prompt_lens'])} "
-          f"requests x {result['workload']['max_tokens']} tokens; {m['processor']}, {m['cpu_count']} cores, "
-          f"Paddle {m['paddle']}, load {m['load_average']}\n")
+          f"requests x {result['workload']['max_tokens']} tokens; {describe(result['machine'])}\n")
     print(table(result))
     same = result["identical_tokens"] and all(r["ranks_identical"] for r in result["runs"])
     print(f"\ntokens identical across runs and ranks: {same}")

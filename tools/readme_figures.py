@@ -1,0 +1,358 @@
+"""README's measured figures, rendered from the committed results files, or checked against them.
+
+    python tools/readme_figures.py check    # exit 1, with a diff, where README and the results differ
+    python tools/readme_figures.py render   # rewrite every figure block of README.md from the results
+
+Every measured figure of README sits in a block between ``<!-- figures NAME -->`` and
+``<!-- /figures NAME -->``; ``BLOCKS`` maps each NAME to its results file (under
+``benchmarks/results/``, or the tiny model's ``training.json``) and the function that writes the
+block's markdown from it. A block states the command that wrote the file, the threads and the
+load the figures were measured under, and the figures; a sentence that compares two figures is
+worded from the figures themselves. Prose outside the blocks quotes no measured number.
+``tests/test_readme.py`` runs ``check``, so a re-run benchmark without a re-rendered README fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+RESULTS = ROOT / "benchmarks" / "results"
+TRAINING = ROOT / "fleetlab" / "models" / "weights" / "training.json"
+WIDTH = 115  # README's prose line length
+
+sys.path.insert(0, str(ROOT))  # run from anywhere: this checkout's fleetlab, not an installed one
+
+from fleetlab.bench.machine import describe  # noqa: E402
+
+
+# ----------------------------------------------------------------------------- helpers
+def fill(text: str) -> str:
+    """A paragraph wrapped at README's width (markdown joins the lines again), never inside `code`."""
+    text = re.sub(r"`[^`]*`", lambda m: m[0].replace(" ", "\0"), " ".join(text.split()))
+    return textwrap.fill(text, WIDTH, break_long_words=False, break_on_hyphens=False).replace("\0", " ")
+
+
+def command(result: dict, default: str) -> str:
+    """The command line that wrote ``result``, with the threads it ran on: ``OMP_NUM_THREADS=1 python ...``."""
+    cmd = (result.get("command") or default).strip()
+    threads = (result.get("machine") or {}).get("omp_num_threads")
+    return f"OMP_NUM_THREADS={threads} {cmd}" if threads else cmd
+
+
+def ms(x: float) -> str:
+    """Milliseconds (or any time) to two or three significant digits."""
+    return f"{x:.0f}" if abs(x) >= 10 else f"{x:.1f}"
+
+
+def trend(first: float, last: float, unit: str = " ms") -> str:
+    """``"rises from 14 to 23 ms"``, ``"falls ..."``, or ``"stays at about 14 ms"`` (within 5%)."""
+    if abs(last - first) <= 0.05 * max(abs(first), abs(last)):
+        return f"stays at about {ms(first)}{unit}"
+    return f"{'rises' if last > first else 'falls'} from {ms(first)} to {ms(last)}{unit}"
+
+
+def compare(a: float, b: float) -> str:
+    """How ``a`` stands to ``b``: ``"faster"``, ``"slower"`` or ``"about the same"`` (times; within 5%)."""
+    if abs(a - b) <= 0.05 * max(a, b):
+        return "about the same"
+    return "faster" if a < b else "slower"
+
+
+def not_measured(title: str, cmd: str, file: str) -> str:
+    return fill(f"**{title}** — `{cmd}` writes `benchmarks/results/{file}`. No run of it is committed yet, "
+                f"so no figure is quoted here.")
+
+
+# ----------------------------------------------------------------------------- the blocks
+def engine_block(r: dict | None) -> str:
+    from fleetlab.bench.report import headline_table
+
+    intro = fill(
+        f"**Engine vs PaddleFormers `generate`** — `{command(r, 'python -m fleetlab bench engine')}` "
+        f"({r['elapsed_s']:.0f} s; writes `benchmarks/results/bench.json` and the PNGs `05_performance` draws), "
+        f"best of {r['config']['repeats']} runs each side, taking turns. Measured on {describe(r['machine'])}:")
+    return f"{intro}\n\n{headline_table(r)}"
+
+
+def serving_block(r: dict) -> str:
+    wl, runs = r["workload"], r["runs"]
+    intro = fill(
+        f"**Serving under Poisson traffic** — `{command(r, 'python -m fleetlab bench serve')}` "
+        f"({r['elapsed_s']:.0f} s; starts `python -m fleetlab serve {r['server']['args']}`, then sends "
+        f"{wl['num_prompts']} streamed completions per request rate, arrivals a Poisson process, "
+        f"{wl['output_len'][0]}-{wl['output_len'][1]} output tokens each with `ignore_eos`; writes "
+        f"`benchmarks/results/serving.json` and `serving.png`). Client and server share the machine: "
+        f"{describe(r['machine'])}:")
+    lines = ["| request rate | requests/s | output tok/s | TTFT mean / p50 / p99 | TPOT mean / p50 / p99 "
+             "| ITL mean / p50 / p99 |", "|---|---|---|---|---|---|"]
+
+    def stats(s):
+        return " / ".join(ms(s[k]) for k in ("mean", "median", "p99")) + " ms"
+
+    for run in runs:
+        rate = "all at once" if run["rate"] == "inf" else f"{run['rate']:g}/s"
+        lines.append(f"| {rate} | {run['request_throughput']:.1f} | {run['output_throughput']:.0f} | "
+                     f"{stats(run['ttft_ms'])} | {stats(run['tpot_ms'])} | {stats(run['itl_ms'])} |")
+    first, last = runs[0], runs[-1]
+    where = "all at once" if last["rate"] == "inf" else f"at {last['rate']:g}/s"
+    ttft = trend(first["ttft_ms"]["mean"], last["ttft_ms"]["mean"])
+    tpot = trend(first["tpot_ms"]["mean"], last["tpot_ms"]["mean"])
+    failed = sum(run["failed"] for run in runs)
+    after = fill(f"From {first['rate']:g}/s to {where}, mean TTFT {ttft} and mean TPOT {tpot}; "
+                 f"{'every request completed' if failed == 0 else f'{failed} requests failed'}.")
+    return f"{intro}\n\n" + "\n".join(lines) + f"\n\n{after}"
+
+
+def attention_block(r: dict | None) -> str:
+    title = "Paged attention, tiled against naive"
+    if r is None:
+        return not_measured(title, "OMP_NUM_THREADS=1 python -m fleetlab bench attention", "attention.json")
+    c = r["config"]
+    decode, prefill = r["cases"]
+    return fill(
+        f"**{title}** (plain Paddle ops, one layer, Hq={c['heads']}, Hkv={c['kv_heads']}, D={c['head_dim']}, "
+        f"block {c['block_size']}, {c['dtype']}) — `{command(r, 'python -m fleetlab bench attention')}` "
+        f"(writes `benchmarks/results/attention.json`; median of {c['repeats']} calls after 2 warm-ups): "
+        f"{decode['num_reqs']} decodes at context {decode['num_computed'] + 1} take {ms(decode['tiled_ms'])} ms "
+        f"(the naive backend, one row at a time: {ms(decode['naive_ms'])} ms); a {prefill['query_len']}-token "
+        f"prefill {ms(prefill['tiled_ms'])} ms (naive: {ms(prefill['naive_ms'])} ms). Measured on "
+        f"{describe(r['machine'])}.")
+
+
+def reorder_block(r: dict | None) -> str:
+    title = "Condense + decode-first reorder per step"
+    if r is None:
+        return not_measured(title, "OMP_NUM_THREADS=1 python -m fleetlab bench reorder", "reorder.json")
+    c = r["config"]
+    intro = fill(
+        f"**{title}** — `{command(r, 'python -m fleetlab bench reorder')}` (writes "
+        f"`benchmarks/results/reorder.json`; median over {c['steps']} steps after {c['warmup']} warm-up steps, "
+        f"in µs). Measured on {describe(r['machine'])}:")
+    lines = ["| rows | condense + reorder | with the device sync | gather map (no moves) | with its upload |",
+             "|---|---|---|---|---|"]
+    for t in r["results"]:
+        lines.append(f"| {t['rows']} | {t['moves_us']:.0f} µs | {t['moves_sync_us']:.0f} µs | "
+                     f"{t['gather_us']:.0f} µs | {t['gather_upload_us']:.0f} µs |")
+    return f"{intro}\n\n" + "\n".join(lines)
+
+
+def tiny_model_block(t: dict) -> str:
+    c, r = t["config"], t["result"]
+    threads = c["num_threads"]
+    return fill(
+        f"**The shipped tiny model** — a PaddleFormers Llama ({r['num_params'] / 1e6:.1f}M parameters, "
+        f"{c['num_hidden_layers']} layers, {r['model_bytes'] / 1e6:.0f} MB of safetensors) trained by "
+        f"`python -m fleetlab train-tiny` ({r['steps']} steps, seed {c['seed']}, {threads} "
+        f"thread{'s' if threads != 1 else ''}) in {r['wall_s']:.0f} s wall-clock, {r['cpu_s']:.0f} s of CPU time "
+        f"(the machine's load was not recorded): it answers {100 * r['held_out_accuracy']:.1f}% of the "
+        f"{r['num_held_out']:,} held-out two-digit additions (pairs never in its corpus) right "
+        f"(`fleetlab/models/weights/training.json`); `tests/test_tiny_trained.py` checks >= 90%.")
+
+
+def tp_block(r: dict) -> str:
+    from fleetlab.bench.tp import table
+
+    m, wl = r["model"], r["workload"]
+    runs = {run["name"]: run for run in r["runs"]}
+    one, two = runs["tp1 x 1 thread"], runs["tp2 x 1 thread"]
+    elapsed = f"{r['elapsed_s']:.0f} s; " if "elapsed_s" in r else ""
+    model = (f"a random Llama (hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, "
+             f"{m['num_attention_heads']} query / {m['num_key_value_heads']} KV heads, MLP {m['intermediate_size']})"
+             if m else "the tiny test Llama")
+    same = "identical" if r["identical_tokens"] and all(x["ranks_identical"] for x in r["runs"]) else "NOT identical"
+    intro = fill(
+        f"**Measured** — `{command(r, 'python -m fleetlab bench tp')}` ({elapsed}writes "
+        f"`benchmarks/results/tp.json` and `tp_step_time.png`): {model}, {len(wl['prompt_lens'])} requests of "
+        f"{min(wl['prompt_lens'])}-"
+        f"{max(wl['prompt_lens'])} prompt tokens and {wl['max_tokens']} output tokens, greedy; tokens {same} in "
+        f"all {len(r['runs'])} runs and on both ranks. Each run is a fresh process (or pair) with the threads its "
+        f"name says. Measured on {describe(r['machine'])}:")
+    after = fill(
+        f"At decode two processes on two cores are {compare(two['decode_step_ms'], one['decode_step_ms'])} than "
+        f"one process on one core ({ms(two['decode_step_ms'])} vs {ms(one['decode_step_ms'])} ms a step). Each "
+        f"step adds {two['all_reduce_per_step']} all-reduces of a `[tokens, {m.get('hidden_size', 'hidden')}]` "
+        f"float32 tensor: "
+        f"{two['all_reduce_alone_ms']:.2f} ms each when both ranks call at once, but "
+        f"{ms(two['all_reduce_ms_per_call'])} ms on average inside a serving step, where a rank also waits for "
+        f"the other to reach the same layer; {100 * two['all_reduce_share']:.0f}% of the serving time. Steps "
+        f"with prefill, where each rank's half of the matmuls is large, take {ms(two['prefill_step_ms'])} ms on "
+        f"two processes against {ms(one['prefill_step_ms'])} ms on one: "
+        f"{compare(two['prefill_step_ms'], one['prefill_step_ms'])} in this run.")
+    return f"{intro}\n\n{table(r)}\n\n{after}"
+
+
+def gpu_tp_block(g: dict) -> str:
+    ar, mm = g["all_reduce_us"], g["layer_matmul_us"]
+    small = [ar[f"{n}x4096"] for n in (1, 16, 64, 256)]
+
+    def balance(tokens: str, reduce_us: float) -> str:
+        saved = mm[tokens]["tp1"] - mm[tokens]["tp2"]
+        net = saved - 2 * reduce_us
+        return (f"saves {saved:.0f} µs of matmul per layer and pays 2 × {reduce_us:.0f} µs of all-reduce: "
+                f"a net {'gain' if net > 0 else 'loss'} of {abs(net):.0f} µs a layer")
+
+    return fill(
+        f"What it would take on GPUs was measured with torch + NCCL on 2 {g['device']}s of one host (not Paddle; "
+        f"`tools/gpu_tp_costs.py`, `benchmarks/results/gpu_tp_costs.json`; torch {g['torch']}, NCCL {g['nccl']}, "
+        f"bf16, timed with CUDA events: the median of 50 calls after 10 warm-ups): an all-reduce of a decode step's "
+        f"`[64, 4096]` costs {ar['64x4096']:.0f} µs ({min(small):.0f}-{max(small):.0f} µs at 1-256 tokens, "
+        f"{ar['2048x4096']:.0f} µs at 2048), while one Llama-3-8B-shaped layer's matmuls take "
+        f"{mm['64']['tp1']:.0f} µs whole and {mm['64']['tp2']:.0f} µs as one rank's half at 64 tokens, "
+        f"{mm['2048']['tp1']:.0f} vs {mm['2048']['tp2']:.0f} µs at 2048 tokens. So splitting an 8B model over 2 "
+        f"GPUs at decode (64 tokens) {balance('64', ar['64x4096'])}; at prefill (2048 tokens) it "
+        f"{balance('2048', ar['2048x4096'])}.")
+
+
+def spec_block(r: dict) -> str:
+    cfg, k = r["config"], r["config"]["headline_k"]
+    trained, rep = r["workloads"]["trained"], r["workloads"]["repetitive"]
+
+    def run(wl, method, kk=None):
+        return next(x for x in wl["runs"] if x["method"] == method and (kk is None or x["k"] == kk))
+
+    off, draft, ngram = run(trained, "off"), run(trained, "draft", k), run(trained, "ngram", k)
+    rep_off, rep_ngram = run(rep, "off"), run(rep, "ngram", k)
+    alone = {a["k"]: a for a in r["alone"]["runs"]}
+    tokens = off["num_tokens_by_request"]
+    every = all(x["identical_to_off"] for wl in r["workloads"].values() for x in wl["runs"])
+    g = r["goal"]
+    intro = fill(
+        f"**Measured** — `{command(r, 'python -m fleetlab bench spec')}` ({r['elapsed_s']:.0f} s; writes "
+        f"`benchmarks/results/spec.json` and `spec.png`). Greedy, {'every' if every else 'NOT every'} run "
+        f"token-identical to speculation off. *Trained*: the shipped model and its draft on {trained['num_requests']} "
+        f"prompts of kinds it was trained on that produce at least {trained['min_output_tokens']} tokens (counting "
+        f"and sentences, e.g. `\"count 57\"` -> `\" 58 59 60 61\"`, {min(tokens)}-{max(tokens)} tokens each, all "
+        f"{trained['num_requests']} requests in one batch). *Repetitive*: ngram on a random tiny Llama (its greedy "
+        f"output falls into loops), {rep['num_requests']} prompts repeated {cfg['rep_repeats']} times, "
+        f"{cfg['rep_max_tokens']} tokens each. Target forwards per output token are counted per request: the steps "
+        f"it is scheduled in over the tokens it gets. Wall-clock: {cfg['rounds']} interleaved rounds, median of the "
+        f"per-round ratios. Measured on {describe(r['machine'])}:")
+    alone_ks = [kk for kk in alone if kk and kk != k]
+    alone_more = "".join(f" (k = {kk}: {alone[kk]['speedup']:.2f}x)" for kk in alone_ks)
+    rows = [
+        f"| | speculation off | draft, k = {k} | ngram, k = {k} |", "| --- | --- | --- | --- |",
+        f"| trained: acceptance rate | | {draft['acceptance_rate']:.2f} ({draft['mean_acceptance_length']:.1f} "
+        f"tokens per verify step) | {ngram['acceptance_rate']:.2f} |",
+        f"| trained: target forwards per output token | {off['forwards_per_token']:.2f} | "
+        f"**{draft['forwards_per_token']:.2f}** (worst request {g['worst_ratio']:.2f}: at most half of off for "
+        f"{g['requests_meeting_goal']} of {g['num_requests']} requests) | {ngram['forwards_per_token']:.2f} |",
+        f"| trained: engine steps for the whole batch | {off['num_steps']} | {draft['num_steps']} | "
+        f"{ngram['num_steps']} |",
+        f"| trained: wall-clock, whole batch | {1000 * off['wall_s_median']:.0f} ms | {draft['speedup']:.2f}x | "
+        f"{ngram['speedup']:.2f}x |",
+        f"| trained: wall-clock, {r['alone']['num_requests']} requests one at a time | "
+        f"{1000 * alone[0]['wall_s_median']:.0f} ms | {alone[k]['speedup']:.2f}x{alone_more} | |",
+        f"| repetitive: acceptance / forwards per token / steps / wall-clock | - / "
+        f"{rep_off['forwards_per_token']:.2f} / {rep_off['num_steps']} / {1000 * rep_off['wall_s_median']:.0f} ms "
+        f"| | {rep_ngram['acceptance_rate']:.2f} / {rep_ngram['forwards_per_token']:.2f} / "
+        f"{rep_ngram['num_steps']} / {rep_ngram['speedup']:.2f}x |",
+    ]
+    plain, verify = off["ms_per_step"]["forward"], draft["ms_per_step"]["forward"]
+    per_draft = draft["ms_per_step"]["propose"] / k
+    bigger = [run(trained, "draft", kk) for kk in cfg["draft_ks"] if kk > k]
+    ks = ", ".join(str(x["k"]) for x in bigger)
+    fwd = ", ".join(f"{x['forwards_per_token']:.2f}" for x in bigger)
+    speed = ", ".join(f"{x['speedup']:.2f}x" for x in bigger)
+    more = f"k = {ks} give {fwd} target forwards per token at {speed} wall-clock"
+    best_alone = max((a for a in alone.values() if a["k"]), key=lambda a: a["speedup"])
+    where = (f"Fewer forwards are less time here only one request at a time (k = {best_alone['k']}: "
+             f"{best_alone['speedup']:.2f}x), where a step's fixed cost dominates. "
+             if best_alone["speedup"] > 1 >= draft["speedup"] else "")
+    after = fill(
+        f"A speculative step at k = {k} costs the target's verify forward ({k + 1} tokens a row instead of 1: "
+        f"{verify / plain:.1f}x the time of a plain decode forward, {verify:.1f} vs {plain:.1f} ms) plus {k} forwards "
+        f"of the draft, each {per_draft:.1f} ms ({per_draft / plain:.0%} of a plain target forward). {where}"
+        f"Larger k saves few more forwards and costs more drafting ({more}): the answers are short, and drafts "
+        f"land past the EOS. Prompt "
+        f"lookup drafts in {ngram['ms_per_step']['propose']:.1f} ms a step, but on the trained model's short answers "
+        f"it is right {ngram['acceptance_rate']:.0%} of the time.")
+    return f"{intro}\n\n" + "\n".join(rows) + f"\n\n{after}"
+
+
+# name -> (results file, renderer); the renderer gets the parsed file, or None if there is none
+BLOCKS = {
+    "engine": (RESULTS / "bench.json", engine_block),
+    "serving": (RESULTS / "serving.json", serving_block),
+    "attention": (RESULTS / "attention.json", attention_block),
+    "reorder": (RESULTS / "reorder.json", reorder_block),
+    "tiny-model": (TRAINING, tiny_model_block),
+    "tp": (RESULTS / "tp.json", tp_block),
+    "gpu-tp": (RESULTS / "gpu_tp_costs.json", gpu_tp_block),
+    "spec": (RESULTS / "spec.json", spec_block),
+}
+_BLOCK = re.compile(r"<!-- figures (?P<name>[\w-]+) -->\n(?:(?P<body>.*?)\n)?<!-- /figures (?P=name) -->", re.S)
+
+
+# ----------------------------------------------------------------------------- render / check
+def render(name: str) -> str:
+    """Block ``name``'s markdown, from its results file as committed now."""
+    path, renderer = BLOCKS[name]
+    data = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+    return renderer(data)
+
+
+def blocks_in(text: str) -> dict[str, str]:
+    """``{name: body}`` of every figure block in ``text``."""
+    found = {}
+    for m in _BLOCK.finditer(text):
+        if m["name"] in found:
+            raise ValueError(f"README has two figure blocks named {m['name']!r}")
+        found[m["name"]] = m["body"] or ""
+    unknown = sorted(set(found) - set(BLOCKS))
+    missing = sorted(set(BLOCKS) - set(found))
+    if unknown or missing:
+        raise ValueError(f"README's figure blocks do not match tools/readme_figures.py's BLOCKS: "
+                         f"unknown {unknown}, missing {missing}")
+    return found
+
+
+def drift(text: str) -> dict[str, str]:
+    """``{name: unified diff}`` of every block of ``text`` that differs from its rendering."""
+    out = {}
+    for name, body in blocks_in(text).items():
+        want = render(name)
+        if body != want:
+            out[name] = "".join(difflib.unified_diff(body.splitlines(True), want.splitlines(True),
+                                                     f"README.md ({name})", f"rendered from {BLOCKS[name][0].name}"))
+    return out
+
+
+def rendered(text: str) -> str:
+    """``text`` with every figure block rewritten from its results file."""
+    blocks_in(text)  # every block present, none unknown
+    return _BLOCK.sub(lambda m: f"<!-- figures {m['name']} -->\n{render(m['name'])}\n<!-- /figures {m['name']} -->",
+                      text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("action", choices=["check", "render"])
+    args = p.parse_args(argv)
+    text = README.read_text(encoding="utf-8")
+    if args.action == "render":
+        new = rendered(text)
+        README.write_text(new, encoding="utf-8")
+        print(f"README.md: {len(BLOCKS)} figure blocks rendered" + ("" if new != text else " (no change)"))
+        return 0
+    diffs = drift(text)
+    for diff in diffs.values():
+        print(diff)
+    if diffs:
+        print(f"README's figures differ from the results in {sorted(diffs)}: run python tools/readme_figures.py render",
+              file=sys.stderr)
+        return 1
+    print(f"README.md: all {len(BLOCKS)} figure blocks match the results files")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
