@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fleetlab", description=__doc__)
     parser.add_argument("command", choices=sorted(COMMANDS),
                         help="; ".join(f"{k}: {v[1]}" for k, v in COMMANDS.items()))
-    parser.add_argument("-v", "--verbose", action="store_true", help="show fleetlab's own INFO log messages")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="show fleetlab's own INFO log messages (serve: uvicorn's too, with access lines)")
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0

@@ -277,6 +277,8 @@ class LLM:
             "num_free_blocks": s.num_free_blocks,
             "prefix_cache_hit_rate": s.hit_rate,
             "prefix_cache_queries": s.queries,
+            "prefix_cache_query_tokens": s.query_tokens,
+            "prefix_cache_hit_tokens": s.hit_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "kv_cache_utilization": used / s.num_blocks,
             "kv_token_fill": tokens_held / max(1, used * self.pool.block_size),

@@ -156,3 +156,70 @@ def test_shutdown_aborts_what_runs(tiny):
     asyncio.run(run())
     s = engine.stats()
     assert s["num_requests_running"] == 0 and s["kv_cache_utilization"] == 0
+
+
+def test_add_requests_queues_them_all_in_one_engine_turn(tiny):
+    engine = make_engine(tiny)
+    calls = []
+    real_add, real_step = engine.llm.add_request, engine.llm.step
+
+    def add_request(**kw):
+        calls.append("add")
+        return real_add(**kw)
+
+    def step(**kw):
+        calls.append("step")
+        return real_step(**kw)
+
+    engine.llm.add_request, engine.llm.step = add_request, step
+
+    async def run():
+        streams = await engine.add_requests([{"prompt": p, "sampling_params": SamplingParams(max_tokens=3)}
+                                             for p in PROMPTS])
+        got = []
+        for stream in streams:
+            got.append([t async for out in stream for t in out.new_token_ids])
+        return got
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert calls[:len(PROMPTS)] == ["add"] * len(PROMPTS) and calls.count("add") == len(PROMPTS)
+    assert [len(ids) for ids in got] == [3] * len(PROMPTS)
+
+
+def test_add_requests_is_all_or_none(tiny):
+    async def run(engine):
+        good = {"prompt": "1+1=", "sampling_params": SamplingParams(max_tokens=2)}
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await engine.add_requests([good, good, {"prompt_token_ids": [1, 999], "sampling_params": None}])
+        assert engine.num_unfinished_requests == 0
+
+    with make_engine(tiny) as engine:
+        asyncio.run(run(engine))
+        wait_for(lambda: engine.stats()["num_requests_waiting"] == engine.stats()["num_requests_running"] == 0)
+
+
+def test_stream_times_and_fail(tiny):
+    """The engine thread stamps queued <= scheduled <= first token <= last token, one gap per later
+    step with tokens; ``fail`` ends a stream with the error after the outputs already waiting."""
+
+    async def run(engine):
+        stream = await engine.add_request("count 1 ", SamplingParams(max_tokens=6, ignore_eos=True))
+        n = [out async for out in stream]
+        t = stream.times
+        assert t.arrival <= t.queued <= t.scheduled <= t.first_token <= t.last_token
+        assert len(t.token_gaps) == 5 and sum(t.token_gaps) == pytest.approx(t.last_token - t.first_token)
+        stream = await engine.add_request("count 2 ", SamplingParams(max_tokens=80, ignore_eos=True))
+        first = await stream.__anext__()
+        stream.fail(RuntimeError("stopping"))
+        with pytest.raises(RuntimeError, match="stopping"):
+            async for out in stream:
+                assert out.new_token_ids and not out.finished  # what was waiting comes first
+        return n, first
+
+    with make_engine(tiny) as engine:
+        n, first = asyncio.run(run(engine))
+        assert n and first.new_token_ids
+        wait_for(lambda: engine.stats()["kv_cache_utilization"] == 0 and engine.num_unfinished_requests == 0)

@@ -1,31 +1,79 @@
 """``python -m fleetlab serve`` as a real process, and ``python -m fleetlab bench serve`` against it."""
 
+import asyncio
 import json
 import math
+import re
+import signal
 
 import pytest
 
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 
 from fleetlab.bench.serving import RequestRecord, poisson_offsets, summarize
 from fleetlab.serving.cli import build_parser, engine_config
 from fleetlab.serving.launch import ServerProcess
 
 
-def test_serve_process_fleet_impl_and_bench_serve_smoke(tmp_path):
+async def _open_streams(url: str, n: int, max_tokens: int) -> list:
+    """``n`` streamed completions, open (their headers read) and not read further."""
+    body = {"model": "tiny", "prompt": "count 1 ", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    client = httpx.AsyncClient(base_url=url, timeout=60, limits=httpx.Limits(max_connections=None))
+    responses = await asyncio.gather(*(client.send(client.build_request("POST", "/v1/completions", json=body),
+                                                   stream=True) for _ in range(n)))
+    assert [r.status_code for r in responses] == [200] * n
+    return client, responses
+
+
+async def _events(response) -> list:
+    """Every ``data:`` payload of an SSE response, to its end."""
+    return [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
+
+
+def _stop_with_open_streams(server, sig, n: int, max_tokens: int) -> list:
+    """Open ``n`` streams, send ``sig`` to the server, read every stream to its end."""
+    async def run():
+        client, responses = await _open_streams(server.url, n, max_tokens)
+        server.process.send_signal(sig)
+        events = await asyncio.gather(*(_events(r) for r in responses))
+        await client.aclose()
+        return events
+
+    return asyncio.run(run())
+
+
+# What a clean stop never prints: a traceback, uvicorn's cancelled tasks, asyncio's warnings.
+UNCLEAN = re.compile(r"Traceback|Exception|ERROR|Cancel|Task was destroyed|Task exception")
+
+
+def test_serve_process_bench_serve_and_ctrl_c_with_200_open_streams(tmp_path):
     from fleetlab.bench.cli import main as bench_main
 
-    args = ["--model", "tiny", "--model-impl", "fleet", "--max-num-seqs", "8", "--block-size", "8"]
+    args = ["--model", "tiny", "--model-impl", "paddlefleet", "--max-num-seqs", "8", "--block-size", "8",
+            "--max-model-len", "4096"]
     with ServerProcess(args, timeout=120) as server:
         c = openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0)
         r = c.completions.create(model="tiny", prompt="12+7=", max_tokens=4, temperature=0)
         assert r.choices[0].text == "19"  # the trained weights, moved into the Fleet-style model
-        # quiet unless -v: the one line saying where it listens, no library notices, no access log
-        lines = [line for line in server.log_text().splitlines() if line.strip()]
-        assert len(lines) == 1 and lines[0].startswith("fleetlab serve: 'tiny' (fleet"), lines
         out = tmp_path / "results"
         assert bench_main(["serve", "--tiny", "--url", server.url, "--out", str(out)]) == 0
-    assert server.process.returncode == 0  # Ctrl-C (SIGINT) stops it cleanly
+        # Ctrl-C with 200 streams open (100 steps each: far from done): each ends with an error, then [DONE]
+        events = _stop_with_open_streams(server, signal.SIGINT, 200, 100)
+        assert server.process.wait(30) == 0
+    for stream in events:
+        *chunks, error, done = stream
+        assert done == "[DONE]" and json.loads(error)["error"]["code"] == "shutting_down", stream[-2:]
+        assert all(json.loads(c)["choices"][0]["finish_reason"] is None for c in chunks)
+    # quiet unless -v: fleetlab's own warning (the model has 128 positions), the line saying where it
+    # listens, and nothing else: no library notices, no access log, nothing per cancelled request
+    log = server.log_text()
+    assert not UNCLEAN.search(log), log[-3000:]
+    lines = [line for line in log.splitlines() if line.strip()]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("WARNING fleetlab") and "max_model_len=4096 exceeds the model's 128" in lines[0]
+    assert lines[1].startswith("fleetlab serve: 'tiny' (paddlefleet"), lines
     result = json.loads((out / "serving.json").read_text())
     assert result["schema_version"] == 1 and result["model"] == "tiny"
     assert [r["rate"] for r in result["runs"]] == [20.0, "inf"]
@@ -34,6 +82,19 @@ def test_serve_process_fleet_impl_and_bench_serve_smoke(tmp_path):
         assert run["total_output_tokens"] >= 6 * 3  # ignore_eos: every request makes its 3-6 tokens
         assert run["output_throughput"] > 0 and run["ttft_ms"]["p99"] >= run["ttft_ms"]["median"] > 0
     assert (out / "serving.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sigterm_lets_requests_finish_and_verbose_shows_uvicorn_and_fleetlab_lines():
+    with ServerProcess(["-v", "--model", "tiny", "--shutdown-timeout", "60"], timeout=120) as server:
+        events = _stop_with_open_streams(server, signal.SIGTERM, 3, 12)
+        assert server.process.wait(30) == 0  # SIGTERM: a clean exit too, not 143
+    for stream in events:  # they ran to the end within the shutdown timeout
+        assert stream[-1] == "[DONE]" and json.loads(stream[-2])["choices"][0]["finish_reason"] == "length"
+    log = server.log_text()
+    assert not UNCLEAN.search(log), log[-3000:]
+    assert re.search(r'INFO: .*"POST /v1/completions HTTP/1.1" 200', log)  # uvicorn's access lines
+    assert "INFO:     Waiting for application startup." in log  # uvicorn's own INFO lines
+    assert "INFO fleetlab.serving.app: shutdown: waiting up to 60.0 s for 3 requests to finish" in log
 
 
 def test_serve_options_reach_the_engine():
@@ -50,6 +111,8 @@ def test_serve_refuses_a_bad_engine_option(capsys):
 
     assert main(["serve", "--port", "0", "--scheduling-policy", "nope"]) == 2
     assert "scheduling_policy" in capsys.readouterr().err
+    assert main(["serve", "--port", "0", "--shutdown-timeout", "-1"]) == 2
+    assert "--shutdown-timeout" in capsys.readouterr().err
 
 
 def test_bench_arithmetic():

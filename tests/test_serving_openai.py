@@ -7,6 +7,7 @@ test here; the oracle is the same weights loaded again and run offline with ``LL
 import asyncio
 import contextlib
 import json
+import math
 import time
 
 import pytest
@@ -236,7 +237,7 @@ BAD_REQUESTS = [
     ("body not an object", "completions", b"[1, 2]", None),
     ("empty body", "completions", b"", None),
     ("missing prompt", "completions", {"model": "tiny"}, "prompt"),
-    ("unknown model", "completions", {"model": "gpt-9", "prompt": "1+1="}, "model"),
+    ("body not UTF-8", "completions", b'{"model": "tiny", "prompt": "\xff"}', None),
     ("temperature out of range", "completions", {"model": "tiny", "prompt": "1+1=", "temperature": 3}, "temperature"),
     ("max_tokens zero", "completions", {"model": "tiny", "prompt": "1+1=", "max_tokens": 0}, "max_tokens"),
     ("top_p out of range", "completions", {"model": "tiny", "prompt": "1+1=", "top_p": 1.5}, "top_p"),
@@ -246,7 +247,6 @@ BAD_REQUESTS = [
     ("prompt + max_tokens too long", "completions", {"model": "tiny", "prompt": "1+1=", "max_tokens": 500},
      "max_tokens"),
     ("token id outside the vocabulary", "completions", {"model": "tiny", "prompt": [1, 5, 999]}, "prompt"),
-    ("n > 1", "completions", {"model": "tiny", "prompt": "1+1=", "n": 2}, "n"),
     ("empty stop string", "completions", {"model": "tiny", "prompt": "1+1=", "stop": [""]}, "stop"),
     ("min_tokens > max_tokens", "completions", {"model": "tiny", "prompt": "1+1=", "max_tokens": 2, "min_tokens": 5},
      "min_tokens"),
@@ -267,7 +267,7 @@ def test_bad_requests_are_400_naming_the_field_and_the_server_keeps_serving(serv
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error", what
         assert err["param"] == param, (what, err)
-        assert err["message"], what
+        assert err["message"] and err["code"], what
         assert httpx.get(server.url + "/health").status_code == 200
     assert metrics(server)["fleetlab:request_errors_total{status=400}"] - errors_before == len(BAD_REQUESTS)
     # the official client raises BadRequestError with the body
@@ -311,19 +311,179 @@ def test_full_queue_is_refused_at_once_with_503():
 
 
 def test_metrics_names_and_histograms(server):
-    client(server).completions.create(model="tiny", prompt="count 7 ", max_tokens=8, temperature=0)
-    m = metrics(server)
+    prompt = "the red cat sat on the old mat by the big door "  # 48 tokens: 2 full blocks of 16, and more
+    c = client(server)
+    snapshots = [metrics(server)]
+    for _ in range(2):  # the second one finds the first one's full blocks in the prefix cache
+        r = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        snapshots.append(metrics(server))
+    n = r.usage.prompt_tokens
+    before, first, m = snapshots
+    delta = {k: v - before.get(k, 0) for k, v in m.items()}
     for name in ("fleetlab:num_requests_running", "fleetlab:num_requests_waiting", "fleetlab:kv_cache_usage_perc",
-                 "fleetlab:prefix_cache_hit_rate", "fleetlab:num_preemptions_total", "fleetlab:engine_steps_total",
-                 "fleetlab:prompt_tokens_total", "fleetlab:generation_tokens_total"):
+                 "fleetlab:prefix_cache_hit_rate", "fleetlab:num_preemptions_total", "fleetlab:engine_steps_total"):
         assert name in m, name
-    for hist in ("fleetlab:time_to_first_token_seconds", "fleetlab:time_per_output_token_seconds",
-                 "fleetlab:e2e_request_latency_seconds"):
-        assert m[f"{hist}_count"] >= 1 and m[f"{hist}_sum"] > 0, hist
-    assert m["fleetlab:generation_tokens_total"] >= 8
+    assert not [k for k in m if "_created" in k]
+    # vLLM's meanings: prefix-cache counters in tokens (a hit never covers the whole prompt)
+    assert delta["fleetlab:prefix_cache_queries_total"] == 2 * n
+    second_hits = m["fleetlab:prefix_cache_hits_total"] - first["fleetlab:prefix_cache_hits_total"]
+    assert second_hits == 16 * ((n - 1) // 16) >= 32
+    # per request: one inter-token latency per gap (8 tokens, one a step: 7 gaps each), one of the rest
+    assert delta["fleetlab:inter_token_latency_seconds_count"] == 2 * 7
+    for hist in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "request_prefill_time",
+                 "request_decode_time", "request_inference_time", "request_time_per_output_token"):
+        assert delta[f"fleetlab:{hist}_seconds_count"] == 2, hist
+        assert delta[f"fleetlab:{hist}_seconds_sum"] >= 0, hist
+    assert delta["fleetlab:request_decode_time_seconds_sum"] == pytest.approx(
+        delta["fleetlab:inter_token_latency_seconds_sum"])  # the decode is the sum of the gaps
+    assert delta["fleetlab:request_inference_time_seconds_sum"] == pytest.approx(
+        delta["fleetlab:request_prefill_time_seconds_sum"] + delta["fleetlab:request_decode_time_seconds_sum"])
+    assert (delta["fleetlab:e2e_request_latency_seconds_sum"] >= delta["fleetlab:request_queue_time_seconds_sum"]
+            + delta["fleetlab:request_inference_time_seconds_sum"])
+    assert delta["fleetlab:request_prompt_tokens_sum"] == 2 * n == delta["fleetlab:prompt_tokens_total"]
+    assert delta["fleetlab:request_generation_tokens_sum"] == 16 == delta["fleetlab:generation_tokens_total"]
+    assert m["fleetlab:cache_config_info{block_size=16,enable_prefix_caching=True,num_blocks=256}"] == 1
     text = httpx.get(server.url + "/metrics").text
     assert 'fleetlab:num_requests_running{model_name="tiny"}' in text
-    assert json.loads(httpx.get(server.url + "/nope").text)["error"]["type"] == "not_found_error"
+
+
+def test_routes_status_codes_and_body_parsing(server):
+    c = client(server)
+    errors = metrics(server)
+    assert c.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as info:  # OpenAI's and vLLM's status for an unknown model
+        c.models.retrieve("gpt-9")
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError) as info:
+        c.completions.create(model="gpt-9", prompt="1+1=", max_tokens=2)
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    head = httpx.head(server.url + "/health")
+    assert head.status_code == 200 and head.content == b""
+    # curl -d sends application/x-www-form-urlencoded: the body is JSON all the same
+    body = json.dumps({"model": "tiny", "prompt": "12+7=", "max_tokens": 4, "temperature": 0})
+    r = httpx.post(server.url + "/v1/completions", content=body,
+                   headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "19"
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "tiny", "prompt": "\xff"}')
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_encoding"
+    # an unknown path is nobody's request to the model: not counted as its error
+    nope = httpx.get(server.url + "/nope")
+    assert nope.status_code == 404 and nope.json()["error"]["type"] == "not_found_error"
+    m = metrics(server)
+    assert m["fleetlab:request_errors_total{status=404}"] - errors.get("fleetlab:request_errors_total{status=404}", 0) \
+        == 2  # the two unknown models
+
+
+REFUSED = [
+    # (endpoint, fields sent, the field the 400 names, words its message holds): not applied -> refused
+    ("completions", {"repetition_penalty": 1.3}, "repetition_penalty", "penalties"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty", "penalties"),
+    ("completions", {"frequency_penalty": -1.0}, "frequency_penalty", "penalties"),
+    ("completions", {"logit_bias": {"5": 10}}, "logit_bias", "logit bias"),
+    ("completions", {"n": 2}, "n", "one choice per prompt"),
+    ("completions", {"best_of": 3}, "best_of", "one choice per prompt"),
+    ("completions", {"logprobs": 0}, "logprobs", "log-probabilities"),
+    ("completions", {"echo": True}, "echo", "log-probabilities"),
+    ("completions", {"min_p": 0.1}, "min_p", "sampler"),
+    ("completions", {"guided_regex": "[0-9]+"}, "guided_regex", "structured outputs"),
+    ("completions", {"frobnicate": 1}, "frobnicate", "unrecognized"),
+    ("chat/completions", {"guided_choice": ["yes", "no"]}, "guided_choice", "structured outputs"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured outputs"),
+    ("chat/completions", {"functions": [{"name": "f", "parameters": {}}]}, "functions", "function calling"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool"),
+    ("chat/completions", {"modalities": ["text", "audio"]}, "modalities", "text only"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs", "log-probabilities"),
+    ("chat/completions", {"chat_template": "{{ messages }}"}, "chat_template", "chat template"),
+    ("chat/completions", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats", "one last chunk"),
+]
+
+
+@pytest.mark.parametrize("endpoint, fields, param, words", REFUSED, ids=[r[2] for r in REFUSED])
+def test_fields_not_applied_are_refused_naming_the_field(server, endpoint, fields, param, words):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError) as info:
+        if endpoint == "completions":
+            c.completions.create(model="tiny", prompt="1+1=", max_tokens=2, extra_body=fields)
+        else:
+            c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1+1="}], extra_body=fields)
+    err = info.value.body
+    assert err["param"] == param and err["code"] == "unsupported" and words in err["message"], err
+
+
+def test_no_op_values_are_accepted_and_text_parts_joined(server, offline):
+    c = client(server)
+    (want,) = offline(["45+38="], 8)
+    no_ops = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
+              "logprobs": False, "top_logprobs": 0, "modalities": ["text"], "tools": [], "tool_choice": "none",
+              "response_format": {"type": "text"}, "skip_special_tokens": True, "top_k": -1}
+    parts = [{"type": "text", "text": "45+"}, {"type": "text", "text": "38="}]
+    r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=8,
+                                  temperature=0, extra_body=no_ops)
+    assert r.choices[0].message.content == want.text == "83"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": [parts[0], image]}])
+    assert "only text parts are supported; got 'image_url'" in info.value.body["message"]
+    assert info.value.body["param"] == "messages[0].content[1]"
+    with pytest.raises(openai.BadRequestError) as info:  # the template would drop a participant's name
+        c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "1+1=", "name": "ann"}])
+    assert info.value.body["param"] == "messages[0].name"
+
+
+def test_api_key(server):
+    with ServerThread(server.engine, "tiny", shutdown_engine=False, api_key="sekret") as s:
+        for key in ("none", "sekret2"):
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=s.base_url, api_key=key, max_retries=0).models.list()
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "1+1="})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["www-authenticate"] == "Bearer"
+        keyed = openai.OpenAI(base_url=s.base_url, api_key="sekret", max_retries=0)
+        assert keyed.completions.create(model="tiny", prompt="12+7=", max_tokens=4, temperature=0).choices[0].text \
+            == "19"
+        assert httpx.get(s.url + "/health").status_code == 200 and httpx.get(s.url + "/metrics").status_code == 200
+
+
+def test_a_list_of_prompts_is_queued_in_one_engine_turn(server, offline):
+    prompts = make_prompts(128, seed=3)
+    want = offline(prompts, 1)
+    steps = metrics(server)["fleetlab:engine_steps_total"]
+    r = client(server).completions.create(model="tiny", prompt=prompts, max_tokens=1, temperature=0)
+    steps = metrics(server)["fleetlab:engine_steps_total"] - steps
+    assert [ch.text for ch in r.choices] == [w.text for w in want]
+    # A step takes at most 32 requests (max_num_seqs) and 256 tokens (max_num_batched_tokens); one token
+    # each, every request ends in the step that prefills it. Queued one prompt per engine turn, the
+    # 128 prompts took a step each (129 steps).
+    budget = math.ceil(r.usage.prompt_tokens / 256) + math.ceil(128 / 32) + 1
+    assert steps <= budget < 128, (steps, budget)
+
+
+def test_shutdown_timeout_lets_short_requests_finish_and_ends_the_rest(server):
+    s = ServerThread(server.engine, "tiny", shutdown_engine=False, shutdown_timeout=1.0)
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=s.base_url, api_key="none", max_retries=0) as c:
+            opened = [await c.completions.create(model="tiny", prompt=f"count {i} ", max_tokens=n, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True})
+                      for i, n in ((1, 4), (2, 110))]
+            t0 = time.perf_counter()
+            stopping = asyncio.get_running_loop().run_in_executor(None, s.stop)
+            short = [chunk async for chunk in opened[0]]  # 4 steps of >= 50 ms: done within the second
+            with pytest.raises(openai.APIError, match="shutting down"):  # 110 steps: stopped after 1 s
+                async for _ in opened[1]:
+                    pass
+            await stopping
+            return short, time.perf_counter() - t0
+
+    with slow_steps(server.engine, 0.05):
+        short, waited = asyncio.run(run())
+    assert "".join(ch.choices[0].text for ch in short) and short[-1].choices[0].finish_reason == "length"
+    assert waited >= 1.0
+    assert wait_idle(server)["fleetlab:kv_cache_usage_perc"] == 0
+    r = client(server).completions.create(model="tiny", prompt="12+7=", max_tokens=4, temperature=0)
+    assert r.choices[0].text == "19"
 
 
 def test_speculative_decoding_streams_the_same_text(offline):

@@ -102,11 +102,27 @@ def test_engine_value_errors_become_400s_naming_the_field():
 
 
 def test_validation_error_param_names():
-    from fleetlab.serving.app import _param
+    from fleetlab.serving.protocol import field_path
 
-    assert _param(["messages", 0, "content"]) == "messages[0].content"
-    assert _param(["prompt", "list[int]", 2]) == "prompt"
-    assert _param(["stop", "str"]) == "stop"
+    assert field_path(["messages", 0, "content"]) == "messages[0].content"
+    assert field_path(["prompt", "list[int]", 2]) == "prompt"
+    assert field_path(["stop", "str"]) == "stop"
+
+
+def test_refusals_accept_only_values_that_change_nothing():
+    from fleetlab.serving import refused
+    from fleetlab.serving.errors import BadRequest
+
+    no_op = refused.unset_or(0)
+    assert no_op(None) and no_op(0) and no_op(0.0) and not no_op(False) and not no_op(0.5)
+    assert refused.unset_or(False)(False) and not refused.unset_or(False)(0)  # 0 == False in Python
+    refused.check_fields({"n": 1, "modalities": ["text"], "repetition_penalty": 1.0}, refused.CHAT)
+    for fields, param in (({"modalities": ["audio"]}, "modalities"), ({"guided_choice": ["a"]}, "guided_choice"),
+                          ({"nope": None}, "nope")):
+        with pytest.raises(BadRequest) as e:
+            refused.check_fields(fields, refused.CHAT)
+        assert e.value.param == param and e.value.code == "unsupported"
+    assert set(refused.COMPLETION) & set(refused.CHAT) >= {"n", "repetition_penalty", "guided_json", "logit_bias"}
 
 
 def test_fleet_from_llama_computes_the_same_model():

@@ -17,8 +17,8 @@ class RequestOutput:
     finish_reason: ``"stop"`` (EOS or a stop token), ``"length"`` (max_tokens or the
       model's maximum length), ``"abort"`` (``LLM.abort``), ``"error"`` (see ``error``),
       or None while unfinished.
-    metrics: arrival / first-token / finish times and each output token's time
-      (``token_times``; ``time.perf_counter`` seconds), and ``num_preemptions``.
+    metrics: arrival / first-scheduled / first-token / finish times and each output token's
+      time (``token_times``; ``time.perf_counter`` seconds), and ``num_preemptions``.
     """
 
     request_id: str
@@ -37,7 +37,8 @@ class RequestOutput:
     @classmethod
     def from_request(cls, req, new_token_ids: list[int]) -> RequestOutput:
         """The output of the scheduler's ``Request`` ``req`` after a step that added ``new_token_ids``."""
-        metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+        metrics = {"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time,
+                   "first_token_time": req.first_token_time,
                    "finish_time": req.finish_time, "num_preemptions": req.num_preemptions,
                    "token_times": list(req.token_times)}
         return cls(req.request_id, req.prompt_token_ids, list(req.output_token_ids), None, req.finish_reason,

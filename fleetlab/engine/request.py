@@ -45,6 +45,7 @@ class Request:
     num_preemptions: int = 0
     enqueue_step: int = 0  # scheduler step at which the request first joined the queue
     arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
     token_times: list[float] = field(default_factory=list)

@@ -159,6 +159,7 @@ class Scheduler:
             if self.kv.enable_prefix_caching:  # counted once per admission, not once per retry
                 self.kv.record_lookup(req, num_hit_tokens)
             req.num_computed_tokens = num_hit_tokens
+            req.first_scheduled_time = req.first_scheduled_time or time.perf_counter()
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)

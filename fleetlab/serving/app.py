@@ -1,24 +1,35 @@
-"""The OpenAI-compatible HTTP app (FastAPI): ``build_app(engine, model_name)``.
+"""The OpenAI-compatible HTTP app (FastAPI): ``build_app(engine, model_name, api_key=None)``.
 
 Endpoints:
 
-- ``GET  /health``: 200 while the engine loop runs, 503 once it has stopped;
-- ``GET  /v1/models``: the one served model;
+- ``GET|HEAD /health``: 200 while the engine loop runs, 503 once it has stopped or while the
+  server shuts down;
+- ``GET  /v1/models`` and ``GET /v1/models/{id}``: the one served model (404 ``model_not_found``
+  for any other id);
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's request and response
   shapes (:mod:`fleetlab.serving.protocol`), ``stream=true`` answered with server-sent events;
 - ``GET  /metrics``: Prometheus text (:mod:`fleetlab.serving.metrics`).
 
-A request's life: validate (pydantic, then :meth:`check_supported`), tokenize here on the
-asyncio side (so the prompt length is checked against ``max_model_len`` before anything is
-queued), ``AsyncLLM.add_request`` per prompt, then turn each step's new token ids into text
-(:class:`~fleetlab.serving.detokenizer.TextStream`: incremental detokenization and stop
-strings). A stop string ends the choice at once and aborts the engine request. A client that
-hangs up, mid-stream or while waiting for a whole response, aborts its requests: their KV
-blocks are free before the next engine step.
+With ``api_key`` set, every ``/v1`` route wants ``Authorization: Bearer <api_key>`` and answers
+401 without it (as vLLM's ``--api-key``); ``/health`` and ``/metrics`` stay open.
+
+A request's life: parse the body as JSON and validate it (pydantic, then :meth:`check_supported`:
+a field fleetlab would not apply is refused), tokenize here on the asyncio side (so the prompt
+length is checked against ``max_model_len`` before anything is queued), queue every prompt of
+the request with one ``AsyncLLM.add_requests`` (one engine turn, however many prompts), then
+turn each step's new token ids into text (:class:`~fleetlab.serving.detokenizer.TextStream`:
+incremental detokenization and stop strings). A stop string ends the choice at once and aborts
+the engine request. A client that hangs up, mid-stream or while waiting for a whole response,
+aborts its requests: their KV blocks are free before the next engine step.
+
+Stopping (:meth:`OpenAIServing.drain`, called by :mod:`fleetlab.serving.shutdown` when the
+server is told to stop): new requests are answered 503; those running may finish for up to the
+shutdown timeout; then each one left is aborted and ends with an error event and ``data:
+[DONE]`` (a whole response: a 503), so no handler is cancelled mid-way.
 
 Errors are OpenAI-shaped (:mod:`fleetlab.serving.errors`): bad JSON, bad types, out-of-range
-values, an unknown model, a prompt that does not fit, unsupported features -> 400 naming the
-field; a full queue -> 503. An unexpected exception is a 500 and is logged; the server goes on.
+values, a prompt that does not fit, unsupported fields -> 400 naming the field; an unknown model
+-> 404; a full queue -> 503. An unexpected exception is a 500 and is logged; the server goes on.
 """
 
 from __future__ import annotations
@@ -26,11 +37,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -40,14 +53,23 @@ from fleetlab.serving import protocol as P
 from fleetlab.serving.async_llm import AsyncLLM, RequestStream
 from fleetlab.serving.chat_template import chat_prompt_ids, encode_text
 from fleetlab.serving.detokenizer import TextStream
-from fleetlab.serving.errors import BadRequest, EngineDead, ServingError, bad_request_from_engine, error_body
+from fleetlab.serving.errors import (
+    BadRequest,
+    EngineDead,
+    NotFound,
+    ServingError,
+    ShuttingDown,
+    Unauthorized,
+    bad_request_from_engine,
+    error_body,
+)
 from fleetlab.serving.metrics import CONTENT_TYPE, ServerMetrics
 from fleetlab.validation import check_sampling_params
 
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
+def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
     """A FastAPI app serving ``engine`` under the name ``model_name``.
 
     The app starts the engine thread when it starts; it does not shut the engine down (its
@@ -65,30 +87,56 @@ def build_app(engine: AsyncLLM, model_name: str) -> FastAPI:
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, server
     _add_error_handlers(app, metrics)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
+        if server.draining:
+            raise ShuttingDown("the server is shutting down", code="shutting_down")
         if not engine.is_healthy:
             raise EngineDead("the engine loop is not running")
-        return {}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": server.created,
-                                            "owned_by": "fleetlab", "max_model_len": engine.max_model_len}]}
+        return Response(status_code=200)
 
     @app.get("/metrics")
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.post("/v1/completions")
-    async def completions(request: P.CompletionRequest, raw_request: Request):
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_check(api_key))] if api_key else [])
+
+    @v1.get("/models")
+    async def models():
+        return {"object": "list", "data": [server.model_card()]}
+
+    @v1.get("/models/{model_id:path}")  # a served name may hold "/" (a checkpoint path)
+    async def model(model_id: str):
+        server.check_model(model_id)
+        return server.model_card()
+
+    @v1.post("/completions")
+    async def completions(raw_request: Request):
+        request = P.parse_request(P.CompletionRequest, await raw_request.body())
         return await _cancel_on_disconnect(server.completion(request), raw_request)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: P.ChatCompletionRequest, raw_request: Request):
+    @v1.post("/chat/completions")
+    async def chat_completions(raw_request: Request):
+        request = P.parse_request(P.ChatCompletionRequest, await raw_request.body())
         return await _cancel_on_disconnect(server.chat(request), raw_request)
 
+    app.include_router(v1)
     return app
+
+
+def _bearer_check(api_key: str):
+    """A FastAPI dependency: 401 unless the request carries ``Authorization: Bearer <api_key>``."""
+    expected = f"Bearer {api_key}".encode()
+
+    async def check(request: Request) -> None:
+        given = request.headers.get("authorization")
+        if given is None:
+            raise Unauthorized("this server wants an API key: send the header 'Authorization: Bearer <key>'",
+                               None, "invalid_api_key")
+        if not secrets.compare_digest(given.encode(), expected):  # in constant time
+            raise Unauthorized("incorrect API key", None, "invalid_api_key")
+
+    return check
 
 
 @dataclass(slots=True)
@@ -111,6 +159,20 @@ class OpenAIServing:
     def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics):
         self.engine, self.model_name, self.metrics = engine, model_name, metrics
         self.created = int(time.time())
+        self.live: set[RequestStream] = set()  # the engine requests of unfinished HTTP requests
+        self.draining = False  # stopping: new requests are refused (503)
+        self.closing = False  # stopped waiting: what still runs is ended with an error
+
+    def model_card(self) -> dict:
+        """The served model, as ``/v1/models`` lists it."""
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "fleetlab",
+                "max_model_len": self.engine.max_model_len}
+
+    def check_model(self, name: str | None) -> None:
+        """404 ``model_not_found`` unless ``name`` is the served model (None: the served model)."""
+        if name is not None and name != self.model_name:
+            raise NotFound(f"the model {name!r} does not exist; this server serves {self.model_name!r}", "model",
+                           "model_not_found")
 
     # ----- endpoints -----
     async def completion(self, req: P.CompletionRequest):
@@ -139,9 +201,7 @@ class OpenAIServing:
 
     # ----- request checks -----
     def _check_common(self, req) -> None:
-        if req.model is not None and req.model != self.model_name:
-            raise BadRequest(f"the model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                             "model", "model_not_found")
+        self.check_model(req.model)
         req.check_supported()
         if self.engine.tokenizer is None and not isinstance(req, P.CompletionRequest):
             raise BadRequest("this server has no tokenizer: send prompt token ids to /v1/completions", "messages")
@@ -181,17 +241,22 @@ class OpenAIServing:
 
     # ----- running -----
     async def _run(self, req, prefix: str, obj: str, choices: list[_Choice], sp: SamplingParams, prompt_field: str):
+        if self.draining:
+            raise ShuttingDown("the server is shutting down; it takes no new requests", code="shutting_down")
         response_id = f"{prefix}-{uuid.uuid4().hex}"
-        try:
-            for c in choices:
-                rid = response_id if len(choices) == 1 else f"{response_id}-{c.index}"
-                c.stream = await self.engine.add_request(sampling_params=sp, prompt_token_ids=c.prompt_ids,
-                                                         request_id=rid)
-        except BaseException as e:
+        requests = [{"sampling_params": sp, "prompt_token_ids": c.prompt_ids,
+                     "request_id": response_id if len(choices) == 1 else f"{response_id}-{c.index}"}
+                    for c in choices]
+        try:  # every prompt in one engine turn
+            streams = await self.engine.add_requests(requests)
+        except ValueError as e:
+            raise bad_request_from_engine(e, prompt_field) from e
+        for c, stream in zip(choices, streams):
+            c.stream = stream
+            self.live.add(stream)
+        if self.closing:  # queued while the server stopped waiting for requests to finish
             self._close(choices)
-            if isinstance(e, ValueError):
-                raise bad_request_from_engine(e, prompt_field) from e
-            raise
+            raise ShuttingDown("the server is shutting down; it takes no new requests", code="shutting_down")
         created = int(time.time())
         logger.debug("%s: %d prompt(s), %s", response_id, len(choices), sp)
         if req.stream:
@@ -240,7 +305,7 @@ class OpenAIServing:
                 if include_usage:
                     yield P.sse(P.usage_chunk(response_id, created, self.model_name, chunk_obj, self._usage(choices)))
             yield P.SSE_DONE
-        except EngineDead as e:
+        except ServingError as e:  # the engine died, or the server is stopping: say so, then end the stream
             yield P.sse(e.body())
             yield P.SSE_DONE
         finally:  # also on a client that hung up (the task is cancelled): abort what still runs
@@ -279,11 +344,29 @@ class OpenAIServing:
             if c.stream is None or c.closed:
                 continue
             c.closed = True
+            self.live.discard(c.stream)
             if not c.stream.finished:
                 c.stream.abort()
             if c.finish_reason is None:
                 c.finish_reason = "abort"
             self.metrics.observe_finished(c.stream.times, len(c.prompt_ids), c.text.num_tokens, c.finish_reason)
+
+    # ----- stopping -----
+    async def drain(self, timeout: float, forced: Callable[[], bool] = lambda: False) -> None:
+        """Stop taking requests; wait up to ``timeout`` seconds (or until ``forced()``) for those
+        running to finish; then end each one left with a :class:`ShuttingDown` error."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        if self.live and timeout > 0:
+            logger.info("shutdown: waiting up to %.1f s for %d requests to finish", timeout, len(self.live))
+        while self.live and time.monotonic() < deadline and not forced():
+            await asyncio.sleep(0.05)
+        self.closing = True
+        if self.live:
+            logger.info("shutdown: stopping %d unfinished requests", len(self.live))
+        for stream in list(self.live):
+            stream.fail(ShuttingDown("the server is shutting down: this request was stopped before it finished",
+                                     code="shutting_down"))
 
 
 async def _merge(choices: list[_Choice]):
@@ -347,67 +430,34 @@ async def _disconnected(request: Request) -> None:
 
 # ----- errors -----
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
-    def answer(status: int, body: dict, headers: dict | None = None) -> JSONResponse:
-        metrics.observe_error(status)
+    """OpenAI-shaped error bodies; ``request_errors_total`` counts the refusals of the API's own
+    routes (an unknown path or method is nobody's request to the model: not counted)."""
+
+    def answer(status: int, body: dict, headers: dict | None = None, count: bool = True) -> JSONResponse:
+        if count:
+            metrics.observe_error(status)
         return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(ServingError)
     async def serving_error(request, exc: ServingError):
-        if int(exc.status_code) >= 500 and not isinstance(exc, (EngineDead,)) and exc.code != "queue_full":
+        expected = isinstance(exc, (EngineDead, ShuttingDown)) or exc.code == "queue_full"
+        if int(exc.status_code) >= 500 and not expected:
             logger.error("%s %s: %s", request.method, request.url.path, exc.message)
         headers = {"Retry-After": "1"} if exc.code == "queue_full" else None
+        if isinstance(exc, Unauthorized):
+            headers = {"WWW-Authenticate": "Bearer"}
         return answer(int(exc.status_code), exc.body(), headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, exc: RequestValidationError):
-        return answer(400, _validation_body(exc.errors()))
+        return answer(400, P.validation_error(exc.errors()).body())
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):  # 404 route, 405 method...
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return answer(exc.status_code, error_body(str(exc.detail), kind), getattr(exc, "headers", None))
+        return answer(exc.status_code, error_body(str(exc.detail), kind), getattr(exc, "headers", None), count=False)
 
     @app.exception_handler(Exception)
     async def unexpected(request, exc: Exception):
         logger.exception("%s %s failed", request.method, request.url.path)
         return answer(500, error_body(f"internal error: {type(exc).__name__}: {exc}", "internal_error"))
-
-
-_TYPE_WORDS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-plain",
-               "literal", "model"}
-
-
-def _validation_body(errors) -> dict:
-    """OpenAI's error body for pydantic's errors: the first error, with its field as ``param``."""
-    if not errors:
-        return error_body("invalid request", "invalid_request_error")
-    e = errors[0]
-    loc = [x for x in e.get("loc", ()) if x != "body"]
-    if e.get("type") == "json_invalid":
-        reason = (e.get("ctx") or {}).get("error", "")
-        return error_body(f"the body is not valid JSON: {reason}".rstrip(": "), "invalid_request_error",
-                          None, "json_invalid")
-    param = _param(loc)
-    msg = e.get("msg", "invalid value")
-    if e.get("type") == "missing" and not param:
-        return error_body("the body is empty: send a JSON object", "invalid_request_error", None, "missing_body")
-    if e.get("type") == "missing":
-        return error_body(f"{param}: field required", "invalid_request_error", param, "missing_field")
-    if e.get("type") == "model_attributes_type" or not param:
-        return error_body(f"the body must be a JSON object: {msg}", "invalid_request_error", None, "invalid_type")
-    shown = e.get("input")
-    shown = repr(shown)[:80] if not isinstance(shown, dict) else "an object"
-    return error_body(f"{param}: {msg} (got {shown})", "invalid_request_error", param, "invalid_value")
-
-
-def _param(loc) -> str:
-    """``("messages", 0, "content")`` -> ``"messages[0].content"``; union-member tags are dropped."""
-    out = ""
-    for item in loc:
-        if isinstance(item, int):
-            out += f"[{item}]"
-        elif isinstance(item, str) and item.isidentifier() and item.lower() not in _TYPE_WORDS:
-            out += f".{item}" if out else item
-        elif out:
-            break  # a union member's tag ("list[int]"...): the field is already named
-    return out

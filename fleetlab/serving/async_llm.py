@@ -5,8 +5,8 @@ on an asyncio event loop. So one background **engine thread** owns the ``LLM`` a
 nothing but::
 
     loop:
-        take every command waiting in the inbox (add a request / abort one / stop);
-        if requests are unfinished: outputs = llm.step(stream=True)
+        take every command waiting in the inbox (add requests / abort one / stop);
+        if requests are unfinished: outputs = llm.step()
                                     hand each output to its request's stream (on its event loop)
         else: sleep until the next command arrives
 
@@ -14,15 +14,20 @@ The asyncio side never touches the ``LLM``: it puts commands into a thread-safe 
 outputs from one ``asyncio.Queue`` per request (:class:`RequestStream`), filled through
 ``loop.call_soon_threadsafe``. An abort (``AsyncLLM.abort``, or a stream closed early, or a
 client that hung up) is taken at the top of the next loop turn, so the request's KV blocks are
-free within one engine step.
+free within one engine step. :meth:`AsyncLLM.add_requests` queues many requests (the prompts of
+one HTTP request) as one command, so they all join in one loop turn.
+
+The engine thread also times each request (:class:`StreamTimes`, stamped where the step ran,
+as vLLM stamps its engine core's timestamps): when it was queued, first scheduled, and when each
+step that gave it tokens ended.
 
     engine = AsyncLLM(LLM(model, tokenizer))
     async for out in engine.generate(prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=8)):
         print(out.new_token_ids, out.finish_reason)
     engine.shutdown()
 
-Only ``LLM``'s public methods are used: ``add_request``, ``step(stream=True)``, ``abort``,
-``has_unfinished_requests`` and ``stats``.
+Only ``LLM``'s public methods are used: ``add_request``, ``step`` (called in one place,
+:meth:`AsyncLLM._step`), ``abort``, ``has_unfinished_requests`` and ``stats``.
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ _STOP = "stop"
 
 @dataclass(slots=True)
 class _Add:
-    stream: RequestStream
-    kwargs: dict
+    streams: list[RequestStream]
+    requests: list[dict]  # LLM.add_request keywords, one dict per stream
     future: asyncio.Future
 
 
@@ -59,12 +64,33 @@ class _Abort:
 
 @dataclass(slots=True)
 class StreamTimes:
-    """When the asyncio side saw a request's events (``time.perf_counter`` seconds):
-    ``arrival`` (``add_request`` called), ``first_token``, ``last_token``."""
+    """A request's life in ``time.perf_counter`` seconds (vLLM's request timestamps):
+
+    - ``arrival``: ``add_request(s)`` was called (the asyncio side);
+    - ``queued``: the engine thread handed it to ``LLM.add_request``;
+    - ``scheduled``: the start of the first step that scheduled it;
+    - ``first_token`` / ``last_token``: the end of the first / latest step that gave it tokens;
+    - ``token_gaps``: the time between consecutive steps that gave it tokens (inter-token
+      latencies: one per step, however many tokens a step gave, as with speculative decoding).
+
+    Only the engine thread writes the engine stamps, each before it hands the request the output
+    they belong to, so the asyncio side reads them complete.
+    """
 
     arrival: float = field(default_factory=time.perf_counter)
+    queued: float | None = None
+    scheduled: float | None = None
     first_token: float | None = None
     last_token: float | None = None
+    token_gaps: list[float] = field(default_factory=list)
+
+    def tokens_at(self, now: float) -> None:
+        """A step that ended at ``now`` gave the request tokens."""
+        if self.first_token is None:
+            self.first_token = now
+        else:
+            self.token_gaps.append(now - self.last_token)
+        self.last_token = now
 
 
 class RequestStream:
@@ -80,17 +106,13 @@ class RequestStream:
         self._engine = engine
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._held: BaseException | None = None  # an error met while merging, raised by the next read
         self.finished = False
         self.finish_reason: str | None = None
         self.num_output_tokens = 0
         self.times = StreamTimes()
 
     def _put(self, item) -> None:  # on the event loop
-        if item is not None and not isinstance(item, BaseException) and item.new_token_ids:
-            now = time.perf_counter()
-            if self.times.first_token is None:
-                self.times.first_token = now
-            self.times.last_token = now
         self._queue.put_nowait(item)
 
     def __aiter__(self):
@@ -99,14 +121,17 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        out = await self._queue.get()
+        if self._held is not None:
+            out, self._held = self._held, None
+        else:
+            out = await self._queue.get()
         if isinstance(out, BaseException):
             self.finished = True
             raise out
         while not out.finished and not self._queue.empty():  # merge what piled up
             nxt = self._queue.get_nowait()
             if isinstance(nxt, BaseException):
-                self._queue.put_nowait(nxt)  # raise it on the next call
+                self._held = nxt  # raise it on the next call
                 break
             nxt.new_token_ids = out.new_token_ids + nxt.new_token_ids
             out = nxt
@@ -121,6 +146,13 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self.finish_reason = "abort"
+            self._engine.abort(self.request_id)
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error`` (raised by the next read, after the outputs already
+        waiting) and abort the request. Call it on the stream's event loop."""
+        if not self.finished:
+            self._queue.put_nowait(error)
             self._engine.abort(self.request_id)
 
 
@@ -150,40 +182,52 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._num_unfinished = 0  # accepted by add_request, not finished yet (guarded by _lock)
         self._thread: threading.Thread | None = None
-        self._stats = llm.stats()
+        self._stats = self.llm.stats()
         self.error: BaseException | None = None  # what killed the engine loop, if anything
         self._closed = False
 
     # ----- asyncio side -----
     async def add_request(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
                           prompt_token_ids=None, request_id: str | None = None) -> RequestStream:
-        """Queue a request and return its :class:`RequestStream`.
+        """Queue a request and return its :class:`RequestStream` (see :meth:`add_requests`)."""
+        (stream,) = await self.add_requests([{"prompt": prompt, "sampling_params": sampling_params,
+                                              "prompt_token_ids": prompt_token_ids, "request_id": request_id}])
+        return stream
 
-        Raises ``ValueError`` (from ``LLM.add_request``: it names the request and the field)
-        before anything is queued, :class:`Overloaded` when the queue is full, and
-        :class:`EngineDead` when the engine loop has stopped.
+    async def add_requests(self, requests: list[dict]) -> list[RequestStream]:
+        """Queue several requests in one engine loop turn; one :class:`RequestStream` each.
+
+        ``requests``: one dict of ``LLM.add_request`` keywords per request (``prompt`` or
+        ``prompt_token_ids``, ``sampling_params``, ``request_id``). All or none: if one raises
+        ``ValueError`` (it names the request and the field), none stays queued. Raises
+        :class:`Overloaded` when they do not all fit in the queue, and :class:`EngineDead` when
+        the engine loop has stopped.
         """
         self._check_alive()
+        n = len(requests)
+        if not n:
+            return []
         with self._lock:
-            if self._capacity is not None and self._num_unfinished >= self._capacity:
-                raise Overloaded(f"the server holds {self._num_unfinished} requests (max_num_seqs + max_queue_len="
-                                 f"{self._capacity}); retry later", code="queue_full")
-            self._num_unfinished += 1
+            if self._capacity is not None and self._num_unfinished + n > self._capacity:
+                raise Overloaded(f"the server holds {self._num_unfinished} requests; {n} more would exceed "
+                                 f"max_num_seqs + max_queue_len={self._capacity}; retry later", code="queue_full")
+            self._num_unfinished += n
         self.start()
         loop = asyncio.get_running_loop()
-        rid = str(request_id) if request_id is not None else f"req-{next(self._ids)}"
-        stream = RequestStream(rid, self, loop)
+        requests = [{**kw, "request_id": str(kw["request_id"]) if kw.get("request_id") is not None
+                     else f"req-{next(self._ids)}"} for kw in requests]
+        streams = [RequestStream(kw["request_id"], self, loop) for kw in requests]
         future = loop.create_future()
-        self._inbox.put(_Add(stream, {"prompt": prompt, "sampling_params": sampling_params,
-                                      "prompt_token_ids": prompt_token_ids, "request_id": rid}, future))
+        self._inbox.put(_Add(streams, requests, future))
         if self.error is not None:  # the loop died while this was being queued
             _settle(future, EngineDead(f"the engine loop stopped: {self.error}"))
         try:
-            await future  # the engine thread called LLM.add_request (or it raised)
+            await future  # the engine thread called LLM.add_request for each (or one raised)
         except BaseException:
-            self.abort(rid)  # cancelled while queued: drop it if it got in (unknown ids are ignored)
+            for s in streams:  # cancelled while queued: drop what got in (unknown ids are ignored)
+                self.abort(s.request_id)
             raise
-        return stream
+        return streams
 
     async def generate(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
                        prompt_token_ids=None, request_id: str | None = None):
@@ -255,7 +299,7 @@ class AsyncLLM:
                 if not self._take_commands(streams, block=idle):
                     break
                 if self.llm.has_unfinished_requests():
-                    self._route(streams, self.llm.step())
+                    self._step(streams)
                 self._stats = self.llm.stats()
         except Exception as e:  # a bug in a step: fail every request, keep the server answering
             logger.exception("fleetlab engine loop stopped")
@@ -295,15 +339,34 @@ class AsyncLLM:
         return outputs
 
     def _add(self, cmd: _Add, streams: dict) -> None:
-        loop = cmd.stream._loop
+        loop = cmd.streams[0]._loop
+        added = []
         try:
-            self.llm.add_request(**cmd.kwargs)
+            for kwargs in cmd.requests:
+                added.append(self.llm.add_request(**kwargs))
         except Exception as e:  # ValueError for bad input; anything else is a bug, still the caller's answer
-            self._finished(1)
+            if added:
+                self.llm.abort(added)  # all or none
+            self._finished(len(cmd.streams))
             loop.call_soon_threadsafe(_settle, cmd.future, e)
             return
-        streams[cmd.stream.request_id] = cmd.stream
+        now = time.perf_counter()
+        for stream in cmd.streams:
+            stream.times.queued = now
+            streams[stream.request_id] = stream
         loop.call_soon_threadsafe(_settle, cmd.future, None)
+
+    def _step(self, streams: dict) -> None:
+        """One engine step; its outputs go to their streams, stamped with the step's times."""
+        outputs = self.llm.step()
+        ended = time.perf_counter()
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is not None:
+                stream.times.scheduled = out.metrics["first_scheduled_time"]
+                if out.new_token_ids:
+                    stream.times.tokens_at(ended)
+        self._route(streams, outputs)
 
     def _route(self, streams: dict, outputs: list[RequestOutput]) -> None:
         by_stream = defaultdict(list)
@@ -344,8 +407,8 @@ class AsyncLLM:
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
-                self._finished(1)
-                cmd.stream._loop.call_soon_threadsafe(_settle, cmd.future, error)
+                self._finished(len(cmd.streams))
+                cmd.streams[0]._loop.call_soon_threadsafe(_settle, cmd.future, error)
 
     def _abort_all(self, streams: dict) -> None:
         try:

@@ -2,25 +2,27 @@
 
     python -m fleetlab serve --model tiny --port 8000
     python -m fleetlab serve --model tiny --model-impl fleet --max-num-seqs 32 --max-queue-len 64
-    python -m fleetlab serve --model /path/to/checkpoint --backend triton
+    python -m fleetlab serve --model /path/to/checkpoint --backend triton --api-key KEY
+    python -m fleetlab -v serve --model tiny --shutdown-timeout 30
 
 The engine options are ``LLM``'s (``fleetlab.EngineConfig``); ``--speculative-config JSON`` is
 handed to ``LLM(speculative_config=...)``, its ``"model"`` (a draft) loaded by name. ``--port 0``
-takes any free port; the line printed at start names the address. Library notices and access
-logs are shown only with ``-v``.
+takes any free port; the line printed at start names the address. ``-v`` shows uvicorn's and
+fleetlab's INFO lines (access lines included); warnings always show.
+
+Ctrl-C (SIGINT) or SIGTERM stops the server (:mod:`fleetlab.serving.shutdown`): requests still
+running may finish for ``--shutdown-timeout`` seconds, then each one left ends with an error
+(a stream: an error event and ``data: [DONE]``); the exit status is 0.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import logging
-import os
+import signal
 import socket
 import sys
-import warnings
 
 from fleetlab.serving.loader import MODEL_IMPLS
 
@@ -32,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="'tiny' (the shipped tiny Llama) or a checkpoint directory")
     p.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS,
-                   help="auto/paddleformers: the PaddleFormers model; fleet: the weights in the Fleet-style model")
+                   help="auto/paddleformers: the PaddleFormers model; fleet (or paddlefleet, the production "
+                        "Paddle engine's spelling): the weights in the Fleet-style model")
     p.add_argument("--served-model-name", default=None, help="the name clients use (default: --model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port")
@@ -53,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(\"tiny\": the shipped draft; else a checkpoint directory)")
     p.add_argument("--max-queue-len", type=int, default=256,
                    help="requests that may wait beyond --max-num-seqs; one more is answered 503 at once")
+    p.add_argument("--api-key", default=None,
+                   help="answer /v1 requests only with the header 'Authorization: Bearer KEY' (else 401)")
+    p.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
+                   help="on Ctrl-C / SIGTERM, let running requests finish for this long before ending them")
     return p
 
 
@@ -76,36 +83,14 @@ def resolve_draft(spec: dict) -> dict:
     return {**spec, "model": load_draft(spec["model"])}
 
 
-@contextlib.contextmanager
-def quiet_libraries(verbose: bool):
-    """Silence Paddle's and PaddleFormers' import-time notices unless ``verbose``."""
-    if verbose:
-        yield
-        return
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    logging.disable(logging.WARNING)
-    held = io.StringIO()  # Paddle prints an OMP_NUM_THREADS notice straight to stderr on import
-    try:
-        with warnings.catch_warnings(), contextlib.redirect_stderr(held):
-            warnings.simplefilter("ignore")
-            yield
-    except BaseException:
-        sys.stderr.write(held.getvalue())  # it failed: show everything after all
-        raise
-    finally:
-        logging.disable(logging.NOTSET)
-        logging.getLogger("PaddleFormers").setLevel(logging.ERROR)
-
-
-def make_engine(args, verbose: bool = False):
+def make_engine(args):
     """``(AsyncLLM, served model name)`` for parsed ``serve`` arguments."""
-    with quiet_libraries(verbose):
-        from fleetlab.llm import LLM
-        from fleetlab.serving.async_llm import AsyncLLM
-        from fleetlab.serving.loader import load_model
+    from fleetlab.llm import LLM
+    from fleetlab.serving.async_llm import AsyncLLM
+    from fleetlab.serving.loader import load_model
 
-        model, tokenizer = load_model(args.model, args.model_impl)
-        llm = LLM(model, tokenizer, **engine_config(args))
+    model, tokenizer = load_model(args.model, args.model_impl)
+    llm = LLM(model, tokenizer, **engine_config(args))
     return AsyncLLM(llm, max_queue_len=args.max_queue_len), args.served_model_name or args.model
 
 
@@ -124,25 +109,31 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def uvicorn_server(app, verbose: bool = False):
-    """A ``uvicorn.Server`` for ``app``: quiet (warnings only, no access log) unless ``verbose``."""
+def uvicorn_server(app, verbose: bool = False, shutdown_timeout: float = 0.0):
+    """A :class:`~fleetlab.serving.shutdown.DrainingServer` for ``app``: warnings only unless
+    ``verbose`` (then uvicorn's INFO lines and one access line per request)."""
     import uvicorn
+
+    from fleetlab.serving.shutdown import DrainingServer
 
     config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
                             timeout_graceful_shutdown=3, lifespan="on")
-    return uvicorn.Server(config)
+    return DrainingServer(config, app.state.serving, shutdown_timeout)
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    verbose = logging.getLogger().getEffectiveLevel() <= logging.INFO
+    if args.shutdown_timeout < 0:
+        print(f"fleetlab serve: --shutdown-timeout {args.shutdown_timeout} must be >= 0", file=sys.stderr)
+        return 2
+    verbose = logging.getLogger("fleetlab").isEnabledFor(logging.INFO)  # `python -m fleetlab -v`
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
         print(f"fleetlab serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2
     try:
-        engine, name = make_engine(args, verbose)
+        engine, name = make_engine(args)
     except Exception as e:  # a bad option or model: say what, not a traceback (-v logs it)
         sock.close()
         logger.info("serve: the engine could not be built", exc_info=True)
@@ -151,14 +142,22 @@ def main(argv=None) -> int:
     from fleetlab.serving.app import build_app
 
     host, port = sock.getsockname()[:2]
-    server = uvicorn_server(build_app(engine, name), verbose)
+    server = uvicorn_server(build_app(engine, name, api_key=args.api_key), verbose, args.shutdown_timeout)
     print(f"fleetlab serve: {name!r} ({args.model_impl}, {args.backend} attention) on http://{host}:{port}/v1 "
           f"-- Ctrl-C stops", flush=True)
+    # uvicorn takes SIGINT / SIGTERM while it runs; once stopped it raises the signal again, for the
+    # default action (KeyboardInterrupt, or death by SIGTERM: exit 143). It has stopped cleanly by
+    # then, so the handlers it restores and calls do nothing, and the exit status is 0.
+    previous = {sig: signal.signal(sig, _stopped_already) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn stops gracefully on Ctrl-C, then raises the signal again
-        pass
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         engine.shutdown()
         sock.close()
     return 0
+
+
+def _stopped_already(signum, frame) -> None:
+    """The handler uvicorn calls again after a graceful stop (see ``main``)."""

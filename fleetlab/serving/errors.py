@@ -5,8 +5,12 @@ Every error the server sends has the body OpenAI's API (and its official client)
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": "invalid_value"}}
 
 ``param`` names the request field at fault (``None`` when no single field is), so a client
-can point at it. User input never gives a 500: bad input is a :class:`BadRequest` (400),
-a full queue an :class:`Overloaded` (503, with ``Retry-After``).
+can point at it. User input never gives a 500: bad input is a :class:`BadRequest` (400), an
+unknown model a :class:`NotFound` (404), a missing or wrong API key an :class:`Unauthorized`
+(401), a full queue an :class:`Overloaded` (503, with ``Retry-After``), a request cut off by
+the server stopping a :class:`ShuttingDown` (503). The statuses and ``code`` values are
+OpenAI's (``model_not_found``, ``invalid_api_key``...), which its official client maps to
+``NotFoundError``, ``AuthenticationError``...
 """
 
 from __future__ import annotations
@@ -37,6 +41,20 @@ class BadRequest(ServingError):
     error_type = "invalid_request_error"
 
 
+class NotFound(ServingError):
+    """404: the request names something this server does not have (OpenAI's ``model_not_found``)."""
+
+    status_code = HTTPStatus.NOT_FOUND
+    error_type = "invalid_request_error"
+
+
+class Unauthorized(ServingError):
+    """401: the server was started with ``--api-key`` and the request did not carry that key."""
+
+    status_code = HTTPStatus.UNAUTHORIZED
+    error_type = "invalid_request_error"
+
+
 class Overloaded(ServingError):
     """503: the server holds as many requests as it was told to (``--max-queue-len``); retry later."""
 
@@ -49,6 +67,13 @@ class EngineDead(ServingError):
 
     status_code = HTTPStatus.SERVICE_UNAVAILABLE
     error_type = "engine_dead"
+
+
+class ShuttingDown(ServingError):
+    """503: the server is stopping; a new request is refused, an unfinished one is cut off."""
+
+    status_code = HTTPStatus.SERVICE_UNAVAILABLE
+    error_type = "server_shutting_down"
 
 
 def error_body(message: str, error_type: str, param: str | None = None, code: str | None = None) -> dict:

@@ -45,19 +45,21 @@ class ServerThread(_Server):
       engine: an ``AsyncLLM``; stopped by :meth:`stop` only with ``shutdown_engine=True``.
       model_name: the name clients use.
       host, port: where to listen (port 0: any free port; ``url`` says which).
+      api_key: as ``serve --api-key``; shutdown_timeout: as ``serve --shutdown-timeout``.
     """
 
     def __init__(self, engine, model_name: str = "tiny", host: str = "127.0.0.1", port: int = 0,
-                 shutdown_engine: bool = True, verbose: bool = False, timeout: float = 30.0):
+                 shutdown_engine: bool = True, verbose: bool = False, timeout: float = 30.0,
+                 api_key: str | None = None, shutdown_timeout: float = 0.0):
         from fleetlab.serving.app import build_app
         from fleetlab.serving.cli import bind, uvicorn_server
 
         self.engine, self.shutdown_engine = engine, shutdown_engine
-        self.app = build_app(engine, model_name)
+        self.app = build_app(engine, model_name, api_key=api_key)
         self._sock = bind(host, port)
         host, port = self._sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
-        self.server = uvicorn_server(self.app, verbose)
+        self.server = uvicorn_server(self.app, verbose, shutdown_timeout)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name=f"uvicorn-{port}", daemon=True)
         self._thread.start()
@@ -69,7 +71,7 @@ class ServerThread(_Server):
             time.sleep(0.01)
 
     def stop(self) -> None:
-        """Stop uvicorn (open streams are closed after a short grace period) and, if asked, the engine."""
+        """Stop uvicorn as Ctrl-C stops ``serve`` (:mod:`fleetlab.serving.shutdown`) and, if asked, the engine."""
         self.server.should_exit = True
         self._thread.join(10)
         self._sock.close()
@@ -134,10 +136,10 @@ class ServerProcess(_Server):
             time.sleep(0.05)
         raise TimeoutError(f"fleetlab serve at {self.url} was not healthy within {timeout} s")
 
-    def stop(self, timeout: float = 15.0) -> int | None:
-        """Ask the server to stop (SIGINT, as Ctrl-C), kill it if it lingers; returns its exit code."""
+    def stop(self, timeout: float = 15.0, sig: int = signal.SIGINT) -> int | None:
+        """Ask the server to stop (``sig``: SIGINT, as Ctrl-C), kill it if it lingers; returns its exit code."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
+            self.process.send_signal(sig)
             try:
                 self.process.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -8,10 +8,11 @@
 ``--model-impl``:
   ``auto`` / ``paddleformers``  the PaddleFormers model, its attention patched through
             PaddleFormers' attention interface;
-  ``fleet``  the same weights moved into fleetlab's Fleet-style model
+  ``fleet`` / ``paddlefleet``  the same weights moved into fleetlab's Fleet-style model
             (:func:`fleetlab.models.convert.fleet_from_llama`, Llama checkpoints only), whose
             ``core_attention`` layers are swapped for paged attention: the path of a
-            Fleet/Megatron model in a production engine.
+            Fleet/Megatron model in a production engine (``paddlefleet`` is that engine's
+            spelling of the same choice).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-MODEL_IMPLS = ("auto", "paddleformers", "fleet")
+MODEL_IMPLS = ("auto", "paddleformers", "fleet", "paddlefleet")
 
 
 def load_model(model: str, model_impl: str = "auto"):
@@ -36,7 +37,7 @@ def load_model(model: str, model_impl: str = "auto"):
         net, tokenizer = load_tiny()
     else:
         net, tokenizer = _checkpoint("--model", model), load_tokenizer(Path(model))
-    if model_impl == "fleet":
+    if model_impl in ("fleet", "paddlefleet"):
         from fleetlab.models.convert import fleet_from_llama
 
         net = fleet_from_llama(net)

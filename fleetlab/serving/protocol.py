@@ -1,13 +1,13 @@
 """The OpenAI wire format: request models (validated by pydantic) and response/chunk builders.
 
 Requests: :class:`CompletionRequest` (``POST /v1/completions``) and :class:`ChatCompletionRequest`
-(``POST /v1/chat/completions``). Ranges follow OpenAI's API (``temperature`` in [0, 2], ``top_p``
-in (0, 1], ``max_tokens`` >= 1...); a value out of range fails validation and the app answers
-400 naming the field. Fields OpenAI defines but fleetlab does not implement (``n`` > 1,
-``logprobs``, penalties, ``logit_bias``, ``echo``, tools...) are refused by
-:meth:`_SamplingRequest.check_supported` rather than silently ignored; fields nobody defines are
-ignored. Like vLLM, a few engine settings are accepted as extra body fields: ``top_k``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``.
+(``POST /v1/chat/completions``), read from the body by :func:`parse_request` (JSON whatever the
+``Content-Type`` says, as OpenAI's and vLLM's servers read it). Their fields are the ones fleetlab
+applies; ranges follow OpenAI's API (``temperature`` in [0, 2], ``top_p`` in (0, 1], ``max_tokens``
+>= 1...) and a value out of range is answered 400 naming the field. Like vLLM, a few engine
+settings are accepted as extra body fields: ``top_k`` (0 or -1: no limit), ``min_tokens``,
+``ignore_eos``, ``stop_token_ids``. Every other field is refused by :meth:`check_supported`
+unless its value changes nothing (:mod:`fleetlab.serving.refused` says which, and why).
 
 Responses are plain dicts built by the functions below, in the shapes the official client
 parses: ``text_completion`` / ``chat.completion`` bodies, and for ``stream=true`` a
@@ -19,24 +19,27 @@ earlier chunk then carries ``"usage": null``) and a final ``data: [DONE]``.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from fleetlab.serving import refused
 from fleetlab.serving.errors import BadRequest
 
 
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the request's token counts."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's; refused when true
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat: the model, sampling and stopping settings, streaming."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept in model_extra for check_supported to refuse
+    REFUSED: ClassVar[dict[str, refused.Refusal]] = {}  # per endpoint: refused.COMPLETION or refused.CHAT
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = Field(None, ge=1)
@@ -47,11 +50,7 @@ class _SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
-    presence_penalty: float | None = Field(None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # an end-user id for the client's records; it changes no answer
     # fleetlab (and vLLM) extensions
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
@@ -85,14 +84,11 @@ class _SamplingRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
     def check_supported(self) -> None:
-        """Raise :class:`BadRequest` naming the field for an OpenAI feature fleetlab does not implement."""
-        if self.n != 1:
-            raise BadRequest(f"n={self.n}: fleetlab returns one choice per prompt (n=1)", "n", "unsupported")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise BadRequest(f"{name} is not supported by fleetlab's sampler", name, "unsupported")
-        if self.logit_bias:
-            raise BadRequest("logit_bias is not supported by fleetlab's sampler", "logit_bias", "unsupported")
+        """Raise :class:`BadRequest` naming the field for anything fleetlab would not apply."""
+        refused.check_fields(self.model_extra or {}, self.REFUSED)
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            raise BadRequest("stream_options.continuous_usage_stats=True is not supported: usage comes in one "
+                             "last chunk (include_usage)", "stream_options.continuous_usage_stats", "unsupported")
         if self.stream_options is not None and not self.stream:
             raise BadRequest("stream_options is only allowed with stream=true", "stream_options", "invalid_value")
         if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -106,10 +102,7 @@ class CompletionRequest(_SamplingRequest):
     defaults to 16, as in OpenAI's API."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    best_of: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0)
-    suffix: str | None = None
+    REFUSED: ClassVar[dict[str, refused.Refusal]] = refused.COMPLETION
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -117,11 +110,6 @@ class CompletionRequest(_SamplingRequest):
             raise BadRequest("prompt is an empty list", "prompt", "invalid_value")
         if any(isinstance(p, list) and not p for p in self.prompts):
             raise BadRequest("prompt holds an empty token list", "prompt", "invalid_value")
-        unsupported = {"echo": self.echo, "best_of": self.best_of not in (None, 1),
-                       "logprobs": self.logprobs is not None, "suffix": bool(self.suffix)}
-        for name, asked in unsupported.items():
-            if asked:
-                raise BadRequest(f"{name} is not supported by fleetlab", name, "unsupported")
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -134,21 +122,32 @@ class CompletionRequest(_SamplingRequest):
         return list(p)
 
 
-class TextPart(BaseModel):
-    """One part of a message's content; fleetlab's models read text only."""
+class ContentPart(BaseModel):
+    """One part of a message's content: ``{"type": "text", "text": ...}``; other types
+    (``image_url``, ``input_audio``...) are refused by :meth:`ChatMessage.check_supported`."""
 
-    model_config = ConfigDict(extra="ignore")
-    type: Literal["text"]
-    text: str
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     """One chat message: a role and its text (a string or a list of text parts)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: str | list[ContentPart] | None = None
+
+    def check_supported(self, where: str) -> None:
+        """Refuse what the chat template would drop: non-text parts, names, tool calls."""
+        refused.check_fields(self.model_extra or {}, refused.MESSAGE, f"{where}.")
+        for j, part in enumerate(self.content if isinstance(self.content, list) else []):
+            param = f"{where}.content[{j}]"
+            if part.type != "text":
+                raise BadRequest(f"{param}: only text parts are supported; got {part.type!r}", param, "unsupported")
+            if part.text is None:
+                raise BadRequest(f"{param}: a text part needs its 'text'", param, "invalid_value")
+            refused.check_fields(part.model_extra or {}, {}, f"{param}.")
 
     @property
     def text(self) -> str:
@@ -165,24 +164,72 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list | None = None
-    response_format: dict | None = None
+    REFUSED: ClassVar[dict[str, refused.Refusal]] = refused.CHAT
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise BadRequest("logprobs is not supported by fleetlab", "logprobs", "unsupported")
-        if self.tools:
-            raise BadRequest("tools are not supported by fleetlab", "tools", "unsupported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise BadRequest("only response_format type 'text' is supported", "response_format", "unsupported")
+        for i, message in enumerate(self.messages):
+            message.check_supported(f"messages[{i}]")
 
     @property
     def max_new_tokens(self) -> int | None:
         """``max_completion_tokens``, else ``max_tokens`` (None: up to the model's length)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_request(cls: type[_SamplingRequest], body: bytes) -> _SamplingRequest:
+    """The request in ``body``: UTF-8 JSON, whatever the ``Content-Type`` header says (``curl -d``
+    sends ``application/x-www-form-urlencoded``); :class:`BadRequest` naming what is wrong."""
+    if not body.strip():
+        raise BadRequest("the body is empty: send a JSON object", None, "missing_body")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"the body is not UTF-8 text: byte {body[e.start]:#04x} at position {e.start}", None,
+                         "invalid_encoding") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRequest(f"the body is not valid JSON: {e}", None, "json_invalid") from None
+    if not isinstance(data, dict):
+        raise BadRequest(f"the body must be a JSON object, not a JSON {type(data).__name__}", None, "invalid_type")
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise validation_error(e.errors()) from None
+
+
+def validation_error(errors) -> BadRequest:
+    """pydantic's errors as one :class:`BadRequest`: the first error, its field as ``param``."""
+    if not errors:
+        return BadRequest("invalid request", None, "invalid_value")
+    e = errors[0]
+    param = field_path([x for x in e.get("loc", ()) if x != "body"])
+    msg = e.get("msg", "invalid value")
+    if e.get("type") == "missing":
+        return BadRequest(f"{param}: field required", param or None, "missing_field")
+    if not param:
+        return BadRequest(f"the body must be a JSON object: {msg}", None, "invalid_type")
+    shown = e.get("input")
+    shown = repr(shown)[:80] if not isinstance(shown, dict) else "an object"
+    return BadRequest(f"{param}: {msg} (got {shown})", param, "invalid_value")
+
+
+_TYPE_WORDS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-plain",
+               "literal", "model"}
+
+
+def field_path(loc) -> str:
+    """``("messages", 0, "content")`` -> ``"messages[0].content"``; union-member tags are dropped."""
+    out = ""
+    for item in loc:
+        if isinstance(item, int):
+            out += f"[{item}]"
+        elif isinstance(item, str) and item.isidentifier() and item.lower() not in _TYPE_WORDS:
+            out += f".{item}" if out else item
+        elif out:
+            break  # a union member's tag ("list[int]"...): the field is already named
+    return out
 
 
 # ----- responses -----
