@@ -41,13 +41,12 @@ class GrammarError(ValueError):
     request id to the message it reports."""
 
     def __init__(self, field: str, message: str):
-        super().__init__(message)
+        super().__init__(f"structured_outputs field {field}: {message}")
         self.field = field
-        self.message = message
 
     def for_request(self, request_id: str) -> ValueError:
         """The error as reported for one request: ``request 'r': structured_outputs field json: ...``."""
-        return ValueError(f"request {request_id!r}: structured_outputs field {self.field}: {self.message}")
+        return ValueError(f"request {request_id!r}: {self}")
 
 
 class GrammarMatcher(ABC):
@@ -139,7 +138,9 @@ class GrammarBackend(ABC):
 
     name = "?"
 
-    def __init__(self, tokenizer, vocab_size: int | None = None):
+    def __init__(self, tokenizer, vocab_size: int | None = None, **options):
+        if options:
+            raise TypeError(f"grammar backend {self.name!r} takes no options; got {sorted(options)}")
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size if vocab_size is not None else len(tokenizer))
 
@@ -221,12 +222,12 @@ def list_grammar_backends() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def make_grammar_backend(backend, tokenizer, vocab_size: int | None = None) -> GrammarBackend:
+def make_grammar_backend(backend, tokenizer, vocab_size: int | None = None, **options) -> GrammarBackend:
     """``backend`` as an instance bound to ``tokenizer``: a registered name, a class, or an
-    instance (returned as it is)."""
+    instance (returned as it is). ``options`` go to the class (``fill_threads=`` for guidance)."""
     if isinstance(backend, GrammarBackend):
         return backend
     cls = get_grammar_backend(backend) if isinstance(backend, str) else backend
     if not (isinstance(cls, type) and issubclass(cls, GrammarBackend)):
         raise TypeError(f"grammar backend must be a name, a GrammarBackend subclass or instance; got {backend!r}")
-    return cls(tokenizer, vocab_size)
+    return cls(tokenizer, vocab_size, **options)

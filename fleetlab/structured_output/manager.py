@@ -35,12 +35,13 @@ class StructuredOutputManager:
 
     backend: a registered backend name (``"guidance"``), class or instance; tokenizer and
     vocab_size: the served model's (ignored when ``backend`` is an instance); max_workers:
-    compile threads; cache_size: compiled grammars kept (least recently used dropped first).
+    compile threads; cache_size: compiled grammars kept (least recently used dropped first);
+    backend_options: for the backend's class (``fill_threads=`` for guidance).
     """
 
     def __init__(self, backend="guidance", tokenizer=None, vocab_size: int | None = None, *,
-                 max_workers: int = 1, cache_size: int = 256):
-        self.backend = make_grammar_backend(backend, tokenizer, vocab_size)
+                 max_workers: int = 1, cache_size: int = 256, **backend_options):
+        self.backend = make_grammar_backend(backend, tokenizer, vocab_size, **backend_options)
         self.cache_size = cache_size
         self.compile_times: dict[tuple, float] = {}
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fleetlab-grammar")
