@@ -24,15 +24,14 @@ from fleetlab.structured_output import (
     register_grammar_backend,
 )
 from fleetlab.structured_output.bitmask import apply_token_bitmask, dead_rows
+from fleetlab.structured_output.examples import MAX_JSON_CHARS, SCHEMAS
 from fleetlab.structured_output.guidance import GuidanceBackend
 from fleetlab.structured_output.manager import StructuredOutputManager
 
 jsonschema = pytest.importorskip("jsonschema")
 
 P = StructuredOutputsParams
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-          "properties": {"name": {"type": "string", "maxLength": 8},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+PERSON = SCHEMAS["person"]
 
 
 @pytest.fixture(scope="module")
@@ -455,23 +454,6 @@ def test_a_failed_compile_is_reported_for_each_request(shipped_tokenizer):
 
 # --- constrained generation -------------------------------------------------------------------
 
-SCHEMAS = {
-    "person": PERSON,
-    "scores": {"type": "array", "maxItems": 4, "items": {"type": "integer", "minimum": 0, "maximum": 99}},
-    "flags": {"type": "object", "additionalProperties": False, "required": ["color", "ok"],
-              "properties": {"color": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}}},
-    "nested": {"type": "object", "additionalProperties": False, "required": ["id", "tags", "owner"],
-               "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
-                              "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["a", "b", "c"]}},
-                              "owner": {"type": "object", "additionalProperties": False, "required": ["name"],
-                                        "properties": {"name": {"type": "string", "maxLength": 5}}}}},
-    "code": {"type": "object", "additionalProperties": False, "required": ["code", "value"],
-             "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
-                            "value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9},
-                                                {"type": "boolean"}, {"type": "null"}]}}},
-}
-
-
 def constrained_greedy(model, tokenizer, backend, prompts, grammars, max_tokens):
     """Greedy decoding by hand, every row masked by its own matcher's bitmask row each step.
 
@@ -517,7 +499,7 @@ def test_200_constrained_generations_all_validate():
             prompts.append([tok.bos_token_id] + rng.integers(4, tok.vocab_size, size=9).tolist())
             grammars.append(grammar)
             names.append(name)
-    texts, ended = constrained_greedy(model, tok, backend, prompts, grammars, max_tokens=64)
+    texts, ended = constrained_greedy(model, tok, backend, prompts, grammars, max_tokens=MAX_JSON_CHARS)
     assert ended.all(), [t for t, e in zip(texts, ended) if not e][:3]
     for name, text in zip(names, texts):
         jsonschema.validate(json.loads(text), SCHEMAS[name])

@@ -8,7 +8,8 @@ torch and triton), ``serve`` (an OpenAI-compatible server under Poisson traffic:
 TPOT / ITL and throughput per request rate), ``tp`` (one process vs two tensor-parallel
 processes: step time and the share spent in all-reduce), ``spec`` (speculative decoding on
 the shipped tiny model with its draft, and ngram on a repetitive workload: acceptance, target
-forwards per output token, engine steps, wall-clock speed-up).
+forwards per output token, engine steps, wall-clock speed-up), ``structured`` (structured
+outputs outside the model: grammar compile time per constraint, bitmask fill per row, masking).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ BENCHES = {
     "serve": "fleetlab.bench.serving",
     "tp": "fleetlab.bench.tp",
     "spec": "fleetlab.bench.spec",
+    "structured": "fleetlab.bench.structured",
 }
 
 

@@ -108,6 +108,7 @@ class CompiledGrammar:
     key: the constraint's canonical key (``StructuredOutputsParams.cache_key()``).
     kind: ``"json"``, ``"regex"``, ``"choice"``, ``"grammar"`` or ``"json_object"``.
     compile_time_s: wall-clock seconds the backend took to compile it (vocabulary check included).
+    check_time_s: of which the vocabulary check (0 where the vocabulary spells every byte).
     handle: the backend's own compiled object, which ``backend.new_matcher`` starts from.
     """
 
@@ -116,6 +117,7 @@ class CompiledGrammar:
     compile_time_s: float
     backend: GrammarBackend = field(repr=False)
     handle: object = field(repr=False)
+    check_time_s: float = 0.0
 
     def matcher(self, replay: Sequence[int] = ()) -> GrammarMatcher:
         """A new matcher at the grammar's start, advanced by ``replay`` (a request's output

@@ -68,7 +68,9 @@ class _Walker:
 
     def goto(self, path: list[int]) -> None:
         common = 0
-        while common < min(len(path), len(self.path)) and path[common] == self.path[common]:
+        for a, b in zip(path, self.path):
+            if a != b:
+                break
             common += 1
         self.matcher.rollback(len(self.path) - common)
         if not self.matcher.accept_tokens(path[common:]):
@@ -81,11 +83,11 @@ class _Walker:
         self.matcher.fill_bitmask(self.row, 0)
         ids = np.flatnonzero(np.unpackbits(self.row[0].view(np.uint8), bitorder="little"))
         eos = self.backend.eos_token_id
-        tokens = [int(t) for t in ids if t < self.limit and t != eos]
-        if not tokens and eos not in ids:
-            vocab_size = self.backend.vocab_size
-            self.result.lacking.update(self.backend.token_text(int(t)) for t in ids if t >= vocab_size)
-        return self.row[0].tobytes(), bool(eos in ids), tokens
+        tokens = ids[(ids < self.limit) & (ids != eos)].tolist()
+        accepting = bool((ids == eos).any())
+        if not tokens and not accepting:
+            self.result.lacking.update(self.backend.token_text(t) for t in ids[ids >= self.backend.vocab_size].tolist())
+        return self.row[0].tobytes(), accepting, tokens
 
 
 def shortest_output(backend: GrammarBackend, matcher: GrammarMatcher, *, stand_ins: bool = False,
