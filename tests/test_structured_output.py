@@ -543,3 +543,16 @@ def test_choice_and_regex_on_the_shipped_trained_model():
         for prompt in prompts:
             (text,), ended = constrained_greedy(model, tok, backend, [prompt], [grammar], max_tokens=24)
             assert ended.all() and check(text), (fields, text)
+
+
+def test_the_benchmark_runs_and_reports(tmp_path, capsys):
+    from fleetlab.bench.structured import main
+
+    out = tmp_path / "structured.json"
+    assert main(["--repeats", "1", "--rounds", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["compile_shipped_vocab"]["json_object"]["refused"].startswith(
+        "structured_outputs field json_object: cannot be spelled")
+    assert all(c["compile_ms"] > 0 for c in result["compile_json_vocab"].values())
+    assert set(result["fill_json_vocab"]) == set(result["compile_json_vocab"])
+    assert "| person |" in capsys.readouterr().out
