@@ -389,6 +389,29 @@ def test_stand_ins_sit_past_the_vocabulary(shipped_backend, shipped_tokenizer):
     assert shipped_backend.tokenize("ab") == ids(shipped_tokenizer, "ab")
 
 
+def test_a_dead_end_at_run_time_shows_as_a_dead_row(shipped_backend, shipped_tokenizer):
+    """A grammar admitted because some output is spellable ("b") may still lead a request where
+    only a missing character follows ("a" then "{"): its row allows no model token."""
+    matcher = compiled(shipped_backend, grammar='start: "a" "{" | "b"').matcher()
+    rows = shipped_backend.allocate_bitmask(2)
+    matcher.fill_bitmask(rows, 0)
+    assert matcher.accept_tokens(ids(shipped_tokenizer, "a"))
+    matcher.fill_bitmask(rows, 1)
+    assert dead_rows(rows, shipped_backend.vocab_size).tolist() == [False, True]
+
+
+def test_filling_on_llguidances_thread_pool_gives_the_same_rows(json_backend):
+    tok = json_backend.tokenizer
+    grammars = [compiled(json_backend, json=SCHEMAS[name], disable_any_whitespace=True) for name in SCHEMAS]
+    matchers = [(g.matcher(replay=ids(tok, prefix)), row) for row, (g, prefix) in
+                enumerate(zip(grammars, ['{"name":"x', "[1,", '{"color":"', '{"id":12', '{"code":"AB']))]
+    pooled = GuidanceBackend(tok, fill_threads=2)
+    one_by_one, in_pool = json_backend.allocate_bitmask(5), pooled.allocate_bitmask(5)
+    json_backend.fill_bitmasks(matchers, one_by_one)
+    pooled.fill_bitmasks(matchers, in_pool)
+    np.testing.assert_array_equal(one_by_one, in_pool)
+
+
 # --- the compile-ahead manager ----------------------------------------------------------------
 
 

@@ -85,6 +85,11 @@ class GrammarMatcher(ABC):
     def num_accepted_tokens(self) -> int:
         """Tokens accepted since the matcher started (after rollbacks)."""
 
+    @property
+    def error(self) -> str:
+        """Why the matcher cannot go on, when its last bitmask row allowed no token; else ``""``."""
+        return ""
+
     def fill_bitmask_with_drafts(self, bitmask: np.ndarray, row: int, draft_token_ids: Sequence[int]) -> int:
         """Masks for a speculative verify row: ``bitmask[row + i]`` gets the tokens allowed after
         the first ``i`` drafts, for ``i`` in ``0..len(drafts)``. Past the first draft the grammar

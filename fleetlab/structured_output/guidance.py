@@ -153,7 +153,6 @@ class GuidanceMatcher(GrammarMatcher):
 
     @property
     def error(self) -> str:
-        """Why the matcher cannot go on (no token can continue the grammar), or ``""``."""
         return self._m.get_error()
 
     def is_terminated(self) -> bool:
@@ -302,8 +301,15 @@ class GuidanceBackend(GrammarBackend):
             self._executor = self._llg.LLExecutor(num_threads=self.fill_threads)
         for _, row in rows:
             _check_row(bitmask, row)
-        self._executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in rows], bitmask.__array_interface__["data"][0],
-                                               bitmask.shape[1] * 4, bitmask.shape[0])
+        address = bitmask.__array_interface__["data"][0]
+        self._executor.unsafe_compute_mask_ptr([(m._m, row) for m, row in rows], address, bitmask.shape[1] * 4,
+                                               bitmask.shape[0])
+        for m, row in rows:
+            if m._m.is_error():  # as in GuidanceMatcher.fill_bitmask: a dead row allows nothing
+                bitmask[row] = 0
+
+    def close(self) -> None:
+        self._executor = None
 
 
 def _one_line(message: str, limit: int = 300) -> str:
@@ -314,6 +320,3 @@ def _one_line(message: str, limit: int = 300) -> str:
 def _chars(chars) -> str:
     return ", ".join(repr(c) for c in sorted(chars))
 
-
-    def close(self) -> None:
-        self._executor = None
