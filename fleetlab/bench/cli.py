@@ -8,7 +8,9 @@ needs a GPU with torch and triton), ``serve`` (an OpenAI-compatible server under
 traffic: TTFT / TPOT / ITL and throughput per request rate), ``tp`` (one process vs two
 tensor-parallel processes: step time and the share spent in all-reduce), ``spec``
 (speculative decoding on the shipped tiny model with its draft, and ngram on a repetitive
-workload: acceptance, target forwards per output token, engine steps, wall-clock speed-up).
+workload: acceptance, target forwards per output token, engine steps, wall-clock speed-up),
+``structured`` (structured outputs outside the model: grammar compile time per constraint,
+bitmask fill per row, masking).
 
 Each but ``triton`` writes its figures to ``benchmarks/results/`` (``--out`` for another folder),
 records the machine's threads and load there (:mod:`fleetlab.bench.machine`), and shows a
@@ -28,6 +30,7 @@ BENCHES = {
     "serve": "fleetlab.bench.serving",
     "tp": "fleetlab.bench.tp",
     "spec": "fleetlab.bench.spec",
+    "structured": "fleetlab.bench.structured",
 }
 
 

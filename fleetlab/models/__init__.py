@@ -6,6 +6,8 @@ decoder, and the tiny Llama that fleetlab trains and ships.
   and ``"fleet"`` (fleetlab's own Fleet-style decoder).
 - ``load_tiny()`` -> ``(model, tokenizer)``: the shipped trained tiny Llama.
 - ``load_tiny_draft()`` -> ``(model, tokenizer)``: its 2-layer draft for speculative decoding.
+- ``tiny_json(family="llama", seed=0)`` -> ``(model, tokenizer)``: a tiny random model whose
+  character vocabulary can spell JSON (the shipped one cannot), for structured outputs.
 - ``load_pretrained(path)``: a PaddleFormers checkpoint directory from disk.
 - ``fleet_from_llama(model)``: a trained Llama's weights moved into the Fleet-style decoder.
 """
@@ -24,6 +26,14 @@ def tiny(family: str, seed: int = 0, **overrides):
     from fleetlab.models.small import tiny_paddleformers
 
     return tiny_paddleformers(family, seed=seed, **overrides)
+
+
+def tiny_json(family: str = "llama", seed: int = 0, **overrides):
+    """A tiny random ``family`` model over a JSON-capable character vocabulary:
+    ``(model, tokenizer)`` (see :mod:`fleetlab.models.json_tiny`)."""
+    from fleetlab.models.json_tiny import tiny_json as _tiny_json
+
+    return _tiny_json(family, seed=seed, **overrides)
 
 
 def load_tiny():
