@@ -12,7 +12,6 @@ import pytest
 
 import fleetlab  # noqa: F401  (quiets library notices first)
 from fleetlab.device import upload
-from fleetlab.engine.checks import FieldTypeError
 from fleetlab.models.json_tiny import json_tokenizer
 from fleetlab.models.pretrained import WEIGHTS_DIR
 from fleetlab.models.tokenizer import CharTokenizer
@@ -27,6 +26,7 @@ from fleetlab.structured_output.bitmask import apply_token_bitmask, dead_rows
 from fleetlab.structured_output.examples import MAX_JSON_CHARS, SCHEMAS
 from fleetlab.structured_output.guidance import GuidanceBackend
 from fleetlab.structured_output.manager import StructuredOutputManager
+from fleetlab.validation import FieldTypeError
 
 jsonschema = pytest.importorskip("jsonschema")
 

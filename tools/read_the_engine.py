@@ -36,7 +36,7 @@ PATH = [
     ("fleetlab/context.py", "`forward_context`: how attention deep in the model finds the step"),
     ("fleetlab/attention/backend.py", "`AttentionBackend.forward`: write K/V, then `attend`"),
     ("fleetlab/kv/paged_cache.py", "`PagedKVCache.write`: K/V into their slots"),
-    ("fleetlab/attention/naive.py", "`naive_paged_attention`: the attention to read (the default, `tiled.py`, batches it)"),
+    ("fleetlab/attention/naive.py", "`naive_paged_attention`: the attention to read (`tiled.py` batches it)"),
     ("fleetlab/engine/sampler.py", "`Sampler`: its next token, in the step's one device read"),
     ("fleetlab/engine/outputs.py", "`RequestOutput`: what `Scheduler.update` hands back"),
     ("fleetlab/engine/observe.py", "`StepRecorder`: what `LLM.step` shows its observers"),

@@ -1,8 +1,8 @@
 """Drawings of the decode loop over time, from the engine's per-step traces.
 
-Inputs are ``fleetlab.LLM`` traces (``LLM(..., record_traces=True).traces`` or the second
-value of ``llm.step(trace=True)``): one ``StepTrace`` per step with its rows (request,
-phase, tokens run, blocks held), preemptions, finished requests and free blocks.
+Inputs are ``fleetlab.LLM`` traces (``LLM(..., record_traces=True).traces``, or the traces of
+a ``fleetlab.StepRecorder``): one ``StepTrace`` per step with its rows (request, phase, tokens
+run, blocks held), preemptions, finished requests and free blocks.
 
 - :func:`draw_timeline`: which request ran prefill or decode in which step.
 - :func:`admissions`: when each request was admitted (or re-admitted after a preemption) and
