@@ -95,3 +95,11 @@ def test_the_tool_checks_from_the_command_line():
                           text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"all {len(load_tool().BLOCKS)} figure blocks match" in done.stdout
+
+
+def test_the_reading_guide_is_current():
+    """README's "Read the engine" table (files in a request's order, their sizes) is what
+    ``tools/read_the_engine.py`` prints now."""
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "read_the_engine.py"), "--check"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr

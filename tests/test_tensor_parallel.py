@@ -8,10 +8,12 @@ that dies -- or serves different prompts -- must end the job with a clear error 
 
 import copy
 import json
+import os
 import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import paddle
@@ -142,12 +144,17 @@ def test_families_without_a_plan_say_so():
 
 # ----- real launches: 2 processes on CPU, gloo -----
 
-def _launch(tmp_path, *extra, check_every="1", families="fleet,llama,llama:sampled"):
+def _launch(tmp_path, *extra, check_every="1", families="fleet,llama,llama:sampled",
+            module="fleetlab.distributed.worker"):
+    """Two ranks of ``module`` (``tp_faults``, beside this file, wraps the worker with failures)."""
     from fleetlab.distributed.launch import launch
 
     out = tmp_path / "out"
-    result = launch(["fleetlab.distributed.worker", "--out", str(out), "--families", families, *extra], 2,
-                    log_dir=tmp_path / "logs", timeout=240, env={"FLEETLAB_TP_CHECK_EVERY": check_every})
+    tests = str(Path(__file__).parent)
+    env = {"FLEETLAB_TP_CHECK_EVERY": check_every,
+           "PYTHONPATH": os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)}
+    result = launch([module, "--out", str(out), "--families", families, *extra], 2, log_dir=tmp_path / "logs",
+                    timeout=240, env=env)
     return result, out
 
 
@@ -204,7 +211,8 @@ def test_paddle_fleet_layers_on_cpu_column_runs_row_needs_a_gpu(two_ranks):
 
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_job_with_a_clear_error_within_seconds(tmp_path):
-    result, out = _launch(tmp_path, "--kill-rank", "1", "--kill-at-step", "3", families="fleet", check_every="0")
+    result, out = _launch(tmp_path, "--kill-rank", "1", "--kill-at-step", "3", families="fleet", check_every="0",
+                          module="tp_faults")
     ended = time.time()
     killed = float((out / "killed_rank1").read_text())
     assert result.returncode != 0
@@ -215,7 +223,7 @@ def test_a_killed_rank_ends_the_job_with_a_clear_error_within_seconds(tmp_path):
 
 @pytest.mark.slow
 def test_ranks_that_disagree_are_stopped_by_the_agreement_check(tmp_path):
-    result, out = _launch(tmp_path, "--diverge-rank", "1", families="fleet")
+    result, out = _launch(tmp_path, "--diverge-rank", "1", families="fleet", module="tp_faults")
     assert result.returncode != 0
     assert re.search(r"ranks disagree on engine step \d+", result.output)
 

@@ -183,7 +183,7 @@ def init_tensor_parallel(tensor_parallel_size: int, layers: str = "auto") -> Ten
     if layers == "auto":
         layers = "paddle" if backend == "nccl" else "manual"
     if layers == "paddle":
-        group = _join_with_fleet(tensor_parallel_size)
+        group = join_with_fleet(tensor_parallel_size)
         tp = TensorParallelGroup(group.rank, group.nranks, group, backend)
     else:
         group = dist.init_parallel_env()  # returns the existing default group when already joined
@@ -194,7 +194,7 @@ def init_tensor_parallel(tensor_parallel_size: int, layers: str = "auto") -> Ten
     return tp
 
 
-def _join_with_fleet(tensor_parallel_size: int):
+def join_with_fleet(tensor_parallel_size: int):
     """``fleet.init`` with model-parallel degree ``N``; returns its model-parallel group.
 
     ``mp_async_allreduce`` + ``mp_skip_c_identity`` make ``ColumnParallelLinear`` skip

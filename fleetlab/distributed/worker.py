@@ -5,10 +5,8 @@ baseline), it serves a fixed greedy workload on tiny random models and writes wh
 rank saw to ``<out>/rank<r>.json``: each request's tokens, the pool's state afterwards,
 this rank's KV heads and bytes, its shard, step times, and its all-reduces (totals, and
 every call of one recorded step). Tests, the ``08_tensor_parallel`` notebook and
-``bench tp`` read those files.
-
-``--kill-rank R --kill-at-step S`` makes rank ``R`` kill itself (SIGKILL) before step ``S``,
-and ``--diverge-rank R`` gives rank ``R`` other prompts: the failure tests.
+``bench tp`` read those files. (The failure tests wrap :func:`main` with a ``before_step``
+hook that kills a rank, in ``tests/tp_faults.py``.)
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from dataclasses import asdict
@@ -41,15 +38,15 @@ def run_family(family: str, tensor_parallel_size: int = 1, *, prompt_lens=PARITY
                num_blocks: int | None = PARITY["num_blocks"],
                max_num_batched_tokens: int = PARITY["max_num_batched_tokens"],
                max_num_seqs: int = PARITY["max_num_seqs"], model_overrides: dict | None = None,
-               record_step: int = 1, kill_at_step: int | None = None, kill_note: Path | None = None,
-               prompt_seed: int = 1, temperature: float = 0.0, top_k: int = 0) -> dict:
+               record_step: int = 1, before_step=None, prompt_seed: int = 1, temperature: float = 0.0,
+               top_k: int = 0) -> dict:
     """Serve the workload on ``tiny(family)`` with ``tensor_parallel_size`` ranks; return a report.
 
     The model is built with seed 0 on every rank (identical weights), then sharded by
     ``LLM``. ``record_step``: the step whose all-reduces are kept one by one.
-    ``kill_at_step``: SIGKILL this process before that step, first writing the wall time
-    (``time.time()``) to ``kill_note``. ``temperature > 0`` samples instead (each request's
-    seed drawn by the engine from ``EngineConfig.seed``, as for any request without one).
+    ``before_step(step)``, if given, is called before each engine step. ``temperature > 0``
+    samples instead (each request's seed drawn by the engine from ``EngineConfig.seed``, as
+    for any request without one).
     """
     from fleetlab import LLM, SamplingParams
     from fleetlab.models import tiny
@@ -67,10 +64,8 @@ def run_family(family: str, tensor_parallel_size: int = 1, *, prompt_lens=PARITY
     outputs, step_s, step_comm, records = {}, [], [], []
     step = 0
     while llm.has_unfinished_requests():
-        if kill_at_step is not None and step == kill_at_step:
-            if kill_note is not None:
-                Path(kill_note).write_text(str(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
+        if before_step is not None:
+            before_step(step)
         if tp is not None:
             tp.stats.recording = step == record_step
             before = (tp.stats.num_calls, tp.stats.seconds)
@@ -147,10 +142,10 @@ def check_fleet_layers(tp_size: int) -> dict:
     """
     import paddle
 
-    from fleetlab.distributed.group import TensorParallelGroup, _join_with_fleet
+    from fleetlab.distributed.group import TensorParallelGroup, join_with_fleet
     from fleetlab.distributed.layers import column_parallel, row_parallel
 
-    group = _join_with_fleet(tp_size)  # what init_tensor_parallel(N, layers="paddle") does
+    group = join_with_fleet(tp_size)  # what init_tensor_parallel(N, layers="paddle") does
     tp = TensorParallelGroup(group.rank, group.nranks, group, "gloo", layers="paddle")
     full = paddle.arange(8 * 16, dtype="float32").reshape([8, 16]) / 100
     x = paddle.linspace(-1, 1, 3 * 8).reshape([1, 3, 8])
@@ -170,7 +165,8 @@ def check_fleet_layers(tp_size: int) -> dict:
     return result
 
 
-def main(argv=None) -> int:
+def main(argv=None, *, before_step=None) -> int:
+    """Run the families given on the command line; ``before_step(step)`` before every engine step."""
     p = argparse.ArgumentParser(prog="python -m fleetlab.distributed.worker", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="folder for rank<r>.json")
@@ -178,10 +174,6 @@ def main(argv=None) -> int:
                    help="comma-separated; 'fleet:sampled' samples (temperature 1, top-k 20) instead of greedy")
     p.add_argument("--tensor-parallel-size", type=int, default=None, help="default: the launched world size")
     p.add_argument("--workload", default="{}", help="JSON of run_family keywords (prompt_lens, max_tokens, ...)")
-    p.add_argument("--kill-rank", type=int, default=None)
-    p.add_argument("--kill-at-step", type=int, default=None)
-    p.add_argument("--diverge-rank", type=int, default=None,
-                   help="this rank serves other prompts (same lengths): the agreement check must stop the job")
     p.add_argument("--check-fleet-layers", action="store_true")
     args = p.parse_args(argv)
 
@@ -189,10 +181,7 @@ def main(argv=None) -> int:
 
     rank = launched_rank()
     tp_size = args.tensor_parallel_size or launched_world_size()
-    kill = args.kill_at_step if args.kill_rank == rank else None
     workload = json.loads(args.workload)
-    if args.diverge_rank == rank:
-        workload["prompt_seed"] = workload.get("prompt_seed", 1) + 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"rank": rank, "tp_size": tp_size, "families": {}}
@@ -200,8 +189,7 @@ def main(argv=None) -> int:
     for name in [f for f in args.families.split(",") if f]:
         family, _, mode = name.partition(":")  # "fleet:sampled": temperature 1, top-k 20
         sampling = {"temperature": 1.0, "top_k": 20} if mode == "sampled" else {}
-        report["families"][name] = run_family(family, tp_size, kill_at_step=kill,
-                                              kill_note=out / f"killed_rank{rank}", **workload, **sampling)
+        report["families"][name] = run_family(family, tp_size, before_step=before_step, **workload, **sampling)
     report["seconds"] = time.perf_counter() - t0
     if args.check_fleet_layers:
         report["fleet_layers"] = check_fleet_layers(tp_size)

@@ -80,7 +80,7 @@ def tiny_paddleformers(family: str, seed: int = 0, **overrides):
         n = kwargs["num_hidden_layers"]
         kwargs["layer_types"] = [_MIXED[i % len(_MIXED)] for i in range(n)]
     dtype = check_dtype(kwargs.pop("dtype", "float32"))
-    with _seeded(seed), _default_dtype("float32"):
+    with seeded(seed), _default_dtype("float32"):
         config = getattr(pft, config_name)(**kwargs, dtype=dtype)
         model = getattr(pft, model_name)(config)
     if dtype != "float32":
@@ -101,7 +101,7 @@ def check_dtype(dtype) -> str:
 
 
 @contextlib.contextmanager
-def _seeded(seed: int):
+def seeded(seed: int):
     """Seed Paddle's generator for the block, then put the caller's random state back."""
     state = paddle.get_rng_state()
     paddle.seed(seed)
