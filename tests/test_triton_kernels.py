@@ -501,6 +501,8 @@ def test_step_plans_serve_every_layer(shape, dtype):
                        out=_poisoned_out(layer))
         _check("step_plans", out, ref, dtype)
     assert plans.for_layer(batch["query"], batch["key_cache"]) is plan and len(known) == 1
+    # a layer keeps its key whatever the step's token count: the next step finds its geometry
+    assert tk.layer_key(batch["query"][:3], batch["key_cache"]) == tk.layer_key(batch["query"], batch["key_cache"])
     assert plans.for_layer(batch["query"], batch["key_cache"], sliding_window=7) is not plan and len(known) == 2
     assert len(tk.StepPlans(paged, like=batch["query"], known=known).known) == 2
 

@@ -355,9 +355,9 @@ def _decode_latency_kernel(
 
     The kernel of small single-token batches (faster there than ``_decode_kernel``, whose
     extra splits and waves cost more than they save at that size): the GROUP query heads
-    of one kv head over one split, no in-launch merge. With ``DIRECT`` (a single split) the normalised output
-    goes straight to ``out``; otherwise the split's normalised partial output and its
-    log2-sum-exp go to ``part_o [B, H, S, D]`` / ``part_lse [B, H, S]`` for
+    of one kv head over one split, no in-launch merge. With ``DIRECT`` (a single split)
+    the normalised output goes straight to ``out``; otherwise the split's normalised
+    partial output and its log2-sum-exp go to ``part_o [B, H, S, D]`` / ``part_lse [B, H, S]`` for
     ``_decode_reduce_kernel``. Only keys ``[lo, hi)`` of the row's visible context are
     loaded (a split past the context writes an empty partial and loads nothing). ``PDL``:
     as in ``_decode_kernel``, the reduce launch may start at once.
@@ -710,8 +710,9 @@ class LayerGeometry(NamedTuple):
 
 
 def layer_key(query, key_cache, sliding_window=None, sinks=None) -> tuple:
-    """A cheap hashable summary of one layer call: layers with equal keys share a plan."""
-    return (tuple(query.shape), tuple(query.stride()), tuple(key_cache.shape), tuple(key_cache.stride()),
+    """A cheap hashable summary of one layer call: layers with equal keys share a plan. It
+    leaves out the step's token count, so a layer keeps its key from step to step."""
+    return (tuple(query.shape[1:]), tuple(query.stride()), tuple(key_cache.shape), tuple(key_cache.stride()),
             query.dtype, sliding_window, None if sinks is None else sinks.dtype)
 
 

@@ -9,9 +9,9 @@ head_dim]`` whose blocks are handed out in shuffled order, and times, in one run
 - ``gather_sdpa`` (decode table): gather each row's blocks, then SDPA (what a framework
   without a paged kernel does every step);
 - ``before`` (with ``--before FILE``): the same calls into an older copy of the kernels
-  module, through its one-call functions. The old kernels had no multi-token decode:
-  rows of several query tokens went to their prefill kernel, so that is what ``before``
-  times there.
+  module, through its one-call functions (which plan on every call). Rows of several query
+  tokens go to its prefill kernel (kernels older than multi-token decode have no other
+  way), so that is what ``before`` times there.
 
 Each decode implementation is timed three ways:
 
