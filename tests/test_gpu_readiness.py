@@ -81,19 +81,44 @@ class StubKernels:
     """The Triton kernels' interface in plain Paddle, so the backend's host code runs on a CPU.
 
     The kernels themselves (tested on an H200 against float64) are not the subject here: what
-    is, is that ``TritonBackend`` plans and launches them without a device-to-host read.
+    is, is that ``TritonBackend`` plans once per step and launches per layer without a
+    device-to-host read. The stub records what the backend asked for.
     """
 
-    def store_kv(self, key, value, key_cache, value_cache, slot_mapping):
+    def __init__(self):
+        self.batches, self.layer_calls = [], []
+        stub = self
+
+        class PagedBatch:
+            @staticmethod
+            def from_host(*tensors, **host):
+                assert all(isinstance(v, (int, np.ndarray)) for v in host.values()), host  # host data only
+                stub.batches.append(host)
+                return host
+
+        class StepPlans:
+            def __init__(self, batch, like, known):
+                self.batch = batch
+
+            def for_layer(self, query, key_cache, sliding_window=None, sinks=None):
+                stub.layer_calls.append(self.batch)
+                return StubPlan()
+
+        self.PagedBatch, self.StepPlans = PagedBatch, StepPlans
+
+
+class StubPlan:
+    def store_kv(self, key, value, key_cache, value_cache):
         pass
 
-    def paged_attention(self, query, *args, **kwargs):
+    def run(self, query, key_cache, value_cache, *, scale, sinks=None, out=None):
         return paddle.zeros_like(query)
 
 
 def test_the_triton_backends_host_code_never_reads_the_device(fleet_model, monkeypatch):
     monkeypatch.setattr(tb.TritonBackend, "supported_devices", ("cpu", "gpu"))
-    monkeypatch.setattr(tb, "load_triton_kernels", lambda: StubKernels())
+    stub = StubKernels()
+    monkeypatch.setattr(tb, "load_triton_kernels", lambda: stub)
     prompts = random_prompts([5, 17, 3, 9], seed=4)
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
     with LLM(fleet_model, backend="triton", block_size=4, max_num_batched_tokens=16, speculative_config=spec,
@@ -102,6 +127,10 @@ def test_the_triton_backends_host_code_never_reads_the_device(fleet_model, monke
         assert any(t.reordered and t.num_decodes for t in llm.traces)
     for log in logs:
         assert log.num_reads == 1 and log.num_uploads <= UPLOAD_BUDGET - 2, describe(log)
+    # one batch planned per step, and every layer call of a step used that step's plans
+    layers = fleet_model.config.num_layers
+    assert len(stub.batches) == len(logs) and len(stub.layer_calls) == len(logs) * layers
+    assert all(call is stub.batches[i // layers] for i, call in enumerate(stub.layer_calls))
 
 
 def test_count_syncs_sees_each_kind_once_with_its_call_site():

@@ -168,7 +168,10 @@ if ON_GPU:
     # (block_size, num_kv_heads, group, head_dim)
     SHAPES = [(16, 8, 1, 128), (16, 4, 2, 64), (16, 2, 3, 128), (16, 8, 4, 128), (16, 2, 8, 64),
               (32, 1, 5, 128), (64, 2, 8, 128), (8, 2, 6, 128), (16, 2, 12, 64), (16, 4, 4, 96),
-              (16, 2, 4, 256), (16, 16, 1, 64)]
+              (16, 2, 4, 256), (16, 16, 1, 64), (16, 8, 5, 128), (16, 1, 32, 128)]
+    # shapes held out of the tuning: 40/8 heads, MQA 32/1, 16/4 at head dim 256, pages of 64 and 128
+    HELD_OUT = [(16, 8, 5, 128), (16, 1, 32, 128), (16, 4, 4, 256), (64, 8, 4, 128), (128, 2, 8, 64)]
+    STEP_CONTEXTS = [0, 40, 999, 3000, 4099]
     DECODE_LENS = [1, 15, 16, 17, 33, 1000, 4099]
     LONG_DECODE_LENS = [32768, 20001, 2048, 1]
     PREFILL = ([15, 16, 17, 1, 300], [0, 16, 47, 5, 700])  # (query_lens, num_computed)
@@ -185,6 +188,8 @@ else:
     MULTI = ([2, 1, 4, 5, 3], [9, 1, 30, 0, 16])
     PREFILL_TILES = [None, (16, 16, 4, 1), (32, 16, 4, 1)]
     WINDOWS = [None, 1, 5, 12]
+    HELD_OUT = [(4, 2, 5, 16), (4, 1, 8, 16), (16, 1, 2, 64)]
+    STEP_CONTEXTS = [0, 5, 17, 30, 41]
 
 SHAPE_IDS = [f"bs{b}-kv{k}-g{g}-d{d}" for b, k, g, d in SHAPES]
 TILE_IDS = ["default" if t is None else "m{}-n{}-w{}-s{}".format(*t) for t in PREFILL_TILES]
@@ -437,6 +442,109 @@ def test_batch_with_an_empty_part(dtype, part):
     _check("mixed", out, dense_reference(batch, scale=scale), dtype)
 
 
+# ---------------------------------------------------------------------------------
+# Plans: made once per step, run by every layer (the backend's path)
+# ---------------------------------------------------------------------------------
+
+
+def _slot_mapping(batch):
+    """int64 ``[T]``: the cache slot of each packed query token."""
+    cu, lens = batch["cu_seqlens_q"].cpu().tolist(), batch["seq_lens_kv"].cpu().tolist()
+    tables, block_size = batch["block_tables"].cpu().long(), batch["key_cache"].shape[1]
+    pos = torch.cat([torch.arange(n - (b - a), n) for a, b, n in zip(cu, cu[1:], lens)])
+    rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor([b - a for a, b in zip(cu, cu[1:])]))
+    return (tables[rows, pos // block_size] * block_size + pos % block_size).to(DEVICE)
+
+
+def _layers(batch, num_layers, seed):
+    """``num_layers`` layers of one step: the same rows and block tables, each layer its own
+    queries and cache contents (poison wherever the first layer's cache holds it)."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = [batch]
+    for _ in range(num_layers - 1):
+        layer = dict(batch)
+        for name in ("query", "key_cache", "value_cache"):
+            t = batch[name]
+            layer[name] = torch.where(torch.isfinite(t), torch.randn(t.shape, generator=gen).to(DEVICE, t.dtype), t)
+        layers.append(layer)
+    return layers
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", HELD_OUT, ids=[f"bs{b}-kv{k}-g{g}-d{d}" for b, k, g, d in HELD_OUT])
+def test_step_plans_serve_every_layer(shape, dtype):
+    """One ``StepPlans`` per step: every layer stores the step's K/V through its plan (their
+    slots hold NaN before) and runs it, single- and multi-token decode rows and prefill rows
+    at contexts off the block edges; each layer gets its own dense answer, layers of one
+    geometry share one plan, and the next step plans that geometry up front."""
+    group = shape[2]
+    decode_lens = [1, 1, 2, 3, 1] if 3 * group <= tk.MAX_DECODE_ROWS else [1] * 5
+    query_lens = decode_lens + PREFILL[0]
+    batch = _batch_for(shape, dtype, query_lens, STEP_CONTEXTS + PREFILL[1], seed=43)
+    slots = _slot_mapping(batch)
+    paged = tk.PagedBatch.from_host(
+        batch["block_tables"], batch["seq_lens_kv"], batch["cu_seqlens_q"], slots, block_size=shape[0],
+        num_decodes=5, cu_seqlens_q_host=batch["cu_seqlens_q"].cpu().numpy(),
+        seq_lens_kv_host=batch["seq_lens_kv"].cpu().numpy())
+    known = {}
+    plans = tk.StepPlans(paged, like=batch["query"], known=known)
+    scale = shape[3] ** -0.5
+    for layer in _layers(batch, 3, seed=44):
+        ref = dense_reference(layer, scale=scale)
+        caches = [c.view(-1, shape[1], shape[3]) for c in (layer["key_cache"], layer["value_cache"])]
+        key, value = (c[slots].clone() for c in caches)
+        for c in caches:
+            c[slots] = float("nan")
+        plan = plans.for_layer(layer["query"], layer["key_cache"])
+        plan.store_kv(key, value, layer["key_cache"], layer["value_cache"])
+        out = plan.run(layer["query"], layer["key_cache"], layer["value_cache"], scale=scale,
+                       out=_poisoned_out(layer))
+        _check("step_plans", out, ref, dtype)
+    assert plans.for_layer(batch["query"], batch["key_cache"]) is plan and len(known) == 1
+    # a layer keeps its key whatever the step's token count: the next step finds its geometry
+    assert tk.layer_key(batch["query"][:3], batch["key_cache"]) == tk.layer_key(batch["query"], batch["key_cache"])
+    assert plans.for_layer(batch["query"], batch["key_cache"], sliding_window=7) is not plan and len(known) == 2
+    assert len(tk.StepPlans(paged, like=batch["query"], known=known).known) == 2
+
+
+def test_a_plan_takes_tensors_off_a_16_byte_boundary():
+    """A plan compiled on aligned tensors runs a layer whose query and output start 2 bytes
+    past a boundary (back through Triton's JIT for that call), then aligned ones again."""
+    shape, dtype = SHAPES[0], DTYPES[0]
+    lens = _edge_lens(shape[0])
+    batch = _batch_for(shape, dtype, [1] * len(lens), [n - 1 for n in lens], seed=47)
+    g = tk.LayerGeometry.of(batch["query"], batch["key_cache"])
+    scale = shape[3] ** -0.5
+    ref = dense_reference(batch, scale=scale)
+    for num_splits in (1, 3):
+        plan = tk.plan_decode(g, batch["block_tables"], batch["seq_lens_kv"], num_tokens=len(lens),
+                              max_seq_len=max(lens), num_splits=num_splits)
+        q = batch["query"]
+        shifted = torch.empty(q.numel() + 1, dtype=dtype, device=DEVICE)[1:].view(q.shape)
+        shifted.copy_(q)
+        out_shifted = torch.full_like(shifted, float("nan"))
+        for query, out in ((q, _poisoned_out(batch)), (shifted, out_shifted), (q, _poisoned_out(batch))):
+            plan.run(query, batch["key_cache"], batch["value_cache"], scale=scale, out=out)
+            _check("decode", out, ref, dtype)
+
+
+def test_a_plan_refuses_a_call_it_was_not_made_for():
+    batch = _batch_for(SHAPES[0], DTYPES[0], [1, 1], [3, 4])
+    g = tk.LayerGeometry.of(batch["query"], batch["key_cache"])
+    plan = tk.plan_decode(g, batch["block_tables"], batch["seq_lens_kv"], num_tokens=2, max_seq_len=5)
+    args = (batch["key_cache"], batch["value_cache"])
+    with pytest.raises(ValueError, match="tokens"):
+        plan.run(batch["query"][:1], *args, scale=1.0)
+    with pytest.raises(ValueError, match="sinks"):
+        plan.run(batch["query"], *args, scale=1.0, sinks=torch.zeros(batch["query"].shape[1], device=DEVICE))
+    with pytest.raises(ValueError, match="contiguous"):
+        plan.run(batch["query"], *args, scale=1.0, out=torch.empty_like(batch["query"]).transpose(0, 1))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        plan.store_kv(batch["query"], batch["query"], *args)
+    with pytest.raises(TypeError, match="unknown decode knobs"):
+        tk.plan_decode(g, batch["block_tables"], batch["seq_lens_kv"], num_tokens=2, max_seq_len=5, bogus=1)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_long_decode_rows_fall_back_to_the_prefill_kernel(dtype):
     """Decode rows with more query tokens x heads than a decode program holds still come out right."""
@@ -536,11 +644,14 @@ def test_decode_config_picks_the_measured_path():
                                                                    latency_path=False)
     assert cfg(num_rows=64, max_span=512) == tk.DecodeConfig(64, 4, 3, 2, 1)  # large batch: as before
     assert not tk.decode_config(256, 4, 8, 2, num_rows=1, max_span=512, num_sms=132).latency_kernel
+    wide = tk.decode_config(256, 4, 4, 2, num_rows=32, max_span=4096, num_sms=132)  # head dim 256, one wave
+    assert (wide.block_n, wide.num_warps, wide.may_split) == (64, 8, False)
 
 
 @pytest.mark.skipif(not LONG_DECODE_LENS, reason="long contexts only on a GPU (the interpreter is slow)")
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(16, 8, 4, 128), (16, 8, 8, 64), (16, 8, 1, 128), (16, 16, 1, 64)], ids=str)
+@pytest.mark.parametrize("shape", [(16, 8, 4, 128), (16, 8, 8, 64), (16, 8, 1, 128), (16, 16, 1, 64),
+                                   (16, 8, 5, 128), (16, 1, 32, 128), (16, 4, 4, 256)], ids=str)
 def test_long_context_decode(shape, dtype):
     lens = LONG_DECODE_LENS
     batch = _batch_for(shape, dtype, [1] * len(lens), [n - 1 for n in lens], seed=5)

@@ -1,17 +1,20 @@
 """The ``"triton"`` attention backend: fleetlab's Triton kernels on Paddle GPU tensors.
 
-Each layer call stores the step's K/V into the paged cache by ``slot_mapping``
-(:func:`~fleetlab.attention.triton_kernels.store_kv`), then runs the decode kernel
-(split-K over the context) on rows ``[0, num_decodes)`` and the prefill kernel on the
-rest (:func:`~fleetlab.attention.triton_kernels.paged_attention`). It therefore wants
-decode rows first (``requires_reorder=True``).
+Plan once per step, launch per layer. ``build_metadata`` (once per step) turns the step's
+batch into a :class:`~fleetlab.attention.triton_kernels.StepPlans`: for each layer
+geometry the model has shown so far, the kernels' knobs, context splits, grids and
+scratch buffers, decided from host arrays alone. Each layer call then only launches:
+it stores the step's K/V into the paged cache by ``slot_mapping``, runs the decode
+kernel (split-K over the context) on rows ``[0, num_decodes)`` and the prefill kernel on
+the rest, each a compiled kernel called with arguments bound at plan time. It therefore
+wants decode rows first (``requires_reorder=True``).
 
 Triton launches on Paddle tensors through Paddle's PyTorch proxy
 (``paddle.compat.enable_torch_proxy(scope={"triton"})``, Paddle >= 3.3): inside the
 ``triton`` package ``import torch`` resolves to Paddle, which is what Triton's launcher
 asks for streams and devices. The kernels module itself imports neither framework.
 
-Status: the kernels are verified and timed on an H200 with torch tensors
+Status: the kernels and their plans are verified and timed on an H200 with torch tensors
 (``tests/test_triton_kernels.py``, ``fleetlab/bench/triton_attention.py``). This Paddle
 path could not be run where it was written (no GPU build of Paddle there).
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import paddle
 
@@ -30,12 +33,10 @@ from fleetlab.attention.metadata import AttentionMetadata
 
 @dataclass(slots=True)
 class TritonMetadata(AttentionMetadata):
-    """The Triton backend's per-step metadata: the common fields plus the host-side bounds
-    its kernels are planned with (longest decode row, longest context, longest prefill chunk)."""
+    """The Triton backend's per-step metadata: the common fields plus the step's plans
+    (``triton_kernels.StepPlans``), one per layer geometry."""
 
-    max_decode_query_len: int = 0
-    max_decode_seq_len: int = 0
-    max_prefill_query_len: int = 0
+    plans: Any = None
 
 
 def load_triton_kernels():
@@ -78,41 +79,36 @@ class TritonBackend(AttentionBackend):
     def __init__(self) -> None:
         super().__init__()  # refuses a machine without a GPU, pointing to backend='tiled'
         self._kernels = load_triton_kernels()
+        # Layer geometries seen so far (layer key -> geometry): each step plans them up front.
+        self._geometries: dict = {}
+
+    def build_metadata(self, common: AttentionMetadata) -> TritonMetadata:
+        """The step's plans, from the host arrays (no device-to-host sync)."""
+        tk = self._kernels
+        batch = tk.PagedBatch.from_host(
+            common.block_tables, common.seq_lens_kv, common.cu_seqlens_q, common.slot_mapping,
+            block_size=common.block_size, num_decodes=common.num_decodes,
+            cu_seqlens_q_host=common.cu_seqlens_q_host, seq_lens_kv_host=common.seq_lens_kv_host)
+        return common.extend(TritonMetadata, plans=tk.StepPlans(batch, like=common.seq_lens_kv,
+                                                                known=self._geometries))
 
     def forward(self, layer_id, query, key, value, kv_cache, metadata, *, scale,
                 sliding_window=None, sinks=None):
-        """Store this step's K/V with the Triton kernel, then attend over the cache."""
+        """Store this step's K/V with the Triton kernel, then attend over the cache (one plan lookup)."""
         key_cache, value_cache = kv_cache.key_cache(layer_id), kv_cache.value_cache(layer_id)
-        self._kernels.store_kv(key.contiguous(), value.contiguous(), key_cache, value_cache,
-                               metadata.slot_mapping)
-        return self.attend(query, key_cache, value_cache, metadata, layer_id=layer_id, scale=scale,
-                           sliding_window=sliding_window, sinks=sinks)
-
-    def build_metadata(self, common: AttentionMetadata) -> TritonMetadata:
-        """The bounds the kernels plan with, from the host arrays (no device-to-host sync)."""
-        nd = common.num_decodes
-        query_lens, lens = common.query_lens_host, common.seq_lens_kv_host
-        return common.extend(
-            TritonMetadata,
-            max_decode_query_len=int(query_lens[:nd].max()) if nd else 0,
-            max_decode_seq_len=int(lens[:nd].max()) if nd else 0,
-            max_prefill_query_len=int(query_lens[nd:].max()) if len(query_lens) > nd else 0,
-        )
+        query = query.contiguous()
+        plan = self._plan(query, key_cache, metadata, sliding_window, sinks)
+        plan.store_kv(key.contiguous(), value.contiguous(), key_cache, value_cache)
+        return plan.run(query, key_cache, value_cache, scale=scale, sinks=sinks)
 
     def attend(self, query, key_cache, value_cache, metadata, *, layer_id, scale, sliding_window=None,
                sinks=None):
         """Decode kernel on rows ``[0, num_decodes)`` (1..R query tokens each), prefill kernel on the rest."""
-        if int(key_cache.shape[1]) != metadata.block_size:
-            raise ValueError(
-                f"cache block size {int(key_cache.shape[1])} differs from metadata.block_size "
-                f"{metadata.block_size}"
-            )
+        query = query.contiguous()
+        plan = self._plan(query, key_cache, metadata, sliding_window, sinks)
+        return plan.run(query, key_cache, value_cache, scale=scale, sinks=sinks)
+
+    def _plan(self, query, key_cache, metadata, sliding_window, sinks):
         if not isinstance(metadata, TritonMetadata):
             metadata = self.build_metadata(metadata)
-        return self._kernels.paged_attention(
-            query.contiguous(), key_cache, value_cache, metadata.block_tables, metadata.seq_lens_kv,
-            metadata.cu_seqlens_q, scale=scale, sliding_window=sliding_window, sinks=sinks,
-            num_decodes=metadata.num_decodes, num_decode_tokens=metadata.num_decode_tokens,
-            max_decode_query_len=metadata.max_decode_query_len, max_decode_seq_len=metadata.max_decode_seq_len,
-            max_query_len=metadata.max_prefill_query_len,
-        )
+        return metadata.plans.for_layer(query, key_cache, sliding_window, sinks)

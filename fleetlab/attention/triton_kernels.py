@@ -1,12 +1,20 @@
 """Triton kernels for paged attention: store K/V, decode (split-K, multi-token), packed prefill.
 
 This module imports with Triton alone: no Paddle, and no torch at import time. The
-host wrappers only use what torch and Paddle tensors both offer (``.shape``,
-``.stride()``, ``.dtype``, ``.new_empty``), so the same kernels run on torch tensors
+host side only uses what torch and Paddle tensors both offer (``.shape``, ``.stride()``,
+``.dtype``, ``.new_empty``, ``.data_ptr()``), so the same kernels run on torch tensors
 (tests, benchmarks) and on Paddle tensors under ``paddle.compat.enable_torch_proxy``
 (``fleetlab.attention.triton_backend``).
 
-Layouts (DESIGN.md):
+Plan once per step, launch per layer (as FlashInfer's plan/run): everything that depends
+only on the batch and the layer's shapes (kernel knobs, context splits, grids, scratch
+buffers for split partials) is decided by ``plan_attention`` into an ``AttentionPlan``;
+``StepPlans`` keeps one per layer geometry for a step. Every layer then calls
+``AttentionPlan.run``, which only launches: each ``Launch`` calls its compiled kernel
+directly with arguments bound at plan time. ``decode_attention``, ``prefill_attention``
+and ``paged_attention`` plan and run in one call (tests, one-off use, tuning knobs).
+
+Layouts:
   key_cache / value_cache  ``[num_blocks, block_size, num_kv_heads, head_dim]``
   block_tables             int32 ``[B, max_blocks]`` (-1 unused)
   slot_mapping             int64 ``[T]``, slot = block * block_size + p % block_size, -1 = skip
@@ -38,10 +46,14 @@ import functools
 import importlib
 import math
 import os
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
+import numpy as np
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.compiler import CompiledKernel
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 64  # context splits per decode row, at most
@@ -341,11 +353,11 @@ def _decode_latency_kernel(
 ):
     """The latency path: program (row, kv_head, split), one query token per row.
 
-    The small single-token batches' kernel (the kernels of 61b6940, measured faster there
-    on an H200 than ``_decode_kernel``): the GROUP query heads of one kv head over one
-    split, no in-launch merge. With ``DIRECT`` (a single split) the normalised output
-    goes straight to ``out``; otherwise the split's normalised partial output and its
-    log2-sum-exp go to ``part_o [B, H, S, D]`` / ``part_lse [B, H, S]`` for
+    The kernel of small single-token batches (faster there than ``_decode_kernel``, whose
+    extra splits and waves cost more than they save at that size): the GROUP query heads
+    of one kv head over one split, no in-launch merge. With ``DIRECT`` (a single split)
+    the normalised output goes straight to ``out``; otherwise the split's normalised
+    partial output and its log2-sum-exp go to ``part_o [B, H, S, D]`` / ``part_lse [B, H, S]`` for
     ``_decode_reduce_kernel``. Only keys ``[lo, hi)`` of the row's visible context are
     loaded (a split past the context writes an empty partial and loads nothing). ``PDL``:
     as in ``_decode_kernel``, the reduce launch may start at once.
@@ -439,13 +451,15 @@ def _prefill_tile(
     acc, m, l, q, q_pos, n0, lo, hi, key_cache_ptr, value_cache_ptr, block_tables_ptr, row_table, kv_head,
     offs_d, scale_log2, window, stride_c_blk, stride_c_tok, stride_c_head,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, PAGE_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One K/V tile of the prefill loop (online softmax).
 
     ``MASKED``: keys outside ``[lo, hi)`` are neither loaded nor counted, and each query
     sees only keys at or before its position (and inside its window). Unmasked tiles
-    (every key visible to every query of the tile) skip all of that.
+    (every key visible to every query of the tile) skip all of that. ``PAGE_TILES``: an
+    unmasked tile starts at a multiple of ``BLOCK_N`` and lies inside one page, so one
+    block id addresses it (contiguous tokens).
     """
     n = n0 + tl.arange(0, BLOCK_N)
     d_mask = offs_d < HEAD_DIM
@@ -466,8 +480,13 @@ def _prefill_tile(
         alpha = tl.exp2(m - m_safe)
         v = tl.load(value_cache_ptr + offs[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
     else:
-        blk = tl.load(block_tables_ptr + row_table + n // BLOCK_SIZE)
-        offs = blk.to(tl.int64) * stride_c_blk + (n % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
+        if PAGE_TILES:
+            blk = tl.load(block_tables_ptr + row_table + n0 // BLOCK_SIZE).to(tl.int64)
+            offs = blk * stride_c_blk + (n0 % BLOCK_SIZE + tl.arange(0, BLOCK_N)) * stride_c_tok
+            offs += kv_head * stride_c_head
+        else:
+            blk = tl.load(block_tables_ptr + row_table + n // BLOCK_SIZE)
+            offs = blk.to(tl.int64) * stride_c_blk + (n % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
         if HEAD_DIM == BLOCK_D:
             k = tl.load(key_cache_ptr + offs[:, None] + offs_d[None, :])
         else:
@@ -496,6 +515,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_WINDOW: tl.constexpr, USE_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_TILES: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """Program (query tile, kv_head, row): a chunk's queries over the row's paged context.
 
@@ -506,6 +526,10 @@ def _prefill_kernel(
     style): a masked band at the window's lower edge, unmasked tiles every query of the
     tile sees whole, and a masked band on the causal diagonal; keys no query of the tile
     sees are skipped. The last query tiles (most keys) are launched first.
+
+    ``PAGE_TILES`` (pages a multiple of ``BLOCK_N``, no window): each unmasked tile is
+    addressed by one block id. ``WARP_SPECIALIZE`` asks Triton to split the unmasked loop
+    into producer and consumer warps.
     """
     TOKENS: tl.constexpr = BLOCK_M // GROUP
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -547,17 +571,18 @@ def _prefill_kernel(
         acc, m, l = _prefill_tile(acc, m, l, q, q_pos, n0, lo, full_lo, key_cache_ptr, value_cache_ptr,
                                   block_tables_ptr, row_table, kv_head, offs_d, scale_log2, window,
                                   stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                                  True, USE_WINDOW, DOT_PRECISION)
-    for n0 in range(full_lo, full_hi, BLOCK_N):  # seen whole by every query of the tile
+                                  True, USE_WINDOW, False, DOT_PRECISION)
+    # seen whole by every query of the tile
+    for n0 in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         acc, m, l = _prefill_tile(acc, m, l, q, q_pos, n0, lo, hi, key_cache_ptr, value_cache_ptr,
                                   block_tables_ptr, row_table, kv_head, offs_d, scale_log2, window,
                                   stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                                  False, USE_WINDOW, DOT_PRECISION)
+                                  False, USE_WINDOW, PAGE_TILES, DOT_PRECISION)
     for n0 in range(full_hi, hi, BLOCK_N):  # the causal diagonal
         acc, m, l = _prefill_tile(acc, m, l, q, q_pos, n0, full_hi, hi, key_cache_ptr, value_cache_ptr,
                                   block_tables_ptr, row_table, kv_head, offs_d, scale_log2, window,
                                   stride_c_blk, stride_c_tok, stride_c_head, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N,
-                                  True, USE_WINDOW, DOT_PRECISION)
+                                  True, USE_WINDOW, False, DOT_PRECISION)
 
     o = _normalize(acc, m, l, sinks_ptr, heads, m_valid, USE_SINKS)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -571,23 +596,21 @@ def _zero_kernel(ptr, n, BLOCK: tl.constexpr):
 
 
 # ---------------------------------------------------------------------------------
-# Host side: checks, planning and launches (framework-neutral)
+# Host side, part 1: what a layer looks like, checked once
 # ---------------------------------------------------------------------------------
 
 _DTYPES = ("float16", "bfloat16", "float32")
+MAX_DECODE_ROWS = 128  # query tokens x query heads one decode program can hold
+_MERGE_TILE = 8192  # fp32 elements of partial output the split merge loads at once
 
 
-def _dtype_name(t) -> str:
-    return str(t.dtype).rsplit(".", 1)[-1]
+def _dtype_name(dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
 
 
-def _elem_bytes(t) -> int:
-    return 4 if _dtype_name(t) == "float32" else 2
-
-
-def _float32_like(t):
-    """The float32 dtype of ``t``'s framework (torch or Paddle), found without importing either here."""
-    return importlib.import_module(type(t).__module__.split(".")[0]).float32
+def _framework_dtype(t, name: str):
+    """The dtype ``name`` of ``t``'s framework (torch or Paddle), found without importing either here."""
+    return getattr(importlib.import_module(type(t).__module__.split(".")[0]), name)
 
 
 def _shape(t) -> tuple[int, ...]:
@@ -601,7 +624,7 @@ def _next_pow2(n: int) -> int:
 @functools.cache
 def _pdl_supported() -> bool:
     """Programmatic dependent launch: a Hopper (or newer) GPU, not the CPU interpreter."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if _interpreting():
         return False
     try:
         target = triton.runtime.driver.active.get_current_target()
@@ -620,77 +643,324 @@ def _num_sms() -> int:
         return 1
 
 
-def _check_cache(key_cache, value_cache) -> tuple[int, int, int, int]:
-    """Validate the paged K/V caches; return ``(num_blocks, block_size, num_kv_heads, head_dim)``."""
-    shape = _shape(key_cache)
-    if len(shape) != 4 or _shape(value_cache) != shape:
-        raise ValueError(
-            f"key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]; "
-            f"got {shape} and {_shape(value_cache)}"
-        )
-    if tuple(key_cache.stride()) != tuple(value_cache.stride()) or key_cache.stride()[3] != 1:
-        raise ValueError("key_cache and value_cache need equal strides and a contiguous head_dim")
-    if _dtype_name(key_cache) not in _DTYPES or key_cache.dtype != value_cache.dtype:
-        raise TypeError(f"caches must share one of {_DTYPES}; got {key_cache.dtype} and {value_cache.dtype}")
-    return shape
+class LayerGeometry(NamedTuple):
+    """What an attention plan depends on besides the batch: one layer's shapes and options.
 
-
-def _check_query(query, key_cache, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
-    """Validate ``query [T, num_heads, head_dim]``; return ``(num_heads, group)``."""
-    shape = _shape(query)
-    if len(shape) != 3 or shape[2] != head_dim:
-        raise ValueError(f"query must be [T, num_heads, {head_dim}]; got {shape}")
-    if shape[1] % num_kv_heads:
-        raise ValueError(f"num_heads {shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
-    if query.dtype != key_cache.dtype:
-        raise TypeError(f"query dtype {query.dtype} differs from the cache dtype {key_cache.dtype}")
-    if query.stride()[2] != 1:
-        raise ValueError("query needs a contiguous head_dim")
-    return shape[1], shape[1] // num_kv_heads
-
-
-def _dot_precision(t) -> str:
-    # fp32 caches (CPU tests, debugging) get exact fp32 products instead of tf32.
-    return "ieee" if _dtype_name(t) == "float32" else "tf32"
-
-
-def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
-    """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into the paged caches.
-
-    Token ``t`` goes to slot ``slot_mapping[t]`` (int64 ``[T]``), i.e. block
-    ``slot // block_size``, offset ``slot % block_size``; slot -1 is skipped.
+    ``query_strides``: (token, head) strides of the queries; the output is allocated
+    contiguous, ``[T, num_heads, head_dim]``. ``cache_strides``: the strides of both caches
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``. ``window``: the sliding window
+    (0: none). ``sinks``: the dtype name of the per-head sink logits (None: no sinks).
     """
-    _, block_size, num_kv_heads, head_dim = _check_cache(key_cache, value_cache)
-    num_tokens = _shape(slot_mapping)[0]
-    for name, t in (("key", key), ("value", value)):
-        if _shape(t) != (num_tokens, num_kv_heads, head_dim):
-            raise ValueError(f"{name} must be [{num_tokens}, {num_kv_heads}, {head_dim}]; got {_shape(t)}")
-        if t.stride()[2] != 1 or t.dtype != key_cache.dtype:
-            raise ValueError(f"{name} needs a contiguous head_dim and the cache dtype {key_cache.dtype}")
-    if key_cache.stride()[0] != block_size * key_cache.stride()[1]:
-        raise ValueError("store_kv needs the blocks of the cache laid out back to back (slot = block*bs + p)")
-    if num_tokens == 0:
-        return
-    _store_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride()[0], key.stride()[1], value.stride()[0], value.stride()[1],
-        key_cache.stride()[1], key_cache.stride()[2],
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=_next_pow2(num_kv_heads), BLOCK_D=_next_pow2(head_dim),
-    )
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    query_strides: tuple[int, int]
+    cache_strides: tuple[int, int, int, int]
+    window: int = 0
+    sinks: str | None = None
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def elem_bytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    @property
+    def dot_precision(self) -> str:
+        # fp32 caches (CPU tests, debugging) get exact fp32 products instead of tf32.
+        return "ieee" if self.dtype == "float32" else "tf32"
+
+    @classmethod
+    def of(cls, query, key_cache, value_cache=None, sliding_window=None, sinks=None) -> LayerGeometry:
+        """The geometry of ``query [T, num_heads, head_dim]`` over these caches; raises a
+        ``ValueError``/``TypeError`` naming what does not fit."""
+        shape = _shape(key_cache)
+        value_cache = key_cache if value_cache is None else value_cache
+        if len(shape) != 4 or _shape(value_cache) != shape:
+            raise ValueError(
+                f"key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]; "
+                f"got {shape} and {_shape(value_cache)}")
+        if tuple(key_cache.stride()) != tuple(value_cache.stride()) or key_cache.stride()[3] != 1:
+            raise ValueError("key_cache and value_cache need equal strides and a contiguous head_dim")
+        dtype = _dtype_name(key_cache.dtype)
+        if dtype not in _DTYPES or key_cache.dtype != value_cache.dtype:
+            raise TypeError(f"caches must share one of {_DTYPES}; got {key_cache.dtype} and {value_cache.dtype}")
+        _, block_size, num_kv_heads, head_dim = shape
+        q_shape = _shape(query)
+        if len(q_shape) != 3 or q_shape[2] != head_dim:
+            raise ValueError(f"query must be [T, num_heads, {head_dim}]; got {q_shape}")
+        if q_shape[1] % num_kv_heads:
+            raise ValueError(f"num_heads {q_shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
+        if query.dtype != key_cache.dtype:
+            raise TypeError(f"query dtype {query.dtype} differs from the cache dtype {key_cache.dtype}")
+        if query.stride()[2] != 1:
+            raise ValueError("query needs a contiguous head_dim")
+        if sliding_window is not None and int(sliding_window) < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None; got {sliding_window}")
+        if sinks is not None and _shape(sinks) != (q_shape[1],):
+            raise ValueError(f"sinks must be [num_heads={q_shape[1]}]; got {_shape(sinks)}")
+        return cls(q_shape[1], num_kv_heads, head_dim, block_size, dtype, tuple(query.stride()[:2]),
+                   tuple(key_cache.stride()), int(sliding_window or 0),
+                   None if sinks is None else _dtype_name(sinks.dtype))
 
 
-def _window_arg(sliding_window) -> int:
-    if sliding_window is None:
-        return 0
-    if int(sliding_window) < 1:
-        raise ValueError(f"sliding_window must be >= 1 or None; got {sliding_window}")
-    return int(sliding_window)
+def layer_key(query, key_cache, sliding_window=None, sinks=None) -> tuple:
+    """A cheap hashable summary of one layer call: layers with equal keys share a plan. It
+    leaves out the step's token count, so a layer keeps its key from step to step."""
+    return (tuple(query.shape[1:]), tuple(query.stride()), tuple(key_cache.shape), tuple(key_cache.stride()),
+            query.dtype, sliding_window, None if sinks is None else sinks.dtype)
 
 
-def _check_sinks(sinks, num_heads: int):
-    if sinks is not None and _shape(sinks) != (num_heads,):
-        raise ValueError(f"sinks must be [num_heads={num_heads}]; got {_shape(sinks)}")
+@dataclass(frozen=True)
+class PagedBatch:
+    """One step's packed batch as the kernels read it: device tensors and host bounds.
+
+    Device tensors: ``block_tables`` int32 ``[B, max_blocks]``, ``seq_lens_kv`` int32 ``[B]``,
+    ``cu_seqlens_q`` int32 ``[B + 1]``, ``slot_mapping`` int64 ``[T]`` (None: the plans store
+    no K/V). Rows ``[0, num_decodes)`` are decodes (their tokens first); the host ints bound
+    what the kernels are planned for, so planning never reads the device.
+    """
+
+    block_tables: Any
+    seq_lens_kv: Any
+    cu_seqlens_q: Any
+    slot_mapping: Any
+    block_size: int
+    num_reqs: int
+    num_tokens: int
+    num_decodes: int
+    num_decode_tokens: int
+    max_decode_query_len: int
+    max_decode_seq_len: int
+    max_prefill_query_len: int
+
+    @classmethod
+    def from_host(cls, block_tables, seq_lens_kv, cu_seqlens_q, slot_mapping=None, *, block_size: int,
+                  num_decodes: int, cu_seqlens_q_host, seq_lens_kv_host) -> PagedBatch:
+        """The batch, its bounds computed from host copies of ``cu_seqlens_q`` and ``seq_lens_kv``."""
+        cu = np.asarray(cu_seqlens_q_host, dtype=np.int64)
+        lens = np.asarray(seq_lens_kv_host, dtype=np.int64)
+        q_lens = np.diff(cu)
+        nd = int(num_decodes)
+        return cls(block_tables, seq_lens_kv, cu_seqlens_q, slot_mapping, int(block_size), len(lens), int(cu[-1]),
+                   nd, int(cu[nd]), int(q_lens[:nd].max(initial=0)), int(lens[:nd].max(initial=0)),
+                   int(q_lens[nd:].max(initial=0)))
+
+
+# ---------------------------------------------------------------------------------
+# Host side, part 2: a launch with its arguments bound once
+# ---------------------------------------------------------------------------------
+
+# Positions of the per-layer tensors in the tuple a plan hands its launches.
+_LAYER_TENSORS = {"q_ptr": 0, "key_cache_ptr": 1, "value_cache_ptr": 2, "out_ptr": 3, "sinks_ptr": 4}
+_STORE_TENSORS = {"key_ptr": 0, "value_ptr": 1, "key_cache_ptr": 2, "value_cache_ptr": 3}
+
+
+class Launch:
+    """One kernel launch, its grid and every argument bound at plan time except the
+    per-layer tensors (``layer``: parameter name -> position in the tuple of tensors each
+    call passes) and ``scale_log2``. ``config`` records the knobs it was planned with.
+
+    The first call looks the compiled kernel up by everything it depends on (the bound
+    arguments' exact values, the tensors' dtypes and 16-byte alignment, the options) in a
+    cache shared by all plans, so a later step's plan finds it there; on a miss it goes
+    through Triton's JIT, which compiles the kernel (or finds it in its own cache). From
+    then on a call hands the arguments, the tensors as addresses, straight to the compiled
+    kernel's launcher: no argument binding, no specialisation, no cache lookup. A call
+    whose tensors are not all 16-byte aligned goes through the JIT (the compiled kernel may
+    assume alignment). Under the CPU interpreter every call goes through the JIT.
+    """
+
+    __slots__ = ("name", "kernel", "grid", "options", "config", "_args", "_binds", "_scale_at", "_fast",
+                 "_launch")
+
+    def __init__(self, name: str, kernel, grid, args: dict, options: dict, layer: dict[str, int],
+                 config: dict | None = None):
+        names = kernel.arg_names
+        unknown = set(args) - set(names)
+        missing = [n for n in names if n not in args and n not in layer and n != "scale_log2"]
+        if unknown or missing:
+            raise TypeError(f"{kernel.__name__}: no parameters {sorted(unknown)}, unbound {missing}")
+        self.name, self.kernel, self.options = name, kernel, options
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.config = config or {}
+        self._args = [args.get(n) for n in names]
+        self._binds = tuple((i, layer[n]) for i, n in enumerate(names) if n in layer)
+        self._scale_at = names.index("scale_log2") if "scale_log2" in names else -1
+        self._fast = None  # the bound arguments with tensors as addresses, once compiled
+        self._launch = None  # launch(stream, args) of the compiled kernel
+
+    def __call__(self, tensors, ptrs, aligned: bool, scale_log2: float, stream) -> None:
+        """Launch with this layer's ``tensors`` (and their addresses ``ptrs``) on ``stream``."""
+        if aligned and self._fast is not None:
+            args = self._fast.copy()
+            for i, j in self._binds:
+                args[i] = ptrs[j]
+            if self._scale_at >= 0:
+                args[self._scale_at] = scale_log2
+            self._launch(stream, args)
+            return
+        if aligned:
+            key = self._key(tensors)
+            found = _COMPILED.get(key)
+            if found is not None:
+                self._fast, self._launch = self._addresses(), _launcher(found, self.grid)
+                self(tensors, ptrs, aligned, scale_log2, stream)
+                return
+        args = self._args.copy()
+        for i, j in self._binds:
+            args[i] = tensors[j]
+        if self._scale_at >= 0:
+            args[self._scale_at] = scale_log2
+        compiled = self.kernel[self.grid](*args, **self.options)
+        if aligned and isinstance(compiled, CompiledKernel):
+            _COMPILED[key] = compiled
+            self._fast, self._launch = self._addresses(), _launcher(compiled, self.grid)
+
+    def _key(self, tensors) -> tuple:
+        """What the compiled kernel depends on: options, bound values, tensor dtypes and alignment."""
+        key = [self.kernel, tuple(sorted(self.options.items())), _current_device()]
+        for a in self._args:
+            key.append((str(a.dtype), a.data_ptr() % 16 == 0) if hasattr(a, "data_ptr") else a)
+        key += [str(tensors[j].dtype) for _, j in self._binds]
+        return tuple(key)
+
+    def _addresses(self) -> list:
+        return [a.data_ptr() if hasattr(a, "data_ptr") else a for a in self._args]
+
+    def __repr__(self) -> str:
+        return f"Launch({self.name!r}, {self.kernel.__name__}, grid={self.grid}, {self.config})"
+
+
+# Compiled kernels by everything they depend on but the grid (``Launch._key``): found again by
+# later steps' plans.
+_COMPILED: dict[tuple, CompiledKernel] = {}
+
+
+def _launcher(compiled, grid):
+    """``launch(stream, args)`` of a compiled kernel: its launcher called directly where
+    Triton's launcher is the one this module knows (no scratch memory, no launch hooks),
+    else the compiled kernel's own ``kernel[grid](*args, stream=...)``."""
+    run = compiled.run
+    direct = getattr(run, "launch", None)
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)  # profilers' (Proton's)
+    if (direct is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+            or any(h is not None and getattr(h, "calls", True) for h in hooks)):
+        runner = compiled[grid]
+        return lambda stream, args: runner(*args, stream=stream)
+    head = (*grid, None, compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+            compiled.packed_metadata, None, None, None)
+
+    def launch(stream, args):
+        direct(head[0], head[1], head[2], stream, *head[4:], *args)
+
+    return launch
+
+
+@functools.cache
+def _driver():
+    return triton.runtime.driver.active
+
+
+def _current_device() -> int:
+    return _driver().get_current_device()
+
+
+def _current_stream():
+    driver = _driver()
+    return driver.get_current_stream(driver.get_current_device())
+
+
+def _launch_all(launches, tensors, scale_log2: float = 0.0) -> None:
+    """Run ``launches`` with one layer's ``tensors``: their addresses read once, one stream."""
+    ptrs = [t.data_ptr() for t in tensors]
+    bits = 0
+    for p in ptrs:
+        bits |= p
+    aligned = not bits & 15 and not _interpreting()  # the interpreter has no compiled kernels
+    stream = _current_stream() if aligned else None
+    for launch in launches:
+        launch(tensors, ptrs, aligned, scale_log2, stream)
+
+
+@functools.cache
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """One step's attention for one layer geometry, planned: its launches, their grids,
+    knobs and scratch buffers fixed. Every layer of that geometry then calls ``store_kv``
+    and ``run``, which only launch.
+
+    ``run`` trusts its tensors to have the plan's geometry (``StepPlans.for_layer`` picks
+    the plan by their shapes); it checks the token count and whether sinks were given.
+    """
+
+    geometry: LayerGeometry
+    num_tokens: int
+    launches: tuple[Launch, ...]
+    store: Launch | None = None
+
+    def store_kv(self, key, value, key_cache, value_cache) -> None:
+        """Write contiguous ``key``/``value`` ``[T, num_kv_heads, head_dim]`` to their slots."""
+        if self.store is None:
+            raise ValueError("this plan was made without a slot_mapping: it stores no K/V")
+        _launch_all((self.store,), (key, value, key_cache, value_cache))
+
+    def run(self, query, key_cache, value_cache, *, scale: float, sinks=None, out=None):
+        """Attention of ``query [T, num_heads, head_dim]`` over the caches; returns ``out``
+        (allocated like ``query`` when not given)."""
+        if query.shape[0] != self.num_tokens:
+            raise ValueError(f"the plan covers {self.num_tokens} tokens; query has {query.shape[0]}")
+        if (sinks is None) != (self.geometry.sinks is None):
+            raise ValueError("sinks given to a plan made without them, or missing from one made with them")
+        if out is None:
+            out = query.new_empty(query.shape)
+        elif tuple(out.stride()[:2]) != (self.geometry.num_heads * self.geometry.head_dim, self.geometry.head_dim):
+            raise ValueError("out must be contiguous [T, num_heads, head_dim]")
+        tensors = (query, key_cache, value_cache, out, query if sinks is None else sinks)
+        _launch_all(self.launches, tensors, float(scale) * LOG2E)
+        return out
+
+
+class StepPlans:
+    """The plans of one engine step, one per layer geometry: what ``build_metadata`` makes.
+
+    Geometries in ``known`` (a dict kept by the caller across steps: layer key ->
+    geometry) are planned here, up front; a layer with a new geometry is planned on its
+    first call and added to ``known``, so from the next step on it is planned up front
+    too. ``like``: any device tensor, for the scratch buffers' device.
+    """
+
+    def __init__(self, batch: PagedBatch, like, known: dict | None = None):
+        self.batch, self.like = batch, like
+        self.known = {} if known is None else known
+        self._plans = {key: plan_attention(batch, geometry, like) for key, geometry in self.known.items()}
+
+    def for_layer(self, query, key_cache, sliding_window=None, sinks=None) -> AttentionPlan:
+        """The plan for a layer with these tensors (one dictionary lookup once planned)."""
+        key = layer_key(query, key_cache, sliding_window, sinks)
+        plan = self._plans.get(key)
+        if plan is None:
+            geometry = LayerGeometry.of(query, key_cache, None, sliding_window, sinks)
+            if geometry.block_size != self.batch.block_size:
+                raise ValueError(f"cache block size {geometry.block_size} differs from the batch's "
+                                 f"block_size {self.batch.block_size}")
+            plan = self._plans[key] = plan_attention(self.batch, geometry, self.like)
+            self.known[key] = geometry
+        return plan
+
+
+# ---------------------------------------------------------------------------------
+# Host side, part 3: configuration tables and split planning
+# ---------------------------------------------------------------------------------
 
 
 class DecodeConfig(NamedTuple):
@@ -715,61 +985,53 @@ class DecodeConfig(NamedTuple):
     pdl: int = 0
 
 
-# The latency path's knobs: the kernels of 61b6940 as they were launched and measured
-# (contexts of 8k tokens and more: 5 stages, see ``decode_config``).
+# The latency path's knobs (contexts of 8k tokens and more buffer deeper: 5 stages, see ``decode_config``).
 LATENCY_CONFIG = DecodeConfig(64, 4, 3, 2, 1, merge_in_launch=False, latency_kernel=True)
 
 
 class PrefillConfig(NamedTuple):
     """Knobs of the prefill kernel: tile rows (query tokens x GQA heads), K/V tokens per tile,
-    warps and pipeline depth."""
+    warps, pipeline depth, whether a tile inside one page is addressed by one block id
+    (``PAGE_TILES``), and whether Triton may warp-specialise the unmasked loop."""
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    page_tiles: bool = True
+    warp_specialize: bool = False
 
 
 def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
                   max_query_len: int = 1, kv_heads_contiguous: bool = True, num_rows: int = 1024,
                   max_span: int = 0, num_sms: int = 132, latency_path: bool = True) -> DecodeConfig:
-    """The decode kernels' default knobs for a shape (a table measured on an H200, bf16).
+    """The decode kernels' default knobs for a shape, chosen by timing every setting on an
+    H200 in bf16 (``python -m fleetlab.bench.triton_attention --tune decode``; the
+    figures behind each rule are in the README's Triton section).
 
     ``latency_path=False``: never the latency path (``_decode_kernel``'s knobs only).
 
-    - ``heads_per_program > 1`` (several adjacent kv heads per program) pays where one
-      head's row of K is short (MHA at head_dim 64: 128 bytes per token and head).
+    - ``heads_per_program > 1`` (several adjacent kv heads per program) where one head's
+      row of K is short (MHA at head_dim 64: 128 bytes per token and head).
     - ``num_stages`` counts the block-table load as a stage of its own: 3 leaves one K/V
-      tile in flight per program, 5 two, 7 three. A large batch (several programs per
-      multiprocessor) hides latency with programs and wants 3; a batch whose contexts
-      are split (one program per multiprocessor) wants 5 and, over long contexts,
-      128-token tiles; rows of several query tokens want 5 once they fill more than 16
-      tile rows.
-    - ``programs_per_sm`` 1 where a 128-token, 5-stage program fills a multiprocessor's
-      shared memory alone (head_dim 128), 2 where two fit (head_dim 64: MHA d64 at
-      1 x 32k, 16 splits, 39.6 us against 42.6 with 8).
-    - Single-token rows (one query token per row), when the batch gets split:
+      tile in flight per program, 5 two. A batch with several programs per
+      multiprocessor hides latency with programs (3); a batch whose contexts are split
+      (one program per multiprocessor) buffers deeper (5), over long contexts with
+      128-token tiles; rows of several query tokens want 5 past 16 tile rows.
+    - ``programs_per_sm`` 2 where two 5-stage programs' buffers fit a multiprocessor's
+      shared memory (head_dim 64), else 1.
+    - Single-token rows, when the batch would be split:
 
       * a batch whose programs nearly fill the multiprocessors once (>= 7/8 of them) is
-        not split: the split and its merge cost more than the idle multiprocessors
-        (16 x 512: 15.5 us against 16.2 split in two; 16 x 2k: 37.7 against 41.0, at
-        16 x 2k and longer with 128-token tiles, 5 stages);
-      * small work (rows x kv heads x context <= 2**17 tokens: 1 x 512 .. 8k at 8 kv
-        heads, 1 x 32k and 16 x 2k at 4) takes the latency path: one kv head per program,
-        64-token tiles, 3 stages, about two programs per multiprocessor (splits rounded
-        up), merged by a second launch. The kernels of 61b6940, which it keeps, ran these
-        shapes 1.0-1.6x faster than any setting of ``_decode_kernel`` swept (e.g. 1 x 2k:
-        9.4 us against 12.1; 4 kv heads at 1 x 32k: 28.0 against 36.4), where every
-        extra split or wave of that kernel cost several microseconds;
-      * the latency path over 8k tokens and more buffers deeper, 5 stages (1 x 8k: 16.4
-        us against 17.7; 5 stages lose at 2k: 9.7 against 9.3);
-      * larger work keeps ``_decode_kernel`` with one kv head per program (MHA d64 at
-        1 x 32k: 39.6 us against 41.1 with two) and merges in a second launch of one
-        program per tile row (1 x 32k: 41.0 us against 44.2 with one program per kv head
-        and 44.8 merged in the same launch; without any merge the splits take 38.2), as a
-        programmatic dependent launch: let in at the start where two split programs share
-        a multiprocessor (MHA d64 1 x 32k: 39.8 us, 40.5 without), once the K/V are read
-        where one fills it (1 x 32k: 40.6, 40.8 without, 41.9 let in at the start).
+        not split: a split and its merge cost more than the idle multiprocessors (at
+        head_dim 256 on 8 warps: the 64-token tiles of a 512-byte row need them);
+      * small work (rows x kv heads x context <= 2**17 tokens) takes the latency path:
+        one kv head per program, 64-token tiles, about two programs per multiprocessor
+        (splits rounded up), merged by a second launch; 5 stages from 8k tokens on;
+      * larger work keeps ``_decode_kernel`` with one kv head per program and merges in
+        a second launch of one program per tile row, as a programmatic dependent launch:
+        let in at the split kernel's start where two split programs share a
+        multiprocessor, once the K/V are read where one fills it.
     """
     heads = 1
     if kv_heads_contiguous and max_query_len == 1 and group == 1:
@@ -782,8 +1044,8 @@ def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
     if max_query_len == 1:
         if num_rows * groups * 8 >= num_sms * 7:
             deep = max_span >= 2048  # 128-token tiles: more bytes in flight on each multiprocessor
-            return DecodeConfig((64 if wide else 128) if deep else (32 if wide else 64), 4, 5, 1, heads,
-                                may_split=False)
+            return DecodeConfig((64 if wide else 128) if deep else (32 if wide else 64), 8 if wide else 4, 5, 1,
+                                heads, may_split=False)
         if latency_path and num_rows * num_kv_heads * max_span <= 2**17 and elem_bytes * head_dim <= 256:
             return LATENCY_CONFIG._replace(num_stages=5) if max_span >= 8192 else LATENCY_CONFIG
         heads = 1
@@ -798,16 +1060,19 @@ def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
 
 
 def prefill_config(head_dim: int, group: int, elem_bytes: int, num_programs: int,
-                   max_query_len: int = 2048, num_sms: int = 132) -> PrefillConfig:
-    """The prefill kernel's default knobs for a shape (a table measured on an H200, bf16).
+                   max_query_len: int = 2048, num_sms: int = 132, block_size: int = 16) -> PrefillConfig:
+    """The prefill kernel's default knobs for a shape (from an H200 sweep, bf16).
 
     ``num_programs``: programs the launch would have with 128-row tiles. Long chunks and
     launches that leave multiprocessors idle (a chunk after a long context) want 64-token
-    K/V tiles on 8 warps, pipelined 5 deep; shorter chunks 32-token tiles on 4 warps.
+    K/V tiles on 8 warps, pipelined 5 deep; shorter chunks 32-token tiles on 4 warps. Pages
+    of 64 tokens or more hold a whole 64-token tile (one block id per tile), which makes
+    the 64-token tiles pay from 2k-token chunks on.
     """
     if elem_bytes * head_dim > 256:  # head_dim 256 (or fp32): registers and shared memory run short
         return PrefillConfig(64, 32, 4, 2)
-    if num_programs < num_sms or max_query_len >= 4096:
+    whole_pages = block_size % 64 == 0
+    if num_programs < num_sms or max_query_len >= 4096 or (whole_pages and max_query_len >= 2048):
         return PrefillConfig(128, 64, 8, 5)
     return PrefillConfig(128, 32, 4, 4)
 
@@ -825,9 +1090,8 @@ def plan_decode_splits(
     ``programs_per_sm * num_sms`` programs run (rounded down, so that no partial second
     wave of programs follows the first), never below one tile per split.
 
-    ``whole_waves=False`` is the latency path's rule (as the kernels of 61b6940 planned
-    and were measured with): split only a batch of fewer programs than multiprocessors,
-    rounding the split count up.
+    ``whole_waves=False`` is the latency path's rule: split only a batch of fewer
+    programs than multiprocessors, rounding the split count up.
     """
     programs = max(1, num_rows * num_kv_heads)
     tiles = max(1, math.ceil(max_span / block_n))
@@ -845,6 +1109,24 @@ def plan_decode_splits(
     return math.ceil(max(max_span, 1) / split_len), split_len
 
 
+def _splits(num_splits, num_rows: int, programs_per_row: int, max_span: int, cfg: DecodeConfig):
+    """``(num_splits, split_len)``: planned (``num_splits`` None) or forced, in whole tiles."""
+    if num_splits is None:
+        if not cfg.may_split:
+            return 1, max(max_span, 1)
+        return plan_decode_splits(num_rows, programs_per_row, max_span, block_n=cfg.block_n, num_sms=_num_sms(),
+                                  programs_per_sm=cfg.programs_per_sm, whole_waves=not cfg.latency_kernel)
+    if not 1 <= int(num_splits) <= MAX_SPLITS:
+        raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}]; got {num_splits}")
+    split_len = math.ceil(max(max_span, 1) / (int(num_splits) * cfg.block_n)) * cfg.block_n
+    return math.ceil(max(max_span, 1) / split_len), split_len
+
+
+def _split_chunk(num_splits: int, rows: int, block_d: int) -> int:
+    """Splits one merge load takes: as many as fit ``_MERGE_TILE`` fp32 elements of ``rows x block_d``."""
+    return max(1, min(_next_pow2(num_splits), _MERGE_TILE // (rows * block_d)))
+
+
 _COUNTERS: dict[str, object] = {}
 
 
@@ -858,26 +1140,237 @@ def _split_counters(like, n: int):
     buf = _COUNTERS.get(key)
     if buf is None or _shape(buf)[0] < n:
         size = max(1024, _next_pow2(n))
-        int32 = importlib.import_module(type(like).__module__.split(".")[0]).int32
-        buf = like.new_empty((size,), dtype=int32)
+        buf = like.new_empty((size,), dtype=_framework_dtype(like, "int32"))
         _zero_kernel[(math.ceil(size / 1024),)](buf, size, BLOCK=1024)
         _COUNTERS[key] = buf
     return buf
 
 
-MAX_DECODE_ROWS = 128  # query tokens x query heads one decode program can hold
-_MERGE_TILE = 8192  # fp32 elements of partial output the split merge loads at once
+# ---------------------------------------------------------------------------------
+# Host side, part 4: planning each kernel's launches
+# ---------------------------------------------------------------------------------
+
+# The split length an unsplit launch is given: longer than any context, and the same from step to
+# step, so that the launch's arguments (and its compiled kernel) stay the same as contexts grow.
+_WHOLE_CONTEXT = 1 << 30
+_DECODE_KNOBS = ("block_n", "num_warps", "num_stages", "programs_per_sm", "heads_per_program", "merge_in_launch",
+                 "latency_kernel", "merge_slice", "pdl")
+
+
+def _common_args(g: LayerGeometry, block_tables, seq_lens_kv) -> dict:
+    """Arguments every attention kernel takes alike (the per-layer tensors are bound per call)."""
+    cs = g.cache_strides
+    return {"block_tables_ptr": block_tables, "seq_lens_ptr": seq_lens_kv, "window": g.window,
+            "stride_qt": g.query_strides[0], "stride_qh": g.query_strides[1],
+            "stride_ot": g.num_heads * g.head_dim, "stride_oh": g.head_dim,
+            "stride_c_blk": cs[0], "stride_c_tok": cs[1], "stride_c_head": cs[2], "stride_bt": block_tables.stride()[0],
+            "HEAD_DIM": g.head_dim, "BLOCK_SIZE": g.block_size, "USE_WINDOW": bool(g.window),
+            "USE_SINKS": g.sinks is not None, "DOT_PRECISION": g.dot_precision}
+
+
+def _decode_launches(g: LayerGeometry, block_tables, seq_lens_kv, cu_seqlens_q, like, *, num_rows: int,
+                     max_query_len: int, max_seq_len: int, num_splits=None, **knobs) -> list[Launch]:
+    """The decode launches for rows ``[0, num_rows)`` (see ``decode_attention``)."""
+    unknown = set(knobs) - set(_DECODE_KNOBS)
+    if unknown:
+        raise TypeError(f"unknown decode knobs {sorted(unknown)}")
+    group = g.group
+    max_q = int(max_query_len) if cu_seqlens_q is not None else 1
+    if max_q < 1 or max_q * group > MAX_DECODE_ROWS:
+        raise ValueError(f"max_query_len {max_query_len} x group {group} must lie in [1, {MAX_DECODE_ROWS}]")
+    contiguous_heads = g.cache_strides[2] == g.head_dim
+    max_span = max(int(max_seq_len), 1)
+    if g.window:
+        max_span = min(max_span, g.window + max_q - 1)
+    latency = knobs.get("latency_kernel")
+    cfg = decode_config(g.head_dim, group, g.num_kv_heads, g.elem_bytes, max_q, contiguous_heads, num_rows,
+                        max_span, _num_sms(), latency_path=latency is not False)
+    if latency and not cfg.latency_kernel:  # forced: the latency path's own table row
+        cfg = LATENCY_CONFIG
+    cfg = cfg._replace(**{k: type(getattr(cfg, k))(v) for k, v in knobs.items() if v is not None})
+    pdl = cfg.pdl if _pdl_supported() else 0
+    if cfg.latency_kernel:
+        if max_q > 1 or cfg.heads_per_program != 1:
+            raise ValueError("the latency kernel takes single-token rows (no cu_seqlens_q) and heads_per_program 1")
+        return _latency_launches(g, block_tables, seq_lens_kv, like, cfg, num_rows, num_splits, max_span, pdl)
+    heads = cfg.heads_per_program
+    if g.num_kv_heads % heads or (heads > 1 and not contiguous_heads) or max_q * group * heads > MAX_DECODE_ROWS:
+        raise ValueError(f"heads_per_program {heads} must divide num_kv_heads {g.num_kv_heads}, with the "
+                         "kv heads of a token contiguous and at most MAX_DECODE_ROWS tile rows")
+    head_groups = g.num_kv_heads // heads
+    num_splits, split_len = _splits(num_splits, num_rows, head_groups, max_span, cfg)
+    kernel_split_len = split_len if num_splits > 1 else _WHOLE_CONTEXT
+    block_d = _next_pow2(heads * g.head_dim)
+    merge_rows = _next_pow2(max_q * group * heads)
+    split = num_splits > 1
+    merge_here = split and cfg.merge_in_launch
+    pdl = pdl if split and not merge_here else 0
+    rows_here = merge_rows if cfg.merge_slice <= 0 else min(merge_rows, _next_pow2(cfg.merge_slice))
+    if split:
+        parts = num_rows * head_groups * num_splits * merge_rows
+        part_o = like.new_empty((parts, block_d), dtype=_framework_dtype(like, "float32"))
+        part_lse = like.new_empty((parts,), dtype=_framework_dtype(like, "float32"))
+        counters = _split_counters(like, num_rows * head_groups) if merge_here else part_lse
+    else:
+        part_o = part_lse = counters = seq_lens_kv  # not read by the kernel
+    cu = cu_seqlens_q if cu_seqlens_q is not None else seq_lens_kv
+    config = cfg._asdict() | {"num_splits": num_splits, "split_len": split_len, "pdl": pdl}
+    common = _common_args(g, block_tables, seq_lens_kv)
+    shared = {"GROUP": group, "HEADS": heads, "MAX_Q": max_q, "BLOCK_D": block_d, "MERGE_ROWS": merge_rows,
+              "SPLITS_POW2": _next_pow2(num_splits), "part_o_ptr": part_o, "part_lse_ptr": part_lse,
+              "cu_seqlens_q_ptr": cu, "num_splits": num_splits}
+    launches = [Launch("decode", _decode_kernel, (num_rows, head_groups, num_splits), common | shared | {
+        "counter_ptr": counters, "split_len": kernel_split_len, "BLOCK_M": max(16, _next_pow2(max_q * group * heads)),
+        "BLOCK_N": cfg.block_n, "SPLIT": split, "MERGE_HERE": merge_here,
+        "SPLIT_CHUNK": _split_chunk(num_splits, merge_rows, block_d), "PDL": pdl,
+    }, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, _LAYER_TENSORS, config)]
+    if split and not merge_here:
+        merge_args = {k: common[k] for k in ("stride_ot", "stride_oh", "HEAD_DIM", "USE_SINKS")} | shared
+        launches.append(Launch("merge", _decode_merge_kernel, (num_rows, head_groups, merge_rows // rows_here),
+                               merge_args | {"ROWS_HERE": rows_here, "PDL": pdl,
+                                             "SPLIT_CHUNK": _split_chunk(num_splits, rows_here, block_d)},
+                               {"num_warps": 4, "launch_pdl": bool(pdl)}, _LAYER_TENSORS))
+    return launches
+
+
+def _latency_launches(g: LayerGeometry, block_tables, seq_lens_kv, like, cfg: DecodeConfig, num_rows: int,
+                      num_splits, max_span: int, pdl: int) -> list[Launch]:
+    """The latency path: ``_decode_latency_kernel`` over (row, kv head, split), then
+    ``_decode_reduce_kernel`` over (row, head) when the contexts are split."""
+    num_splits, split_len = _splits(num_splits, num_rows, g.num_kv_heads, max_span, cfg)
+    direct = num_splits == 1
+    pdl = bool(pdl) and not direct
+    if direct:
+        part_o = part_lse = seq_lens_kv  # not read by the kernel
+    else:
+        f32 = _framework_dtype(like, "float32")
+        part_o = like.new_empty((num_rows, g.num_heads, num_splits, g.head_dim), dtype=f32)
+        part_lse = like.new_empty((num_rows, g.num_heads, num_splits), dtype=f32)
+    common = _common_args(g, block_tables, seq_lens_kv)
+    shared = {"part_o_ptr": part_o, "part_lse_ptr": part_lse, "num_splits": num_splits, "NUM_HEADS": g.num_heads,
+              "BLOCK_D": _next_pow2(g.head_dim), "PDL": pdl}
+    config = cfg._asdict() | {"num_splits": num_splits, "split_len": split_len, "pdl": int(pdl)}
+    launches = [Launch("decode", _decode_latency_kernel, (num_rows, g.num_kv_heads, num_splits), common | shared | {
+        "split_len": split_len if num_splits > 1 else _WHOLE_CONTEXT, "GROUP": g.group,
+        "BLOCK_G": max(16, _next_pow2(g.group)), "BLOCK_N": cfg.block_n,
+        "DIRECT": direct,
+    }, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, _LAYER_TENSORS, config)]
+    if not direct:
+        reduce_args = {k: common[k] for k in ("stride_ot", "stride_oh", "HEAD_DIM", "USE_SINKS")} | shared
+        launches.append(Launch("merge", _decode_reduce_kernel, (num_rows, g.num_heads), reduce_args | {
+            "BLOCK_S": max(2, _next_pow2(num_splits))}, {"num_warps": 4, "launch_pdl": pdl}, _LAYER_TENSORS))
+    return launches
+
+
+def _prefill_launch(g: LayerGeometry, block_tables, seq_lens_kv, cu_seqlens_q, *, first_row: int, num_rows: int,
+                    max_query_len: int, block_m=None, block_n=None, num_warps=None, num_stages=None,
+                    page_tiles=None, warp_specialize=None) -> Launch:
+    """The prefill launch for rows ``[first_row, first_row + num_rows)`` (see ``prefill_attention``)."""
+    group = g.group
+    big_tiles = num_rows * g.num_kv_heads * math.ceil(max_query_len * group / 128)
+    cfg = prefill_config(g.head_dim, group, g.elem_bytes, big_tiles, int(max_query_len), _num_sms(), g.block_size)
+    forced = (block_m, block_n, num_warps, num_stages, page_tiles, warp_specialize)
+    cfg = PrefillConfig(*(c if v is None else type(c)(v) for c, v in zip(cfg, forced)))
+    bm = max(cfg.block_m, _next_pow2(group))
+    grid = (math.ceil(int(max_query_len) / (bm // group)), g.num_kv_heads, int(num_rows))
+    page_tiles = cfg.page_tiles and g.block_size % cfg.block_n == 0 and not g.window
+    return Launch("prefill", _prefill_kernel, grid, _common_args(g, block_tables, seq_lens_kv) | {
+        "cu_seqlens_q_ptr": cu_seqlens_q, "first_row": int(first_row), "GROUP": group,
+        "BLOCK_D": _next_pow2(g.head_dim), "BLOCK_M": bm, "BLOCK_N": cfg.block_n, "PAGE_TILES": page_tiles,
+        "WARP_SPECIALIZE": cfg.warp_specialize,
+    }, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, _LAYER_TENSORS,
+        cfg._asdict() | {"block_m": bm, "page_tiles": page_tiles})
+
+
+def _store_launch(g: LayerGeometry, slot_mapping, num_tokens: int) -> Launch:
+    """``_store_kv_kernel`` for ``num_tokens`` contiguous ``[T, num_kv_heads, head_dim]`` K/V rows."""
+    if g.cache_strides[0] != g.block_size * g.cache_strides[1]:
+        raise ValueError("store_kv needs the blocks of the cache laid out back to back (slot = block*bs + p)")
+    row = g.num_kv_heads * g.head_dim
+    return Launch("store_kv", _store_kv_kernel, (num_tokens,), {
+        "slot_ptr": slot_mapping, "stride_kt": row, "stride_kh": g.head_dim, "stride_vt": row,
+        "stride_vh": g.head_dim, "stride_c_slot": g.cache_strides[1], "stride_c_head": g.cache_strides[2],
+        "NUM_KV_HEADS": g.num_kv_heads, "HEAD_DIM": g.head_dim, "BLOCK_H": _next_pow2(g.num_kv_heads),
+        "BLOCK_D": _next_pow2(g.head_dim)}, {}, _STORE_TENSORS)
+
+
+def plan_attention(batch: PagedBatch, geometry: LayerGeometry, like=None) -> AttentionPlan:
+    """The plan of a whole decode-first packed batch for one layer geometry: the decode
+    kernel on rows ``[0, num_decodes)`` (the prefill kernel when their tokens x heads
+    pass ``MAX_DECODE_ROWS``), the prefill kernel on the rest, ``store_kv`` when the batch
+    has a ``slot_mapping``. ``like``: a device tensor for the scratch buffers (default
+    ``batch.seq_lens_kv``)."""
+    like = batch.seq_lens_kv if like is None else like
+    b, g, nd = batch, geometry, batch.num_decodes
+    launches = []
+    if nd and b.max_decode_query_len * g.group > MAX_DECODE_ROWS:
+        launches.append(_prefill_launch(g, b.block_tables, b.seq_lens_kv, b.cu_seqlens_q, first_row=0,
+                                        num_rows=nd, max_query_len=b.max_decode_query_len))
+    elif nd:
+        multi = b.num_decode_tokens > nd
+        launches += _decode_launches(g, b.block_tables, b.seq_lens_kv, b.cu_seqlens_q if multi else None, like,
+                                     num_rows=nd, max_query_len=b.max_decode_query_len if multi else 1,
+                                     max_seq_len=b.max_decode_seq_len)
+    if b.num_reqs > nd and b.max_prefill_query_len > 0:
+        launches.append(_prefill_launch(g, b.block_tables, b.seq_lens_kv, b.cu_seqlens_q, first_row=nd,
+                                        num_rows=b.num_reqs - nd, max_query_len=b.max_prefill_query_len))
+    store = None
+    if b.slot_mapping is not None and b.num_tokens:
+        store = _store_launch(g, b.slot_mapping, b.num_tokens)
+    return AttentionPlan(g, b.num_tokens, tuple(launches), store)
+
+
+def plan_decode(geometry: LayerGeometry, block_tables, seq_lens_kv, *, num_tokens: int, max_seq_len: int,
+                num_rows: int | None = None, cu_seqlens_q=None, max_query_len: int = 1, like=None,
+                num_splits: int | None = None, **knobs) -> AttentionPlan:
+    """A plan of decode rows alone (see ``decode_attention`` for the arguments and knobs)."""
+    num_rows = num_tokens if num_rows is None else int(num_rows)
+    launches = []
+    if num_rows > 0:
+        launches = _decode_launches(geometry, block_tables, seq_lens_kv, cu_seqlens_q,
+                                    seq_lens_kv if like is None else like, num_rows=num_rows,
+                                    max_query_len=max_query_len, max_seq_len=max_seq_len, num_splits=num_splits,
+                                    **knobs)
+    return AttentionPlan(geometry, int(num_tokens), tuple(launches))
+
+
+def plan_prefill(geometry: LayerGeometry, block_tables, seq_lens_kv, cu_seqlens_q, *, num_tokens: int,
+                 first_row: int, num_rows: int, max_query_len: int, **knobs) -> AttentionPlan:
+    """A plan of prefill rows alone (see ``prefill_attention`` for the arguments and knobs)."""
+    launches = ()
+    if num_rows > 0 and max_query_len > 0:
+        launches = (_prefill_launch(geometry, block_tables, seq_lens_kv, cu_seqlens_q, first_row=first_row,
+                                    num_rows=num_rows, max_query_len=max_query_len, **knobs),)
+    return AttentionPlan(geometry, int(num_tokens), launches)
+
+
+# ---------------------------------------------------------------------------------
+# Host side, part 5: one-call entry points (plan, then run once)
+# ---------------------------------------------------------------------------------
+
+
+def store_kv(key, value, key_cache, value_cache, slot_mapping) -> None:
+    """Write ``key``/``value`` ``[T, num_kv_heads, head_dim]`` into the paged caches.
+
+    Token ``t`` goes to slot ``slot_mapping[t]`` (int64 ``[T]``), i.e. block
+    ``slot // block_size``, offset ``slot % block_size``; slot -1 is skipped.
+    """
+    g = LayerGeometry.of(key, key_cache, value_cache)
+    num_tokens = _shape(slot_mapping)[0]
+    for name, t in (("key", key), ("value", value)):
+        if _shape(t) != (num_tokens, g.num_kv_heads, g.head_dim):
+            raise ValueError(f"{name} must be [{num_tokens}, {g.num_kv_heads}, {g.head_dim}]; got {_shape(t)}")
+        if tuple(t.stride()) != (g.num_kv_heads * g.head_dim, g.head_dim, 1):
+            raise ValueError(f"{name} must be contiguous")
+    if num_tokens:
+        _launch_all((_store_launch(g, slot_mapping, num_tokens),), (key, value, key_cache, value_cache))
 
 
 def decode_attention(
     query, key_cache, value_cache, block_tables, seq_lens_kv, *,
     max_seq_len: int, scale: float, sliding_window: int | None = None, sinks=None, out=None,
     num_rows: int | None = None, num_splits: int | None = None,
-    cu_seqlens_q=None, max_query_len: int = 1,
-    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-    programs_per_sm: int | None = None, heads_per_program: int | None = None,
-    merge_in_launch: bool | None = None, latency_kernel: bool | None = None, merge_slice: int | None = None,
-    pdl: int | None = None,
+    cu_seqlens_q=None, max_query_len: int = 1, **knobs,
 ):
     """Decode attention over block tables: 1..R query tokens per row, GQA, split-K.
 
@@ -895,159 +1388,27 @@ def decode_attention(
       max_query_len: a host upper bound on the rows' query lengths (``cu_seqlens_q`` given);
         ``max_query_len * group`` may not pass ``MAX_DECODE_ROWS``.
       num_splits: force this many context splits (default: ``plan_decode_splits``).
-      block_n / num_warps / num_stages / programs_per_sm / heads_per_program /
-        merge_in_launch / latency_kernel / merge_slice: tuning knobs (default:
-        ``decode_config``). The latency kernel takes single-token rows only (no
-        ``cu_seqlens_q``), one kv head per program, and ignores ``merge_in_launch`` (it
-        always merges in a second launch).
-      pdl: launch a second-launch merge as a programmatic dependent of the split kernel:
-        0/False off, 1/True let in at the split kernel's start, 2 once its K/V are read
+      knobs: ``block_n``, ``num_warps``, ``num_stages``, ``programs_per_sm``,
+        ``heads_per_program``, ``merge_in_launch``, ``latency_kernel``, ``merge_slice``
+        (default: ``decode_config``). The latency kernel takes single-token rows only (no
+        ``cu_seqlens_q``), one kv head per program, and always merges in a second launch.
+        ``pdl``: launch a second-launch merge as a programmatic dependent of the split
+        kernel: 0 off, 1 let in at the split kernel's start, 2 once its K/V are read
         (default: ``decode_config``'s choice where the GPU has it, Hopper; never under the
         interpreter). The latency path takes 0 or 1.
     Returns ``out [T, num_heads, head_dim]`` (the rows' tokens written; in place when given).
     """
-    _, block_size, num_kv_heads, head_dim = _check_cache(key_cache, value_cache)
-    num_heads, group = _check_query(query, key_cache, num_kv_heads, head_dim)
-    _check_sinks(sinks, num_heads)
-    window = _window_arg(sliding_window)
-    max_q = int(max_query_len) if cu_seqlens_q is not None else 1
-    if max_q < 1 or max_q * group > MAX_DECODE_ROWS:
-        raise ValueError(f"max_query_len {max_query_len} x group {group} must lie in [1, {MAX_DECODE_ROWS}]")
-    num_rows = _shape(query)[0] if num_rows is None else int(num_rows)
-    out = query.new_empty(_shape(query)) if out is None else out
-    if num_rows == 0:
-        return out
-    contiguous_heads = key_cache.stride()[2] == head_dim
-    max_span = int(max_seq_len)
-    if window:
-        max_span = min(max_span, window + max_q - 1)
-    cfg = decode_config(head_dim, group, num_kv_heads, _elem_bytes(query), max_q, contiguous_heads,
-                        num_rows, max_span, _num_sms(), latency_path=latency_kernel is not False)
-    if latency_kernel and not cfg.latency_kernel:  # forced: the latency path's own table row
-        cfg = LATENCY_CONFIG
-    forced = {"block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
-              "programs_per_sm": programs_per_sm, "heads_per_program": heads_per_program,
-              "merge_in_launch": merge_in_launch, "merge_slice": merge_slice, "pdl": pdl}
-    cfg = cfg._replace(**{k: type(getattr(cfg, k))(v) for k, v in forced.items() if v is not None})
-    pdl = cfg.pdl if _pdl_supported() else 0
-    if cfg.latency_kernel:
-        if max_q > 1 or cfg.heads_per_program != 1:
-            raise ValueError("the latency kernel takes single-token rows (no cu_seqlens_q) and "
-                             "heads_per_program 1")
-        return _decode_latency(query, key_cache, value_cache, block_tables, seq_lens_kv, out, cfg,
-                               num_rows=num_rows, num_splits=num_splits, max_span=max_span, scale=scale,
-                               window=window, sinks=sinks, group=group, num_heads=num_heads, pdl=pdl)
-    heads = cfg.heads_per_program
-    if num_kv_heads % heads or (heads > 1 and not contiguous_heads) or max_q * group * heads > MAX_DECODE_ROWS:
-        raise ValueError(f"heads_per_program {heads} must divide num_kv_heads {num_kv_heads}, with the "
-                         "kv heads of a token contiguous and at most MAX_DECODE_ROWS tile rows")
-    head_groups = num_kv_heads // heads
-    num_splits, split_len = _splits(num_splits, num_rows, head_groups, max_span, cfg)
-    block_m = max(16, _next_pow2(max_q * group * heads))
-    block_d = _next_pow2(heads * head_dim)
-    merge_rows = _next_pow2(max_q * group * heads)
-    split = num_splits > 1
-    merge_here = split and cfg.merge_in_launch
-    pdl = pdl if split and not merge_here else 0
-    rows_here = merge_rows if cfg.merge_slice <= 0 else min(merge_rows, _next_pow2(cfg.merge_slice))
-    if split:
-        f32 = _float32_like(query)
-        parts = num_rows * head_groups * num_splits * merge_rows
-        part_o = query.new_empty((parts, block_d), dtype=f32)
-        part_lse = query.new_empty((parts,), dtype=f32)
-        counters = _split_counters(query, num_rows * head_groups) if merge_here else out
-    else:
-        part_o = part_lse = counters = out  # unused by the kernel
-    cs = key_cache.stride()
-    _decode_kernel[(num_rows, head_groups, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens_kv,
-        cu_seqlens_q if cu_seqlens_q is not None else seq_lens_kv,
-        sinks if sinks is not None else query, out, part_o, part_lse, counters,
-        float(scale) * LOG2E, window, split_len, num_splits,
-        query.stride()[0], query.stride()[1], out.stride()[0], out.stride()[1],
-        cs[0], cs[1], cs[2], block_tables.stride()[0],
-        GROUP=group, HEADS=heads, MAX_Q=max_q, BLOCK_M=block_m,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size, BLOCK_N=cfg.block_n,
-        USE_WINDOW=bool(window), USE_SINKS=sinks is not None, SPLIT=split, MERGE_HERE=merge_here,
-        MERGE_ROWS=merge_rows, SPLIT_CHUNK=_split_chunk(num_splits, merge_rows, block_d),
-        SPLITS_POW2=_next_pow2(num_splits),
-        DOT_PRECISION=_dot_precision(query), PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if split and not merge_here:
-        _decode_merge_kernel[(num_rows, head_groups, merge_rows // rows_here)](
-            part_o, part_lse, sinks if sinks is not None else query, out,
-            cu_seqlens_q if cu_seqlens_q is not None else seq_lens_kv, num_splits,
-            out.stride()[0], out.stride()[1],
-            GROUP=group, HEADS=heads, MAX_Q=max_q, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            MERGE_ROWS=merge_rows, ROWS_HERE=rows_here, SPLIT_CHUNK=_split_chunk(num_splits, rows_here, block_d),
-            SPLITS_POW2=_next_pow2(num_splits), USE_SINKS=sinks is not None, PDL=pdl, num_warps=4,
-            launch_pdl=bool(pdl),
-        )
-    return out
-
-
-def _split_chunk(num_splits: int, rows: int, block_d: int) -> int:
-    """Splits one merge load takes: as many as fit ``_MERGE_TILE`` fp32 elements of ``rows x block_d``."""
-    return max(1, min(_next_pow2(num_splits), _MERGE_TILE // (rows * block_d)))
-
-
-def _splits(num_splits, num_rows: int, programs_per_row: int, max_span: int, cfg: DecodeConfig):
-    """``(num_splits, split_len)``: planned (``num_splits`` None) or forced, in whole tiles."""
-    if num_splits is None:
-        if not cfg.may_split:
-            return 1, max(max_span, 1)
-        return plan_decode_splits(num_rows, programs_per_row, max_span, block_n=cfg.block_n, num_sms=_num_sms(),
-                                  programs_per_sm=cfg.programs_per_sm, whole_waves=not cfg.latency_kernel)
-    if not 1 <= int(num_splits) <= MAX_SPLITS:
-        raise ValueError(f"num_splits must lie in [1, {MAX_SPLITS}]; got {num_splits}")
-    split_len = math.ceil(max(max_span, 1) / (int(num_splits) * cfg.block_n)) * cfg.block_n
-    return math.ceil(max(max_span, 1) / split_len), split_len
-
-
-def _decode_latency(query, key_cache, value_cache, block_tables, seq_lens_kv, out, cfg: DecodeConfig, *,
-                    num_rows: int, num_splits, max_span: int, scale: float, window: int, sinks, group: int,
-                    num_heads: int, pdl: bool):
-    """The latency path of ``decode_attention``: ``_decode_latency_kernel`` over (row, kv head,
-    split), then ``_decode_reduce_kernel`` over (row, head) when the contexts were split."""
-    num_kv_heads, head_dim = _shape(key_cache)[2], _shape(key_cache)[3]
-    num_splits, split_len = _splits(num_splits, num_rows, num_kv_heads, max_span, cfg)
-    direct = num_splits == 1
-    pdl = bool(pdl) and not direct
-    if direct:
-        part_o = part_lse = out  # unused by the kernel
-    else:
-        f32 = _float32_like(query)
-        part_o = query.new_empty((num_rows, num_heads, num_splits, head_dim), dtype=f32)
-        part_lse = query.new_empty((num_rows, num_heads, num_splits), dtype=f32)
-    cs = key_cache.stride()
-    _decode_latency_kernel[(num_rows, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens_kv,
-        sinks if sinks is not None else query, out, part_o, part_lse,
-        float(scale) * LOG2E, window, split_len, num_splits,
-        query.stride()[0], query.stride()[1], out.stride()[0], out.stride()[1],
-        cs[0], cs[1], cs[2], block_tables.stride()[0],
-        NUM_HEADS=num_heads, GROUP=group, BLOCK_G=max(16, _next_pow2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=_shape(key_cache)[1], BLOCK_N=cfg.block_n,
-        USE_WINDOW=bool(window), USE_SINKS=sinks is not None, DIRECT=direct,
-        DOT_PRECISION=_dot_precision(query), PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if not direct:
-        _decode_reduce_kernel[(num_rows, num_heads)](
-            part_o, part_lse, sinks if sinks is not None else part_lse, out, num_splits,
-            out.stride()[0], out.stride()[1],
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim),
-            BLOCK_S=max(2, _next_pow2(num_splits)), USE_SINKS=sinks is not None, PDL=pdl, num_warps=4,
-            launch_pdl=pdl,
-        )
-    return out
+    g = LayerGeometry.of(query, key_cache, value_cache, sliding_window, sinks)
+    plan = plan_decode(g, block_tables, seq_lens_kv, num_tokens=_shape(query)[0], max_seq_len=max_seq_len,
+                       num_rows=num_rows, cu_seqlens_q=cu_seqlens_q, max_query_len=max_query_len, like=query,
+                       num_splits=num_splits, **knobs)
+    return plan.run(query, key_cache, value_cache, scale=scale, sinks=sinks, out=out)
 
 
 def prefill_attention(
     query, key_cache, value_cache, block_tables, seq_lens_kv, cu_seqlens_q, *,
     first_row: int, num_rows: int, max_query_len: int, scale: float,
-    sliding_window: int | None = None, sinks=None, out=None,
-    block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    sliding_window: int | None = None, sinks=None, out=None, **knobs,
 ):
     """Attention of packed prefill chunks over the paged cache (causal in the chunk).
 
@@ -1056,35 +1417,13 @@ def prefill_attention(
     [T, num_heads, head_dim]``, at positions ``seq_lens_kv[i] - q_len + j``; their K/V
     are already in the cache. ``max_query_len`` (host int) bounds the rows' query
     lengths. Other tokens of ``out`` are left untouched. Returns ``out [T, H, D]``.
-    ``block_m`` / ``block_n`` / ``num_warps`` / ``num_stages``: tuning knobs (default:
-    ``prefill_config``).
+    knobs: ``block_m``, ``block_n``, ``num_warps``, ``num_stages``, ``page_tiles``,
+    ``warp_specialize`` (default: ``prefill_config``).
     """
-    _, block_size, num_kv_heads, head_dim = _check_cache(key_cache, value_cache)
-    num_heads, group = _check_query(query, key_cache, num_kv_heads, head_dim)
-    _check_sinks(sinks, num_heads)
-    window = _window_arg(sliding_window)
-    out = query.new_empty(_shape(query)) if out is None else out
-    if num_rows <= 0 or max_query_len <= 0:
-        return out
-    big_tiles = num_rows * num_kv_heads * math.ceil(max_query_len * group / 128)
-    cfg = prefill_config(head_dim, group, _elem_bytes(query), big_tiles, int(max_query_len), _num_sms())
-    cfg = PrefillConfig(*(cfg[i] if v is None else int(v) for i, v in enumerate(
-        (block_m, block_n, num_warps, num_stages))))
-    bm = max(cfg.block_m, _next_pow2(group))
-    tokens_per_tile = bm // group
-    grid = (math.ceil(int(max_query_len) / tokens_per_tile), num_kv_heads, int(num_rows))
-    cs = key_cache.stride()
-    _prefill_kernel[grid](
-        query, key_cache, value_cache, block_tables, seq_lens_kv, cu_seqlens_q,
-        sinks if sinks is not None else query, out,
-        float(scale) * LOG2E, window, int(first_row),
-        query.stride()[0], query.stride()[1], out.stride()[0], out.stride()[1],
-        cs[0], cs[1], cs[2], block_tables.stride()[0],
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=_next_pow2(head_dim), BLOCK_SIZE=block_size,
-        BLOCK_M=bm, BLOCK_N=cfg.block_n, USE_WINDOW=bool(window), USE_SINKS=sinks is not None,
-        DOT_PRECISION=_dot_precision(query), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out
+    g = LayerGeometry.of(query, key_cache, value_cache, sliding_window, sinks)
+    plan = plan_prefill(g, block_tables, seq_lens_kv, cu_seqlens_q, num_tokens=_shape(query)[0],
+                        first_row=first_row, num_rows=num_rows, max_query_len=max_query_len, **knobs)
+    return plan.run(query, key_cache, value_cache, scale=scale, sinks=sinks, out=out)
 
 
 def paged_attention(
@@ -1093,37 +1432,22 @@ def paged_attention(
     sliding_window: int | None = None, sinks=None, out=None,
     num_decode_tokens: int | None = None, max_decode_query_len: int | None = None,
 ):
-    """A whole decode-first packed batch: decode kernel for rows ``[0, num_decodes)``,
-    prefill kernel for the rest. ``query``/``out`` ``[T, num_heads, head_dim]``.
+    """A whole decode-first packed batch in one call (``plan_attention``, then ``run``):
+    decode kernel for rows ``[0, num_decodes)``, prefill kernel for the rest.
+    ``query``/``out`` ``[T, num_heads, head_dim]``.
 
     Host ints: ``max_query_len`` bounds the prefill rows' query lengths and
     ``max_decode_seq_len`` the decode rows' context lengths. ``num_decode_tokens``
     (default ``num_decodes``) counts the decode rows' tokens: more than one per row
     means multi-token decode rows (speculative verification), whose query lengths
     ``max_decode_query_len`` bounds (default: the largest any split of the tokens allows).
-    Decode rows too long for the decode kernel (``MAX_DECODE_ROWS``) go to the prefill kernel.
     """
-    out = query.new_empty(_shape(query)) if out is None else out
-    num_reqs = _shape(seq_lens_kv)[0]
     num_decode_tokens = num_decodes if num_decode_tokens is None else int(num_decode_tokens)
     if max_decode_query_len is None:
         max_decode_query_len = num_decode_tokens - num_decodes + 1 if num_decodes else 0
-    group = _shape(query)[1] // _shape(key_cache)[2]
-    if num_decodes > 0 and max_decode_query_len * group > MAX_DECODE_ROWS:
-        prefill_attention(
-            query, key_cache, value_cache, block_tables, seq_lens_kv, cu_seqlens_q,
-            first_row=0, num_rows=num_decodes, max_query_len=max_decode_query_len,
-            scale=scale, sliding_window=sliding_window, sinks=sinks, out=out)
-    elif num_decodes > 0:
-        multi = num_decode_tokens > num_decodes
-        decode_attention(
-            query, key_cache, value_cache, block_tables, seq_lens_kv, num_rows=num_decodes,
-            max_seq_len=max_decode_seq_len, scale=scale, sliding_window=sliding_window, sinks=sinks,
-            out=out, cu_seqlens_q=cu_seqlens_q if multi else None,
-            max_query_len=max_decode_query_len if multi else 1)
-    if num_reqs > num_decodes:
-        prefill_attention(
-            query, key_cache, value_cache, block_tables, seq_lens_kv, cu_seqlens_q,
-            first_row=num_decodes, num_rows=num_reqs - num_decodes, max_query_len=max_query_len,
-            scale=scale, sliding_window=sliding_window, sinks=sinks, out=out)
-    return out
+    g = LayerGeometry.of(query, key_cache, value_cache, sliding_window, sinks)
+    batch = PagedBatch(block_tables, seq_lens_kv, cu_seqlens_q, None, block_size=g.block_size,
+                       num_reqs=_shape(seq_lens_kv)[0], num_tokens=_shape(query)[0], num_decodes=num_decodes,
+                       num_decode_tokens=num_decode_tokens, max_decode_query_len=max_decode_query_len,
+                       max_decode_seq_len=max_decode_seq_len, max_prefill_query_len=max_query_len)
+    return plan_attention(batch, g, like=query).run(query, key_cache, value_cache, scale=scale, sinks=sinks, out=out)
