@@ -25,6 +25,7 @@ same requests as this batch's rows by construction (the lockstep invariant).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -387,33 +388,37 @@ class InputBatch:
         self._np["num_spec_tokens"][row] = 0
         self._synced_rows = None
 
-    def update_request(self, req_id, new_token_ids: Iterable[int], new_block_ids: Iterable[int],
-                       num_computed_tokens: int, num_blocks: int | None = None) -> int:
-        """Apply one step's diff to a request the batch holds; returns its row.
+    def update_requests(self, req_ids, new_token_ids, new_block_ids, num_computed_tokens, num_blocks) -> None:
+        """Apply one step's diffs to requests the batch holds (one entry per request in each
+        list, as ``CachedRequestData`` carries them): tokens and block ids appended, each block
+        table first cut to ``num_blocks - len(new_block_ids)`` entries (blocks past rejected
+        drafts were freed), ``num_computed_tokens`` set. The scheduler's diffs always fit: the
+        batch was sized for its ``max_model_len``, and nothing here re-checks them."""
+        if not len(req_ids):
+            return
+        rows = np.fromiter((self._req_id_to_row[r] for r in req_ids), np.int64, len(req_ids))
+        keep = np.asarray(num_blocks, dtype=np.int64) - [len(b) for b in new_block_ids]
+        table, width = self._np["block_table"], self.sizes["max_blocks_per_seq"]
+        cut = keep < self._np["num_blocks"][rows]
+        if cut.any():  # the tables of rows that lost blocks: -1 past what they keep
+            table[rows[cut]] = np.where(np.arange(width) < keep[cut, None], table[rows[cut]], -1)
+        self._np["num_blocks"][rows] = keep
+        self._np["num_output_tokens"][rows] += self._append(rows, new_token_ids, "token_ids", "num_tokens")
+        self._append(rows, new_block_ids, "block_table", "num_blocks")
+        self._np["num_computed_tokens"][rows] = num_computed_tokens
+        self._np["num_spec_tokens"][rows] = 0
+        self._synced_rows = None
 
-        ``num_blocks``: the table's length after the diff; the table is first cut to
-        ``num_blocks - len(new_block_ids)`` entries (None: nothing is cut)."""
-        row = self.row_of(req_id)
-        new_token_ids = list(new_token_ids)
-        new_block_ids = list(new_block_ids)
-        if num_blocks is not None:
-            keep = num_blocks - len(new_block_ids)
-            if not 0 <= keep <= int(self._np["num_blocks"][row]):
-                raise ValueError(f"request {req_id!r}: field 'num_blocks'={num_blocks} with {len(new_block_ids)} "
-                                 f"new blocks does not fit its {int(self._np['num_blocks'][row])} held blocks")
-            self._np["block_table"][row, keep:] = -1
-            self._np["num_blocks"][row] = keep
-        num_tokens = int(self._np["num_tokens"][row]) + len(new_token_ids)
-        if not 0 <= num_computed_tokens <= num_tokens:
-            raise ValueError(f"request {req_id!r}: field 'num_computed_tokens'={num_computed_tokens} "
-                             f"must be in [0, {num_tokens}]")
-        if new_token_ids:
-            self.append_tokens(row, new_token_ids)
-        if new_block_ids:
-            self.append_block_ids(row, new_block_ids)
-        self._np["num_computed_tokens"][row] = num_computed_tokens
-        self._np["num_spec_tokens"][row] = 0
-        return row
+    def _append(self, rows: np.ndarray, values, buffer: str, count: str) -> np.ndarray:
+        """Append ``values[i]`` to row ``rows[i]`` of ``buffer`` after its ``count`` entries
+        (one fancy-indexed write for all rows); returns how many each row got."""
+        lens = np.fromiter(map(len, values), np.int64, len(values))
+        if lens.any():
+            starts = np.repeat(self._np[count][rows] - np.cumsum(lens) + lens, lens)
+            flat = np.fromiter(itertools.chain.from_iterable(values), np.int64, int(lens.sum()))
+            self._np[buffer][np.repeat(rows, lens), starts + np.arange(len(flat))] = flat
+            self._np[count][rows] += lens
+        return lens
 
     def set_spec_tokens(self, req_id, draft_token_ids: Iterable[int]) -> None:
         """Write the drafts a row verifies this step after its known tokens (``token_ids``
@@ -444,20 +449,18 @@ class InputBatch:
     def set_num_scheduled(self, num_scheduled: Mapping[object, int]) -> None:
         """Set this step's query length per request id (known tokens plus drafts); requests
         left out get 0."""
-        rows = {}
-        for req_id, n in num_scheduled.items():  # check everything before writing anything
-            row = self.row_of(req_id)
-            room = int(self._np["num_tokens"][row] + self._np["num_spec_tokens"][row]
-                       - self._np["num_computed_tokens"][row])
-            if not 0 <= n <= room:
-                raise ValueError(
-                    f"request {req_id!r}: field 'num_scheduled_tokens'={n} must be in [0, {room}] "
-                    "(num_tokens + num_spec_tokens - num_computed_tokens)"
-                )
-            rows[row] = n
+        rows = np.fromiter((self.row_of(r) for r in num_scheduled), np.int64, len(num_scheduled))
+        n = np.fromiter(num_scheduled.values(), np.int64, len(num_scheduled))
+        room = (self._np["num_tokens"][rows] + self._np["num_spec_tokens"][rows]
+                - self._np["num_computed_tokens"][rows])
+        bad = np.flatnonzero((n < 0) | (n > room))  # check everything before writing anything
+        if len(bad):
+            req_id, i = list(num_scheduled)[bad[0]], bad[0]
+            raise ValueError(f"request {req_id!r}: field 'num_scheduled_tokens'={n[i]} must be in [0, {room[i]}] "
+                             "(num_tokens + num_spec_tokens - num_computed_tokens)")
         sched = self._np["num_scheduled_tokens"]
         sched[: self._num_rows] = 0
-        sched[list(rows)] = list(rows.values())
+        sched[rows] = n
 
     def _live_req(self, row: int):
         if not 0 <= row < self._num_rows or self._np["req_id"][row] is None:

@@ -108,9 +108,8 @@ class ModelRunner:
                           num_computed_tokens=new.num_computed_tokens, block_ids=new.block_ids,
                           sampling=new.sampling, eos_token_id=new.sampling.eos_token_id, extra=new.extra)
         cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            b.update_request(req_id, cached.new_token_ids[i], cached.new_block_ids[i], cached.num_computed_tokens[i],
-                             cached.num_blocks[i])
+        b.update_requests(cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens,
+                          cached.num_blocks)
         for req_id, drafts in so.scheduled_spec_decode_tokens.items():
             b.set_spec_tokens(req_id, drafts)
         b.condense()

@@ -175,7 +175,8 @@ class Scheduler:
             blocks = self.kv.get_block_ids(rid)
             if rid in self._sent:
                 num_tokens, num_blocks = self._sent[rid]
-                out.scheduled_cached_reqs.add(rid, req.all_token_ids[num_tokens:], blocks[num_blocks:], len(blocks),
+                new_tokens = req.output_token_ids[num_tokens - req.num_prompt_tokens:]  # it has the prompt
+                out.scheduled_cached_reqs.add(rid, new_tokens, blocks[num_blocks:], len(blocks),
                                               req.num_computed_tokens)
             else:
                 out.scheduled_new_reqs.append(self._new_request_data(req, blocks))

@@ -216,7 +216,7 @@ def tiny_fleet(seed: int = 0, **overrides) -> FleetForCausalLM:
     ``overrides`` replace :class:`FleetConfig` fields (an unknown name raises ``TypeError``).
     Paddle's global random state is restored afterwards, as in ``tiny_paddleformers``.
     """
-    from fleetlab.models.small import seeded, check_dtype
+    from fleetlab.models.small import check_dtype, seeded
 
     config = dataclasses.replace(FleetConfig(), **overrides)
     config.dtype = check_dtype(config.dtype)
