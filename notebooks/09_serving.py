@@ -104,9 +104,13 @@ for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
     print(f"{token!r:8} logprob {logprob:7.3f}   top: {alternatives}")
 
 # %% [markdown]
-# The tiny model is nearly certain of `19` (log-probabilities close to 0, i.e. probabilities close
-# to 1), and the EOS token that ends the answer shows as `<eos>`. `echo=True` with `logprobs` also
-# scores the prompt's own tokens, which is how evaluation harnesses compute a text's likelihood.
+# The three answers differ (with these weights and `seed=1`: `'4 5 6 7'`, `'4 5'` and `'4 5 6 7 '`;
+# the second drew the EOS token early). The log-probabilities show what greedy decoding hides: the
+# tiny model is sure of the `1` (logprob -0.01, probability 0.99) but torn on the second digit, `9`
+# at -0.61 (probability 0.54) against `8` at -0.79 (0.45). Greedy takes the `9`; a sampled answer
+# says `18` almost half the time. The EOS token that ends the answer shows as `<eos>`. `echo=True`
+# with `logprobs` also scores the prompt's own tokens, which is how evaluation harnesses compute a
+# text's likelihood.
 #
 # ## 4. What the server refuses, and what it reports
 #
