@@ -14,7 +14,6 @@ from fleetlab.engine.batch_fields import DEFAULT_FIELDS
 from fleetlab.engine.penalties import PenaltiesProcessor
 from fleetlab.engine.sampler import SamplingTensors
 from fleetlab.patching.parity import full_forward_logits, reference_greedy
-from fleetlab.syncs import count_syncs, describe
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -131,25 +130,6 @@ def test_logprobs_match_the_full_forward_across_chunks_prefix_hits_and_preemptio
                    for p, o, sp in zip(prompts, outs, sps)]
         assert checked == [6 + 22, 6, 29, 0]
         assert outs[3].logprobs is None and outs[3].prompt_logprobs is None and outs[3].cumulative_logprob is None
-
-
-def test_a_step_with_logprobs_still_reads_the_device_once(fleet_model):
-    prompts = random_prompts([5, 12, 7], seed=8)
-    sps = [SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2),
-           SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, seed=1, logprobs=1,
-                          frequency_penalty=0.5, logit_bias={4: 2.0}),
-           SamplingParams(max_tokens=4, ignore_eos=True, repetition_penalty=1.2)]
-    with LLM(fleet_model, block_size=4, max_num_batched_tokens=8) as llm:
-        for p, sp in zip(prompts, sps):
-            llm.add_request(prompt_token_ids=p, sampling_params=sp)
-        logs = []
-        while llm.has_unfinished_requests():
-            with count_syncs() as log:
-                llm.step()
-            logs.append(log)
-    for log in logs:
-        assert log.num_reads == 1, describe(log)
-        assert [e.site.split(":")[0] for e in log.reads] == ["engine/sampler.py"]
 
 
 # ----------------------------------------------------------------------------- bias and penalties
