@@ -10,6 +10,12 @@ token ids into text. Every :meth:`LLM.step` is three moves: the scheduler plans
 (``SchedulerOutput``), the model runner executes (``ModelRunnerOutput``), the scheduler
 commits and returns the step's outputs. A step applies entirely or not at all: if the runner
 raises, the scheduler rolls the plan back and the runner is reset.
+
+Two things happen here rather than in the core: a request with ``n > 1`` (or ``best_of``) is
+fanned out into child requests and their outputs fanned back in
+(:mod:`fleetlab.engine.parallel_sampling`), and each request's log-probabilities are kept
+across steps (:class:`~fleetlab.engine.logprobs.LogprobsCollector`). Logit bias and penalties
+are a logits processor the engine always installs (:mod:`fleetlab.engine.penalties`).
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ from tqdm.auto import tqdm
 from fleetlab.device import check_model_dtype_runs
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS
 from fleetlab.engine.input_batch import InputBatch
+from fleetlab.engine.logprobs import LogprobsCollector
 from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.observe import StepRecorder, StepTrace
 from fleetlab.engine.outputs import RequestOutput
+from fleetlab.engine.parallel_sampling import ParentRequest
+from fleetlab.engine.penalties import PenaltiesProcessor
 from fleetlab.engine.sampler import Sampler
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
@@ -61,7 +70,8 @@ class LLM:
         prototype, e.g. a LoRA id): set per request with ``add_request(..., extra={...})``,
         moved with its row, and readable by the attention backend (``metadata.batch``).
       logits_processors: :class:`~fleetlab.engine.logits_processor.LogitsProcessor` s the
-        sampler applies to every step's logits (their fields join the batch's).
+        sampler applies to every step's logits, after the built-in logit bias and penalties
+        (their fields join the batch's).
       **config: fields of :class:`~fleetlab.EngineConfig` (``speculative_config={...}``
         turns speculative decoding on: see :class:`~fleetlab.spec_decode.config.SpeculativeConfig`).
     """
@@ -76,6 +86,9 @@ class LLM:
             from fleetlab.distributed.engine import TensorParallelState  # paddle.distributed: only when asked
 
             self.tensor_parallel = TensorParallelState.prepare(model, cfg.tensor_parallel_size)
+        self._parents: dict[str, ParentRequest] = {}  # parallel sampling: child request id -> its parent
+        self._parent_ids: dict[str, ParentRequest] = {}  # parent id -> parent, while a child runs
+        self._logprobs = LogprobsCollector()
         self._owns_handle = not isinstance(model, PatchHandle)
         self.handle = patch_model(model, backend=cfg.backend) if self._owns_handle else model
         # Closing happens once, on close() or when the LLM is garbage-collected (a notebook
@@ -84,7 +97,7 @@ class LLM:
         self._finalizer = weakref.finalize(self, _release, self.handle if self._owns_handle else None,
                                            self._closables)
         try:
-            self._build(cfg, list(batch_fields), list(logits_processors))
+            self._build(cfg, list(batch_fields), [PenaltiesProcessor(), *logits_processors])
         except Exception:
             self.close()  # a failed construction leaves the models as they were
             raise
@@ -129,7 +142,8 @@ class LLM:
             self.tokenizer, vocab_size=self.handle.vocab_size, max_model_len=self.max_model_len,
             eos_token_id=self.handle.eos_token_id, hidden_size=self.handle.hidden_size, block_size=cfg.block_size,
             num_blocks=num_blocks, max_stop_ids=batch.sizes["max_stop_ids"], batch_fields=batch.fields,
-            processors=processors, num_lookahead_tokens=lookahead, seed=cfg.seed)
+            processors=processors, num_lookahead_tokens=lookahead, speculative=self.proposer is not None,
+            seed=cfg.seed)
         self.observers: list = []  # anything with on_step(scheduler_output, runner_output, outputs)
         self.spec_stats = SpecDecodingStats() if self.proposer else None
         self.recorder = StepRecorder(self) if cfg.record_traces else None
@@ -161,17 +175,39 @@ class LLM:
                     prompt_token_ids: Sequence[int] | None = None, request_id: str | None = None,
                     priority: int = 0, prompt_embeds=None, extra: dict | None = None) -> str:
         """Queue one request; returns its id. Raises ``ValueError`` naming the request and
-        the bad field before anything is queued.
+        the bad field before anything is queued. With ``sampling_params.n > 1`` its ``n``
+        sequences come back as outputs with this id and ``index`` 0 to n - 1.
 
         ``prompt_embeds``: side data such as image features, ``{prompt position: vector
         [hidden_size]}`` (or ``[num_prompt_tokens, hidden_size]``) used instead of those
         tokens' own embeddings (see :mod:`fleetlab.engine.side_data`). ``extra``: values of
         the engine's extra batch fields (``LLM(..., batch_fields=...)``) by name.
         """
-        req = self.processor.process(prompt, sampling_params, prompt_token_ids, request_id, self.scheduler.requests,
-                                     priority, prompt_embeds, extra)
-        self.scheduler.add_request(req)
+        live = _LiveIds(self.scheduler.requests, self._parent_ids)
+        req = self.processor.process(prompt, sampling_params, prompt_token_ids, request_id, live, priority,
+                                     prompt_embeds, extra)
+        self._queue(*self._fan_out(req, live))
         return req.request_id
+
+    def _fan_out(self, req, live) -> tuple[ParentRequest | None, list]:
+        """``(None, [req])``, or for ``n > 1`` / ``best_of``: its parent and its checked children
+        (``live``: the ids they may not take)."""
+        sp = req.sampling_params
+        if sp.n == 1 and (sp.best_of or 1) == 1:
+            return None, [req]
+        parent = ParentRequest(req.request_id, sp)
+        return parent, [self.processor.process(None, parent.child_params(i), req.prompt_token_ids, cid, live,
+                                               req.priority, None, dict(req.extra))
+                        for i, cid in enumerate(parent.child_ids)]
+
+    def _queue(self, parent: ParentRequest | None, reqs: list) -> None:
+        if parent is not None:
+            self._parent_ids[parent.request_id] = parent
+        for req in reqs:
+            if parent is not None:
+                self._parents[req.request_id] = parent
+            self._logprobs.add(req)
+            self.scheduler.add_request(req)
 
     # ----- the loop -----
     def has_unfinished_requests(self) -> bool:
@@ -186,6 +222,24 @@ class LLM:
         outputs = self.scheduler.update(sched, result)
         for observer in self.observers:
             observer.on_step(sched, result, outputs)
+        return self._finish_outputs(outputs, result)
+
+    def _finish_outputs(self, outputs: list[RequestOutput], result: ModelRunnerOutput | None) -> list[RequestOutput]:
+        """Logprobs attached, children's outputs as their parent's, finished ones given their text."""
+        self._logprobs.collect(outputs, result)
+        if self._parents:
+            fanned_in = []
+            for out in outputs:
+                parent = self._parents.get(out.request_id)
+                if parent is None:
+                    fanned_in.append(out)
+                    continue
+                if out.finished:
+                    del self._parents[out.request_id]
+                fanned_in += parent.process(out)
+                if parent.finished:
+                    del self._parent_ids[parent.request_id]
+            outputs = fanned_in
         return self._detokenize(outputs)
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -209,17 +263,21 @@ class LLM:
         return outputs
 
     def abort(self, request_ids) -> list[RequestOutput]:
-        """Stop the named requests now (``str`` or an iterable of ids); their blocks are freed
-        at once. Returns their final outputs (``finish_reason="abort"``); ids that are
-        unknown or already finished are ignored."""
+        """Stop the named requests now (``str`` or an iterable of ids; a parallel-sampling
+        request's id stops all its sequences); their blocks are freed at once. Returns their
+        final outputs (``finish_reason="abort"``); ids that are unknown or already finished
+        are ignored."""
         now = time.perf_counter()
-        aborted = self.scheduler.abort([request_ids] if isinstance(request_ids, str) else list(request_ids))
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = [cid for rid in ids for cid in (self._parent_ids[rid].child_ids if rid in self._parent_ids else [rid])]
+        aborted = self.scheduler.abort(ids)
         for req in aborted:
             req.finish_time = now
-        return self._detokenize([RequestOutput.from_request(req, []) for req in aborted])
+        return self._finish_outputs([RequestOutput.from_request(req, []) for req in aborted], None)
 
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = True):
-        """Run every prompt to completion; returns ``RequestOutput`` s in input order.
+        """Run every prompt to completion; returns ``RequestOutput`` s in input order (with
+        ``n > 1``: the prompt's ``n`` sequences in ``index`` order, then the next prompt's).
 
         ``prompts``: a string or a list of strings (needs a tokenizer); or
         ``prompt_token_ids``: a list of token-id lists. ``sampling_params``: one
@@ -227,28 +285,30 @@ class LLM:
         any runs, so a bad one raises ``ValueError`` and nothing is queued. If the loop is
         interrupted (an exception, Ctrl-C), this call's requests are aborted first.
         """
-        live = dict(self.scheduler.requests)
-        reqs = []
+        live = set(self.scheduler.requests) | set(self._parent_ids)
+        queued = []
         for prompt, ids, sp in generate_items(prompts, prompt_token_ids, sampling_params):
-            reqs.append(self.processor.process(prompt, sp, ids, None, live))
-            live[reqs[-1].request_id] = reqs[-1]
-        for req in reqs:
-            self.scheduler.add_request(req)
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(reqs), disable=not use_tqdm, desc="requests", unit="req")
+            req = self.processor.process(prompt, sp, ids, None, live)
+            parent, reqs = self._fan_out(req, live)
+            live |= {req.request_id, *(r.request_id for r in reqs)}
+            queued.append((req.request_id, req.sampling_params.n, parent, reqs))
+        for _, _, parent, reqs in queued:
+            self._queue(parent, reqs)
+        done: dict[tuple[str, int], RequestOutput] = {}
+        bar = tqdm(total=sum(n for _, n, _, _ in queued), disable=not use_tqdm, desc="requests", unit="req")
         try:
             while self.has_unfinished_requests():
                 for out in self.step():
                     if out.finished:
-                        done[out.request_id] = out
+                        done[out.request_id, out.index] = out
                         out.new_token_ids = list(out.token_ids)
                         bar.update(1)
         except BaseException:
-            self.abort([r.request_id for r in reqs])
+            self.abort([rid for rid, _, _, _ in queued])
             raise
         finally:
             bar.close()
-        return [done[r.request_id] for r in reqs]
+        return [done[rid, i] for rid, n, _, _ in queued for i in range(n)]
 
     # ----- looking inside -----
     @property
@@ -288,6 +348,17 @@ class LLM:
             "num_requests_waiting": len(self.scheduler.waiting),
         }
         return stats if self.spec_stats is None else {**stats, **self.spec_stats.as_dict()}
+
+
+class _LiveIds:
+    """The ids a new request may not take (``in`` only): the engine's requests, and the
+    parallel-sampling parents still running."""
+
+    def __init__(self, requests, parent_ids):
+        self.requests, self.parent_ids = requests, parent_ids
+
+    def __contains__(self, request_id) -> bool:
+        return request_id in self.requests or request_id in self.parent_ids
 
 
 def _release(handle, proposers) -> None:

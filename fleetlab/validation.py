@@ -149,11 +149,65 @@ def check_sampling_params(sp, request_id: str = "?"):
     stop = token_ids_field(where, "stop_token_ids", sp.stop_token_ids)
     if any(t < 0 for t in stop):
         raise ValueError(f"{where} stop_token_ids holds {[t for t in stop if t < 0][:5]}: token ids are >= 0")
-    return replace(sp, max_tokens=max_tokens, temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
-                   top_k=max(top_k, 0), top_p=top_p,
-                   seed=None if sp.seed is None else int_field(where, "seed", sp.seed, 0, INT64_MAX),
+    temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
+    n, best_of = _num_sequences(where, sp, temperature)
+    seed_high = INT64_MAX - (best_of - 1)  # child i of a request draws with seed + i
+    seed = None if sp.seed is None else int_field(where, "seed", sp.seed, 0, seed_high)
+    return replace(sp, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
                    stop_token_ids=tuple(stop), ignore_eos=bool_field(where, "ignore_eos", sp.ignore_eos),
-                   min_tokens=int_field(where, "min_tokens", sp.min_tokens, 0, max_tokens))
+                   min_tokens=int_field(where, "min_tokens", sp.min_tokens, 0, max_tokens), n=n,
+                   best_of=None if sp.best_of is None else best_of,
+                   presence_penalty=float_field(where, "presence_penalty", sp.presence_penalty, -2.0, 2.0),
+                   frequency_penalty=float_field(where, "frequency_penalty", sp.frequency_penalty, -2.0, 2.0),
+                   repetition_penalty=float_field(where, "repetition_penalty", sp.repetition_penalty, 0.0,
+                                                  FLOAT32_MAX, low_open=True),
+                   logit_bias=_logit_bias(where, sp.logit_bias),
+                   logprobs=_num_logprobs(where, "logprobs", sp.logprobs),
+                   prompt_logprobs=_num_logprobs(where, "prompt_logprobs", sp.prompt_logprobs))
+
+
+MAX_NUM_SEQUENCES = 16384
+"""The most sequences one request may ask for (``n``, ``best_of``): vLLM's ``VLLM_MAX_N_SEQUENCES``."""
+MAX_LOGPROBS = 20
+"""The most log-probabilities per token (``logprobs``, ``prompt_logprobs``): vLLM's default ``max_logprobs``."""
+MAX_LOGIT_BIAS = 100.0
+"""Biases are clamped to ``[-100, 100]``, as vLLM and OpenAI do."""
+
+
+def _num_sequences(where: str, sp, temperature: float) -> tuple[int, int]:
+    """``(n, best_of)`` checked: ``1 <= n <= best_of <= MAX_NUM_SEQUENCES`` (best_of None: n)."""
+    n = int_field(where, "n", sp.n, 1, MAX_NUM_SEQUENCES)
+    if sp.best_of is None:
+        return n, n
+    best_of = int_field(where, "best_of", sp.best_of, 1, MAX_NUM_SEQUENCES)
+    if best_of < n:
+        raise ValueError(f"{where} best_of={best_of} must be >= n={n} (it generates best_of and returns the n best)")
+    if best_of > n and temperature == 0:
+        raise ValueError(f"{where} best_of={best_of} > n={n} needs sampling (temperature > 0): greedy sequences "
+                         "are identical, there is nothing to choose from")
+    return n, best_of
+
+
+def _num_logprobs(where: str, name: str, value) -> int | None:
+    """None, or an int in ``[-1, MAX_LOGPROBS]`` (-1: the whole vocabulary, bounded by the caller)."""
+    return None if value is None else int_field(where, name, value, -1, MAX_LOGPROBS)
+
+
+def _logit_bias(where: str, bias) -> dict[int, float] | None:
+    """``{token id: bias}`` with int keys >= 0 (numeric strings, as JSON sends them, count as ints)
+    and finite biases clamped to ``[-100, 100]``; None or ``{}``: None."""
+    if bias is None:
+        return None
+    if not isinstance(bias, Mapping):
+        raise FieldTypeError(f"{where} logit_bias={_short(bias)} must be a dict {{token id: bias}}, "
+                             f"not {type(bias).__name__}")
+    out = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        token = int_field(where, f"logit_bias key {key!r}", token, 0)
+        value = float_field(where, f"logit_bias[{key!r}]", value, -FLOAT32_MAX, FLOAT32_MAX)
+        out[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
+    return out or None
 
 
 def engine_config(**kwargs) -> EngineConfig:
@@ -257,16 +311,18 @@ class InputProcessor:
         (``extra`` values must name its fields); processors: the sampler's logits processors
         (each fills its own fields from a request's sampling params).
       num_lookahead_tokens: extra slots a running request may hold (speculative drafts).
+      speculative: speculative decoding is on (log-probabilities are then refused).
       seed: draws the seed of requests that set none.
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, eos_token_id, hidden_size: int,
                  block_size: int, num_blocks: int, max_stop_ids: int, batch_fields, processors=(),
-                 num_lookahead_tokens: int = 0, seed: int = 0):
+                 num_lookahead_tokens: int = 0, speculative: bool = False, seed: int = 0):
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.eos_token_id, self.hidden_size = eos_token_id, hidden_size
         self.block_size, self.num_blocks, self.max_stop_ids = block_size, num_blocks, max_stop_ids
         self.batch_fields, self.processors, self.num_lookahead_tokens = batch_fields, processors, num_lookahead_tokens
+        self.speculative = speculative
         self._ids, self._arrivals = itertools.count(), itertools.count()
         self._rng = np.random.default_rng(seed)
 
@@ -352,8 +408,26 @@ class InputProcessor:
         if need > self.num_blocks:
             raise ValueError(f"request {rid!r}: needs {need} KV blocks but the pool has only {self.num_blocks} "
                              "(num_blocks is too small for even this one request)")
+        bad = [t for t in (sp.logit_bias or {}) if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid!r}: sampling field logit_bias has token ids {bad[:5]} outside the "
+                             f"vocabulary [0, {self.vocab_size})")
+        lp = {name: self._bound_logprobs(rid, name, getattr(sp, name)) for name in ("logprobs", "prompt_logprobs")}
         return replace(sp, max_tokens=max_tokens, min_tokens=min(sp.min_tokens, max_tokens),
-                       top_k=min(sp.top_k, self.vocab_size))
+                       top_k=min(sp.top_k, self.vocab_size), **lp)
+
+    def _bound_logprobs(self, rid, name: str, value: int | None) -> int | None:
+        """-1 as the vocabulary size, which must stay within ``MAX_LOGPROBS``; refused with speculation."""
+        if value is None:
+            return None
+        if self.speculative:
+            raise ValueError(f"request {rid!r}: sampling field {name}={value} is not supported with speculative "
+                             "decoding (accepted drafts are not scored one by one here)")
+        num = self.vocab_size if value == -1 else value
+        if num > MAX_LOGPROBS:
+            raise ValueError(f"request {rid!r}: sampling field {name}={value} asks for {num} log-probabilities per "
+                             f"token, more than the {MAX_LOGPROBS} allowed (vLLM's default max_logprobs)")
+        return num
 
     def _extra(self, rid, extra, prompt_embeds, num_prompt_tokens: int) -> dict:
         """The request's own batch-field values: ``extra`` (by field name, each value checked by

@@ -83,6 +83,35 @@ stopped = client.completions.create(model="tiny", prompt="count 3 ", max_tokens=
 print(repr(stopped.choices[0].text), stopped.choices[0].finish_reason)
 
 # %% [markdown]
+# ### Several answers, and how sure the model was
+#
+# `n=3` asks for three answers to one prompt. The engine runs them as three requests that share the
+# prompt's KV blocks (the prefix cache hands the first one's full blocks to the others), and answer
+# `i` samples with seed `seed + i`: with `temperature=1` they differ, and the same `seed` gives the
+# same three again. `logprobs=3` returns, for every token of an answer, its log-probability and the
+# three most likely tokens at that position, from the model's raw logits (before temperature or
+# penalties, as vLLM reports them).
+
+# %%
+three = client.completions.create(model="tiny", prompt="count 3 ", max_tokens=8, temperature=1.0, seed=1, n=3)
+for choice in three.choices:
+    print(choice.index, repr(choice.text))
+
+sure = client.completions.create(model="tiny", prompt="12+7=", max_tokens=4, temperature=0, logprobs=3)
+lp = sure.choices[0].logprobs
+for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    alternatives = ", ".join(f"{t!r}: {v:.2f}" for t, v in sorted(top.items(), key=lambda kv: -kv[1]))
+    print(f"{token!r:8} logprob {logprob:7.3f}   top: {alternatives}")
+
+# %% [markdown]
+# The three answers differ (with these weights and `seed=1`: `'4 5 6 7'`, `'4 5'` and `'4 5 6 7 '`;
+# the second drew the EOS token early). The log-probabilities show what greedy decoding hides: the
+# tiny model is sure of the `1` (logprob -0.01, probability 0.99) but torn on the second digit, `9`
+# at -0.61 (probability 0.54) against `8` at -0.79 (0.45). Greedy takes the `9`; a sampled answer
+# says `18` almost half the time. The EOS token that ends the answer shows as `<eos>`. `echo=True`
+# with `logprobs` also scores the prompt's own tokens, which is how evaluation harnesses compute a
+# text's likelihood.
+#
 # ## 4. What the server refuses, and what it reports
 #
 # Bad input is answered at once with HTTP 400 and an OpenAI-style error body naming the field, and

@@ -27,6 +27,10 @@ SAMPLED = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_k=2
 # plus up to 4 when some rows sample (uniforms, drafts, a banned-token mask).
 UPLOAD_BUDGET = 15
 SAMPLING_EXTRA = 4
+# Only steps with a request that asks for logprobs or sets a penalty or bias upload more: the
+# logprob rows and the prompt positions' targets, and one int64 and one float32 array for the
+# penalties and biases (fleetlab/engine/penalties.py).
+LOGPROBS_EXTRA = 4
 
 
 def steps_with_syncs(llm, prompts, sp):
@@ -63,6 +67,27 @@ def test_sampling_adds_a_fixed_number_of_uploads_and_no_read(fleet_model):
         logs = steps_with_syncs(llm, prompts, SAMPLED)
     assert all(log.num_reads == 1 for log in logs)
     assert max(log.num_uploads for log in logs) <= UPLOAD_BUDGET + SAMPLING_EXTRA
+
+
+@pytest.mark.parametrize("num_requests", [3, 12])
+def test_logprobs_and_penalties_come_back_in_the_same_read(fleet_model, num_requests):
+    prompts = random_prompts(np.resize([5, 12, 7], num_requests).tolist(), seed=8)
+    sps = [SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+           SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, seed=1, logprobs=1,
+                          frequency_penalty=0.5, logit_bias={4: 2.0}),
+           SamplingParams(max_tokens=4, ignore_eos=True, repetition_penalty=1.2)]
+    with LLM(fleet_model, block_size=4, max_num_batched_tokens=48) as llm:
+        for i, p in enumerate(prompts):
+            llm.add_request(prompt_token_ids=p, sampling_params=sps[i % 3])
+        logs = []
+        while llm.has_unfinished_requests():
+            with count_syncs() as log:
+                llm.step()
+            logs.append(log)
+    for log in logs:
+        assert log.num_reads == 1, describe(log)
+        assert [e.site.split(":")[0] for e in log.reads] == ["engine/sampler.py"]
+        assert log.num_uploads <= UPLOAD_BUDGET + SAMPLING_EXTRA + LOGPROBS_EXTRA, describe(log)
 
 
 @pytest.mark.parametrize("method,reads", [("ngram", 1), ("draft", 2)])

@@ -116,13 +116,13 @@ def test_refusals_accept_only_values_that_change_nothing():
     no_op = refused.unset_or(0)
     assert no_op(None) and no_op(0) and no_op(0.0) and not no_op(False) and not no_op(0.5)
     assert refused.unset_or(False)(False) and not refused.unset_or(False)(0)  # 0 == False in Python
-    refused.check_fields({"n": 1, "modalities": ["text"], "repetition_penalty": 1.0}, refused.CHAT)
+    refused.check_fields({"min_p": 0, "modalities": ["text"], "length_penalty": 1.0}, refused.CHAT)
     for fields, param in (({"modalities": ["audio"]}, "modalities"), ({"guided_choice": ["a"]}, "guided_choice"),
                           ({"nope": None}, "nope")):
         with pytest.raises(BadRequest) as e:
             refused.check_fields(fields, refused.CHAT)
         assert e.value.param == param and e.value.code == "unsupported"
-    assert set(refused.COMPLETION) & set(refused.CHAT) >= {"n", "repetition_penalty", "guided_json", "logit_bias"}
+    assert set(refused.COMPLETION) & set(refused.CHAT) >= {"min_p", "length_penalty", "guided_json", "bad_words"}
 
 
 def test_fleet_from_llama_computes_the_same_model():

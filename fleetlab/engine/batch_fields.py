@@ -175,6 +175,9 @@ DEFAULT_FIELDS = FieldRegistry(
         _f("ignore_eos", (), "bool", "host", False, "keep going past eos"),
         _f("stop_token_ids", ("max_stop_ids",), "int64", "host", -1, "extra stop tokens, -1 unused"),
         _f("eos_token_id", (), "int64", "host", -1, "end-of-sequence token; -1 = none"),
+        _f("num_logprobs", (), "int32", "host", -1, "top log-probabilities returned per sampled token; -1 = none"),
+        _f("num_prompt_logprobs", (), "int32", "host", -1,
+           "top log-probabilities returned per prompt token; -1 = none"),
         _f("prompt_embeds", (), "object", "host", None,
            "side data bound to the request: (positions, embeddings) replacing prompt token embeddings"),
     ]

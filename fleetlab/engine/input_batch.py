@@ -38,7 +38,8 @@ from fleetlab.engine.batch_fields import DEFAULT_FIELDS, FieldRegistry
 
 logger = logging.getLogger(__name__)
 
-_SAMPLING_ATTRS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "min_tokens", "ignore_eos")
+_SAMPLING_ATTRS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "min_tokens", "ignore_eos", "num_logprobs",
+                   "num_prompt_logprobs")
 
 
 @dataclass(slots=True)
@@ -143,6 +144,8 @@ class InputBatch:
     ignore_eos = FieldView()
     stop_token_ids = FieldView()
     eos_token_id = FieldView()
+    num_logprobs = FieldView()
+    num_prompt_logprobs = FieldView()
     prompt_embeds = FieldView()
 
     def __init__(

@@ -18,7 +18,8 @@ class RowSampling:
     """A request's sampling and stopping settings, as a batch row stores them.
 
     ``seed`` is resolved (the engine draws one for requests that set none);
-    ``eos_token_id`` is None when the model has no EOS token.
+    ``eos_token_id`` is None when the model has no EOS token; ``num_logprobs`` /
+    ``num_prompt_logprobs``: top log-probabilities wanted per sampled / prompt token (None: none).
     """
 
     temperature: float
@@ -30,6 +31,8 @@ class RowSampling:
     ignore_eos: bool
     stop_token_ids: tuple[int, ...]
     eos_token_id: int | None
+    num_logprobs: int | None = None
+    num_prompt_logprobs: int | None = None
 
 
 @dataclass(slots=True)
@@ -115,6 +118,10 @@ class ModelRunnerOutput:
     sampled_token_ids: request id -> the tokens it gained: the drafts the target accepted,
       then one token of its own (sampled, or the bonus after a fully accepted run); absent
       for rows whose chunk stopped short of their last known token (a mid-prompt chunk).
+    logprobs: request id -> one :class:`~fleetlab.engine.logprobs.TokenLogprobs` per gained
+      token (requests that asked for ``logprobs``).
+    prompt_logprobs: request id -> ``(first prompt position scored, [TokenLogprobs])``: the
+      prompt tokens this step's chunk predicts (requests that asked for ``prompt_logprobs``).
     spec_token_ids: request id -> drafts proposed for the next step.
     errors: request id -> message (e.g. non-finite logits); those requests stop.
     order_before / order_after: request ids by batch row before and after the reorder;
@@ -123,6 +130,8 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     order_before: list[str] = field(default_factory=list)
     order_after: list[str] = field(default_factory=list)

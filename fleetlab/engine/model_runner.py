@@ -34,11 +34,14 @@ from fleetlab.engine.side_data import chunk_embeds
 class StepInputs:
     """The packed step: attention metadata, input ids ``[1, T]``, and the scored positions.
 
-    logits_indices: int64 ``[P]`` packed token index of each scored position;
+    logits_indices: int64 ``[P + Q]`` packed token index of each scored position, then of the
+      ``Q`` prompt positions whose logprobs are asked for (none unless a request wants them);
     pos_row: ``[P]`` its batch row; pos_offset: ``[P]`` its index among its row's scored
     positions (0 = the last known token, ``i`` = after ``i`` drafts);
     embeds: None, or ``(packed token indices [m], vectors [m, hidden])`` replacing those
-    tokens' embeddings (side data of the rows' requests).
+    tokens' embeddings (side data of the rows' requests);
+    prompt_rows, prompt_positions: int64 ``[Q]``: the batch row and prompt position of each of
+      the ``Q`` extra positions.
     """
 
     metadata: AttentionMetadata
@@ -47,6 +50,8 @@ class StepInputs:
     pos_row: np.ndarray
     pos_offset: np.ndarray
     embeds: tuple | None = None
+    prompt_rows: np.ndarray | None = None
+    prompt_positions: np.ndarray | None = None
 
 
 class ModelRunner:
@@ -80,7 +85,7 @@ class ModelRunner:
         out = self.update_batch(so)
         inputs = self.prepare_inputs()
         logits = self.forward(inputs)
-        out.sampled_token_ids, out.errors = self.sample(logits, inputs)
+        self.sample(logits, inputs, out)
         if self.proposer is not None:
             out.spec_token_ids = self.proposer.propose(self.batch, out.sampled_token_ids)
         return out
@@ -136,8 +141,21 @@ class ModelRunner:
         starts = np.concatenate([[0], np.cumsum(num_scored)[:-1]])
         pos_offset = np.arange(len(pos_row)) - starts[pos_row]
         logits_indices = md.cu_seqlens_q_host[1:][pos_row] - num_scored[pos_row] + pos_offset
-        return StepInputs(md, input_ids, logits_indices.astype(np.int64), pos_row, pos_offset,
-                          self._step_embeds(md, q, c))
+        inputs = StepInputs(md, input_ids, logits_indices.astype(np.int64), pos_row, pos_offset,
+                            self._step_embeds(md, q, c))
+        if (b.num_prompt_logprobs[:n] >= 0).any():
+            self._add_prompt_positions(inputs, row_of_token, pos)
+        return inputs
+
+    def _add_prompt_positions(self, inputs: StepInputs, row_of_token: np.ndarray, pos: np.ndarray) -> None:
+        """Score the chunk's prompt positions of rows that want prompt logprobs: position ``j``
+        (before the prompt's last) predicts prompt token ``j + 1``; the last one is scored anyway."""
+        b = self.batch
+        wanted = (b.num_prompt_logprobs[row_of_token] >= 0) & (pos < b.num_prompt_tokens[row_of_token] - 1)
+        packed = np.flatnonzero(wanted)
+        if len(packed):
+            inputs.logits_indices = np.concatenate([inputs.logits_indices, packed]).astype(np.int64)
+            inputs.prompt_rows, inputs.prompt_positions = row_of_token[packed], pos[packed]
 
     def _step_embeds(self, md: AttentionMetadata, q: np.ndarray, c: np.ndarray) -> tuple | None:
         """The step's embedding replacements, from the rows that carry side data (None if none)."""
@@ -163,17 +181,25 @@ class ModelRunner:
         return logits.astype("float32") if logits.dtype != paddle.float32 else logits
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, logits: paddle.Tensor, inputs: StepInputs) -> tuple[dict, dict]:
-        """``({request id: tokens gained}, {request id: error})`` for the rows that scored."""
+    def sample(self, logits: paddle.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> None:
+        """Fill ``out`` for the rows that scored: the tokens they gained, their errors, and the
+        logprobs asked for (of sampled tokens, and of this chunk's prompt tokens)."""
         starts = np.flatnonzero(inputs.pos_offset == 0)
-        if len(starts) == 0:
-            return {}, {}
+        if len(starts) == 0 and inputs.prompt_rows is None:
+            return
         rows = inputs.pos_row[starts].tolist()
-        tokens = self.sampler.sample_rows(logits, self._sampling_tensors(inputs, starts))
+        tokens, res = self.sampler.sample_rows(logits, self._sampling_tensors(inputs, starts))
         req_ids = self.batch.req_ids
-        sampled = {req_ids[r]: t for r, t in zip(rows, tokens) if t is not None}
-        errors = {req_ids[r]: "the model produced non-finite logits" for r, t in zip(rows, tokens) if t is None}
-        return sampled, errors
+        out.sampled_token_ids = {req_ids[r]: t for r, t in zip(rows, tokens) if t is not None}
+        out.errors = {req_ids[r]: "the model produced non-finite logits" for r, t in zip(rows, tokens) if t is None}
+        if res.logprobs is not None:
+            out.logprobs = {req_ids[r]: [res.logprobs[p]] for r, p, t in zip(rows, starts.tolist(), tokens)
+                            if t is not None and res.logprobs[p] is not None}
+        if res.prompt_logprobs is not None:
+            for r in np.unique(inputs.prompt_rows).tolist():
+                mine = np.flatnonzero(inputs.prompt_rows == r)
+                out.prompt_logprobs[req_ids[r]] = (int(inputs.prompt_positions[mine[0]]),
+                                                   [res.prompt_logprobs[i] for i in mine.tolist()])
 
     def _sampling_tensors(self, inputs: StepInputs, starts: np.ndarray) -> SamplingTensors:
         """Each scored position's settings: its row's (device fields, gathered by the sampler
@@ -191,7 +217,13 @@ class ModelRunner:
             if not b.ignore_eos[row] and b.eos_token_id[row] >= 0:
                 ids.append(int(b.eos_token_id[row]))
             banned[p] = ids
-        return SamplingTensors(
+        st = SamplingTensors(
             greedy=b.temperature[rows] == 0, temperature=b.dev("temperature"), top_k=b.dev("top_k"),
             top_p=b.dev("top_p"), seeds=b.seed[rows], draw_index=draw_index, banned=banned,
             draft_token_ids=drafts.astype(np.int64), row_starts=starts, pos_row=rows, batch=b)
+        if (b.num_logprobs[rows] >= 0).any():
+            st.num_logprobs = b.num_logprobs[rows]
+        if inputs.prompt_rows is not None:
+            st.prompt_targets = b.token_ids[inputs.prompt_rows, inputs.prompt_positions + 1]
+            st.prompt_num_logprobs = b.num_prompt_logprobs[inputs.prompt_rows]
+        return st

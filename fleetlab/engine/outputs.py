@@ -19,6 +19,11 @@ class RequestOutput:
       or None while unfinished.
     metrics: arrival / first-scheduled / first-token / finish times and each output token's
       time (``token_times``; ``time.perf_counter`` seconds), and ``num_preemptions``.
+    index: which of the request's ``n`` sequences this is (``SamplingParams.n``; 0 when n = 1).
+    logprobs: with ``SamplingParams.logprobs``: a :class:`~fleetlab.engine.logprobs.TokenLogprobs`
+      per token of ``token_ids``; ``cumulative_logprob`` their sum (also set for ``best_of``).
+    prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt token, None for the
+      first, then its ``TokenLogprobs``.
     """
 
     request_id: str
@@ -29,6 +34,10 @@ class RequestOutput:
     error: str | None = None
     metrics: dict = field(default_factory=dict)
     new_token_ids: list[int] = field(default_factory=list)
+    index: int = 0
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -70,5 +70,11 @@ class Request:
         return self.num_tokens if side is None else int(side[0].min())
 
     @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """A request that wants prompt logprobs computes every prompt position: a prefix-cache
+        hit would skip the positions it covers (vLLM's ``skip_reading_prefix_cache``)."""
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED

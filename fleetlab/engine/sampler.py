@@ -3,9 +3,12 @@
 A step scores one position per row whose chunk reached its last known token. Greedy rows
 take the argmax. Sampled rows apply temperature, top-k and top-p, then draw by inverse CDF
 with a uniform derived from the request's own seed and the index of the token being drawn,
-so a seeded request gives the same tokens whatever else shares its batch. A row whose
-logits are not finite gets no token (its request stops with an error). Every result comes
-back in one device-to-host read. Speculative decoding verifies draft tokens with a subclass
+so a seeded request gives the same tokens whatever else shares its batch. Logits processors
+(logit bias and penalties among them) change the logits first. A row whose logits are not
+finite gets no token (its request stops with an error). Rows that asked for log-probabilities
+get them from the raw logits (:mod:`fleetlab.engine.logprobs`), and so do the prompt
+positions of requests that asked for prompt log-probabilities. Every result comes back in one
+device-to-host read. Speculative decoding verifies draft tokens with a subclass
 (:class:`fleetlab.spec_decode.rejection.RejectionSampler`) that reuses these primitives.
 """
 
@@ -17,6 +20,7 @@ import numpy as np
 import paddle
 
 from fleetlab.device import upload
+from fleetlab.engine import logprobs as lp
 
 
 @dataclass(slots=True)
@@ -35,6 +39,10 @@ class SamplingTensors:
       drafts owns ``k + 1`` positions); None: one position per row.
     pos_row: int64 ``[P]`` host, the batch row of each position.
     batch: the InputBatch the rows belong to (what logits processors read), or None.
+    num_logprobs: int ``[P]`` host, top logprobs each position returns (-1: none); None: none.
+    prompt_targets, prompt_num_logprobs: int64 ``[Q]`` host, or None: the logits handed to the
+      sampler carry ``Q`` more rows after the ``P`` scored ones, at prompt positions whose
+      next prompt token (the target) gets its logprob and the top ``prompt_num_logprobs``.
     """
 
     greedy: np.ndarray
@@ -48,6 +56,9 @@ class SamplingTensors:
     row_starts: np.ndarray | None = None
     pos_row: np.ndarray | None = None
     batch: object = None
+    num_logprobs: np.ndarray | None = None
+    prompt_targets: np.ndarray | None = None
+    prompt_num_logprobs: np.ndarray | None = None
 
     @classmethod
     def from_host(cls, temperature, top_k, top_p, seeds, draw_index, banned=None,
@@ -64,11 +75,14 @@ class SamplingTensors:
 class SampleResult:
     """Host arrays ``[P]``: the token each position draws and whether its logits were
     finite; ``extra``: more device results read in the same read (a subclass's), ``[k, num
-    sampled positions]``."""
+    sampled positions]``; ``logprobs``: a ``TokenLogprobs`` per position (None where not
+    asked for); ``prompt_logprobs``: one per prompt position of ``st.prompt_targets``."""
 
     tokens: np.ndarray
     finite: np.ndarray
     extra: np.ndarray
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
 
 def uniform_for(seed: int, draw_index: int) -> float:
@@ -94,36 +108,76 @@ class Sampler:
     def __call__(self, logits: paddle.Tensor, st: SamplingTensors) -> np.ndarray:
         return self.sample(logits, st).tokens
 
-    def sample_rows(self, logits: paddle.Tensor, st: SamplingTensors) -> list[list[int] | None]:
-        """The tokens each scored row gains (None where its logits were not finite)."""
+    def sample_rows(self, logits: paddle.Tensor, st: SamplingTensors) -> tuple[list[list[int] | None], SampleResult]:
+        """The tokens each scored row gains (None where its logits were not finite), and the
+        whole :class:`SampleResult` (logprobs included)."""
         res = self.sample(logits, st)
-        return [[t] if ok else None for t, ok in zip(res.tokens.tolist(), res.finite.tolist())]
+        return [[t] if ok else None for t, ok in zip(res.tokens.tolist(), res.finite.tolist())], res
 
     def sample(self, logits: paddle.Tensor, st: SamplingTensors) -> SampleResult:
         """Draw every position; one device-to-host read in all."""
         if logits.dtype != paddle.float32:
             logits = logits.astype("float32")
+        num = len(st.greedy)
+        prompt_logits = logits[num:] if st.prompt_targets is not None else None
+        blocks = []
+        if prompt_logits is not None:
+            blocks.append(lp.gather(paddle.nn.functional.log_softmax(prompt_logits, -1),
+                                    upload(st.prompt_targets, np.int64), int(st.prompt_num_logprobs.max())))
+        if num == 0:  # only prompt positions this step (a chunk short of its prompt's end)
+            return self._read([], blocks, st, np.zeros(0, np.int64), np.zeros(0, np.int64))
+        logits = logits[:num]
+        lp_rows = np.flatnonzero(st.num_logprobs >= 0) if st.num_logprobs is not None else np.zeros(0, np.int64)
+        lp_index = upload(lp_rows) if len(lp_rows) else None
+        raw = paddle.nn.functional.log_softmax(paddle.gather(logits, lp_index, axis=0), -1) if len(lp_rows) else None
         ok = paddle.isfinite(logits)
         finite = ok.all(axis=-1)  # the model's own logits: a row that is not finite finishes with an error
         for processor in self.processors:  # may set logits to -inf: masked, not broken
             logits = processor(logits, st)
         if any(st.banned):
             logits = self._ban(logits, st.banned)
-        parts = [paddle.argmax(logits, axis=-1), finite.astype("int64")]
+        chosen = paddle.argmax(logits, axis=-1)
+        parts = [chosen, finite.astype("int64")]
         rows = np.flatnonzero(~st.greedy)
         if len(rows):
             clean = paddle.where(ok, logits, paddle.zeros_like(logits))  # keeps the sampled rows defined
             index = upload(rows if st.pos_row is None else st.pos_row[rows])  # the settings' rows
-            probs = self.probs(paddle.gather(clean, upload(rows), axis=0), paddle.gather(st.temperature, index),
+            sampled = upload(rows)
+            probs = self.probs(paddle.gather(clean, sampled, axis=0), paddle.gather(st.temperature, index),
                                paddle.gather(st.top_k, index), paddle.gather(st.top_p, index))
             parts += self.draw(probs, st, rows)
+            if raw is not None:  # the logprobs of the token each row takes
+                chosen = paddle.scatter(chosen, sampled, parts[2])
+        if raw is not None:  # before the prompt block: _read unpacks in this order
+            blocks.insert(0, lp.gather(raw, paddle.gather(chosen, lp_index), int(st.num_logprobs[lp_rows].max())))
+        return self._read(parts, blocks, st, rows, lp_rows)
+
+    @staticmethod
+    def _read(parts: list, blocks: list, st: SamplingTensors, rows: np.ndarray, lp_rows: np.ndarray) -> SampleResult:
+        """The step's one device-to-host read: the int64 ``parts`` (as float64, exact for token
+        ids, when logprob ``blocks`` ride along), unpacked into a :class:`SampleResult`."""
         num = len(st.greedy)
-        host = paddle.concat(parts).numpy()  # the step's one read
+        if blocks:
+            host = paddle.concat([p.astype("float64") for p in parts] + blocks).numpy()
+        else:
+            host = paddle.concat(parts).numpy()
+        size = num * 2 + len(rows) * max(len(parts) - 2, 0)
         tokens = host[:num].astype(np.int64)
-        extra = host[2 * num:].reshape(len(parts) - 2, len(rows))
+        extra = host[2 * num: size].astype(np.int64).reshape(max(len(parts) - 2, 0), len(rows))
         if len(rows):
             tokens[rows] = extra[0]
-        return SampleResult(tokens, host[num: 2 * num].astype(bool), extra)
+        res = SampleResult(tokens, host[num: 2 * num].astype(bool), extra)
+        rest = host[size:]
+        if len(lp_rows):
+            k = int(st.num_logprobs[lp_rows].max())
+            res.logprobs = [None] * num
+            for r, item in zip(lp_rows.tolist(), lp.unpack(rest[: len(lp_rows) * (2 + 2 * k)], tokens[lp_rows],
+                                                            st.num_logprobs[lp_rows])):
+                res.logprobs[r] = item
+            rest = rest[len(lp_rows) * (2 + 2 * k):]
+        if st.prompt_targets is not None:
+            res.prompt_logprobs = lp.unpack(rest, st.prompt_targets, st.prompt_num_logprobs)
+        return res
 
     def draw(self, probs: paddle.Tensor, st: SamplingTensors, rows: np.ndarray) -> list[paddle.Tensor]:
         """``[drawn token ids]`` (int64 device ``[len(rows)]``) for the sampled positions ``rows``."""

@@ -29,6 +29,25 @@ class SamplingParams:
     ignore_eos: keep going past the model's EOS token (True or False).
     min_tokens: EOS and stop tokens are masked out until this many tokens exist; an int in
       ``[0, max_tokens]`` (clamped with ``max_tokens``).
+    n: how many sequences to generate from the prompt (an int >= 1). The engine fans the
+      request out into ``n`` child requests (:mod:`fleetlab.engine.parallel_sampling`) that
+      share the prompt's full KV blocks through the prefix cache; child ``i`` draws with
+      seed ``seed + i`` (reproducible) and its outputs carry ``index = i``.
+    best_of: None (= ``n``) or an int >= ``n``: generate ``best_of`` sequences and return the
+      ``n`` with the highest cumulative log-probability (sampling only; not streamed).
+    presence_penalty, frequency_penalty: numbers in ``[-2, 2]`` subtracted from the logit of
+      every token already generated (presence: once; frequency: once per occurrence).
+    repetition_penalty: a number > 0; the logit of every token in the prompt or the output
+      is divided by it when positive and multiplied by it when negative (1 = off).
+    logit_bias: None or ``{token id: bias}``, added to those logits (biases clamped to
+      ``[-100, 100]``, as vLLM does). Bias, then penalties, then temperature, top-k, top-p.
+    logprobs: None, or how many top log-probabilities to return per output token (0..20;
+      -1 = the whole vocabulary where it is no larger), besides the chosen token's own.
+      They come from the raw model output, before bias, penalties and temperature (vLLM's
+      default ``logprobs_mode="raw_logprobs"``).
+    prompt_logprobs: None, or the same for every prompt token after the first; a request
+      that asks for them skips reading the prefix cache (as vLLM does), so that every prompt
+      position is computed.
 
     numpy scalars count as the numbers they hold (``temperature=np.float32(0.7)``); a
     ``bool`` is not an int, and nothing else is converted: a wrong type raises
@@ -47,6 +66,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     min_tokens: int = 0
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:

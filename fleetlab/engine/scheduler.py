@@ -187,7 +187,8 @@ class Scheduler:
     def _new_request_data(req: Request, blocks: list[int]) -> NewRequestData:
         sp = req.sampling_params
         sampling = RowSampling(sp.temperature, sp.top_k, sp.top_p, req.seed, sp.max_tokens, sp.min_tokens,
-                               sp.ignore_eos, tuple(sp.stop_token_ids), req.eos_token_id)
+                               sp.ignore_eos, tuple(sp.stop_token_ids), req.eos_token_id, sp.logprobs,
+                               sp.prompt_logprobs)
         return NewRequestData(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), sampling,
                               blocks, req.num_computed_tokens, req.extra)
 

@@ -93,10 +93,13 @@ class KVCacheManager:
     def get_computed_blocks(self, request) -> tuple[KVCacheBlocks, int]:
         """Cached blocks holding a prefix of a new request, and the tokens they cover.
 
-        Never the whole request: at least one token is always computed. Counts nothing in
-        the hit rate (a request that cannot be admitted is looked up again next step); the
-        scheduler counts the query once, on admission, with :meth:`record_lookup`.
+        Never the whole request: at least one token is always computed. None for a request
+        that ``skip_reading_prefix_cache`` (its blocks are still cached for others). Counts
+        nothing in the hit rate (a request that cannot be admitted is looked up again next
+        step); the scheduler counts the query once, on admission, with :meth:`record_lookup`.
         """
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return KVCacheBlocks(), 0
         hits = self.pool.lookup(request.all_token_ids[: request.num_cacheable_tokens], record_stats=False)
         return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
 

@@ -16,11 +16,18 @@ With ``api_key`` set, every ``/v1`` route wants ``Authorization: Bearer <api_key
 A request's life: parse the body as JSON and validate it (pydantic, then :meth:`check_supported`:
 a field fleetlab would not apply is refused), tokenize here on the asyncio side (so the prompt
 length is checked against ``max_model_len`` before anything is queued), queue every prompt of
-the request with one ``AsyncLLM.add_requests`` (one engine turn, however many prompts), then
-turn each step's new token ids into text (:class:`~fleetlab.serving.detokenizer.TextStream`:
+the request with one ``AsyncLLM.add_requests`` (one engine turn, however many prompts and
+choices), then turn each step's new token ids into text (:class:`~fleetlab.serving.detokenizer.TextStream`:
 incremental detokenization and stop strings). A stop string ends the choice at once and aborts
 the engine request. A client that hangs up, mid-stream or while waiting for a whole response,
 aborts its requests: their KV blocks are free before the next engine step.
+
+Choices: each of a prompt's ``n`` (or ``best_of``) choices is its own engine request, with the
+settings of child ``i`` of :mod:`fleetlab.engine.parallel_sampling` (seed ``seed + i``), so
+they stream, stop and abort one by one; queued in one engine turn, they are admitted in the
+same step and share the prompt's full KV blocks through the prefix cache, as ``LLM``'s own
+``n`` does. Choice ``index`` is ``prompt index * n + i``, as in OpenAI's API. With ``best_of >
+n`` the ``n`` of highest cumulative logprob are returned once all have finished.
 
 Stopping (:meth:`OpenAIServing.drain`, called by :mod:`fleetlab.serving.shutdown` when the
 server is told to stop): new requests are answered 503; those running may finish for up to the
@@ -48,6 +55,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fleetlab.engine.parallel_sampling import child_sampling_params, select_best
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.serving import protocol as P
 from fleetlab.serving.async_llm import AsyncLLM, RequestStream
@@ -64,6 +72,7 @@ from fleetlab.serving.errors import (
     error_body,
 )
 from fleetlab.serving.metrics import CONTENT_TYPE, ServerMetrics
+from fleetlab.serving.openai_logprobs import chat_logprobs, completion_logprobs
 from fleetlab.validation import check_sampling_params
 
 logger = logging.getLogger(__name__)
@@ -141,14 +150,27 @@ def _bearer_check(api_key: str):
 
 @dataclass(slots=True)
 class _Choice:
-    """One prompt of a request: its engine stream and its text so far."""
+    """One choice of a request (a prompt, or one of its ``n``): its engine request, stream and text so far.
+
+    ``sampling``: its engine request's settings; ``prompt_index``: which prompt it continues;
+    ``want_logprobs``: the client asked for logprobs (a ``best_of`` choice computes them anyway,
+    to be ranked); ``echo``: the prompt's text to send before the first token (``echo=true``);
+    ``logprobs``: ``(token id, TokenLogprobs or None)`` per position sent so far.
+    """
 
     index: int
     prompt_ids: list[int]
     text: TextStream
+    sampling: SamplingParams | None = None
+    prompt_index: int = 0
+    want_logprobs: bool = False
+    echo: str | None = None
     stream: RequestStream | None = None
     finish_reason: str | None = None
     content: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    text_offset: int = 0
     first_seen: bool = False
     closed: bool = False
 
@@ -176,13 +198,16 @@ class OpenAIServing:
 
     # ----- endpoints -----
     async def completion(self, req: P.CompletionRequest):
-        """``POST /v1/completions``: one engine request per prompt; a JSON body or an SSE stream."""
+        """``POST /v1/completions``: one engine request per choice; a JSON body or an SSE stream."""
         self._check_common(req)
         prompts = [p if isinstance(p, list) else self._encode(p) for p in req.prompts]
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         choices = [self._choice(i, ids, req, "prompt") for i, ids in enumerate(prompts)]
         sp = self._sampling_params(req, max_tokens, choices, "prompt")
-        return await self._run(req, "cmpl", "text_completion", choices, sp, "prompt")
+        if req.echo:
+            for c, p in zip(choices, req.prompts):
+                c.echo = p if isinstance(p, str) else self._decode(c.prompt_ids)
+        return await self._run(req, "cmpl", "text_completion", self._fan_out(choices, sp, req), sp, "prompt")
 
     async def chat(self, req: P.ChatCompletionRequest):
         """``POST /v1/chat/completions``: the messages through the chat template, then as a completion."""
@@ -197,7 +222,16 @@ class OpenAIServing:
         if max_tokens is None:
             max_tokens = self.engine.max_model_len - len(ids)
         sp = self._sampling_params(req, max_tokens, [choice], "messages")
-        return await self._run(req, "chatcmpl", "chat.completion", [choice], sp, "messages")
+        return await self._run(req, "chatcmpl", "chat.completion", self._fan_out([choice], sp, req), sp, "messages")
+
+    def _fan_out(self, prompts: list[_Choice], sp: SamplingParams, req) -> list[_Choice]:
+        """Each prompt's ``best_of`` (default ``n``) choices, child ``i`` with its own settings."""
+        best_of = sp.best_of or sp.n
+        return [_Choice(p.index * best_of + i, p.prompt_ids, TextStream(self.engine.tokenizer, p.prompt_ids,
+                                                                       req.stop_strings),
+                        sampling=child_sampling_params(sp, i), prompt_index=p.index,
+                        want_logprobs=req.num_logprobs is not None, echo=p.echo)
+                for p in prompts for i in range(best_of)]
 
     # ----- request checks -----
     def _check_common(self, req) -> None:
@@ -210,6 +244,10 @@ class OpenAIServing:
         if self.engine.tokenizer is None:
             raise BadRequest("this server has no tokenizer: send the prompt as token ids", "prompt")
         return encode_text(self.engine.tokenizer, text)
+
+    def _decode(self, ids: list[int]) -> str:
+        tokenizer = self.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
 
     def _choice(self, index: int, ids: list[int], req, prompt_field: str) -> _Choice:
         limit = self.engine.max_model_len
@@ -228,23 +266,28 @@ class OpenAIServing:
             raise BadRequest(f"this model's maximum context length is {limit} tokens; you asked for {longest} "
                              f"{prompt_field} tokens + {max_tokens} output tokens", "max_tokens",
                              "context_length_exceeded")
+        echo_logprobs = getattr(req, "echo", False) and req.num_logprobs is not None
         sp = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p,
                             top_k=0 if req.top_k in (None, -1) else req.top_k, seed=req.seed,
                             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                            min_tokens=req.min_tokens)
+                            min_tokens=req.min_tokens, n=req.n, best_of=req.best_of,
+                            presence_penalty=req.presence_penalty or 0.0,
+                            frequency_penalty=req.frequency_penalty or 0.0,
+                            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                            logit_bias=req.logit_bias, logprobs=req.num_logprobs,
+                            prompt_logprobs=req.num_logprobs if echo_logprobs else None)
         try:
-            check_sampling_params(sp, "-")
+            return check_sampling_params(sp, "-")
         except ValueError as e:
             raise bad_request_from_engine(e, prompt_field) from e
-        return sp
 
     # ----- running -----
     async def _run(self, req, prefix: str, obj: str, choices: list[_Choice], sp: SamplingParams, prompt_field: str):
         if self.draining:
             raise ShuttingDown("the server is shutting down; it takes no new requests", code="shutting_down")
         response_id = f"{prefix}-{uuid.uuid4().hex}"
-        requests = [{"sampling_params": sp, "prompt_token_ids": c.prompt_ids,
+        requests = [{"sampling_params": c.sampling, "prompt_token_ids": c.prompt_ids,
                      "request_id": response_id if len(choices) == 1 else f"{response_id}-{c.index}"}
                     for c in choices]
         try:  # every prompt in one engine turn
@@ -271,36 +314,62 @@ class OpenAIServing:
         errors = [c for c in choices if c.finish_reason == "error"]
         if errors:
             raise ServingError(f"the engine failed request {response_id}", code="engine_error")
-        body = [{"index": c.index, "text": "".join(c.content), "finish_reason": c.finish_reason} for c in choices]
+        chat = obj == "chat.completion"
+        choices = self._best(choices, sp.n)
+        tokenizer = self.engine.tokenizer
+        body = [{"index": c.index, "text": "".join(c.content), "finish_reason": c.finish_reason,
+                 "logprobs": None if not c.want_logprobs else chat_logprobs(tokenizer, c.logprobs) if chat
+                 else completion_logprobs(tokenizer, c.logprobs)} for c in choices]
         use = self._usage(choices)
-        build = P.chat_response if obj == "chat.completion" else P.completion_response
+        build = P.chat_response if chat else P.completion_response
         return JSONResponse(build(response_id, created, self.model_name, body, use))
+
+    @staticmethod
+    def _best(choices: list[_Choice], n: int) -> list[_Choice]:
+        """With ``best_of > n``: each prompt's ``n`` choices of highest cumulative logprob, renumbered."""
+        if len(choices) == n * (1 + max(c.prompt_index for c in choices)):
+            return choices
+        best = []
+        for p in sorted({c.prompt_index for c in choices}):
+            group = select_best([c for c in choices if c.prompt_index == p], n, lambda c: c.cumulative_logprob)
+            for i, c in enumerate(group):
+                c.index = p * n + i
+            best += group
+        return best
 
     async def _events(self, response_id: str, created: int, obj: str, choices: list[_Choice], include_usage: bool):
         """The SSE body of a streamed request."""
         chat = obj == "chat.completion"
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(c: _Choice, text: str, finish: str | None) -> str:
+        tokenizer = self.engine.tokenizer
+
+        def chunk(c: _Choice, text: str, finish: str | None, positions: list) -> str:
             if chat:
                 delta = {"content": text} if text or not finish else {}
-                return P.sse(P.chat_chunk(response_id, created, self.model_name, c.index, delta, finish, include_usage))
+                logprobs = chat_logprobs(tokenizer, positions) if c.want_logprobs else None
+                return P.sse(P.chat_chunk(response_id, created, self.model_name, c.index, delta, finish, include_usage,
+                                          logprobs))
+            logprobs = None
+            if c.want_logprobs:
+                logprobs = completion_logprobs(tokenizer, positions, c.text_offset)
+                c.text_offset += sum(len(t) for t in logprobs["tokens"])
             return P.sse(P.completion_chunk(response_id, created, self.model_name, c.index, text, finish,
-                                            include_usage))
+                                            include_usage, logprobs))
 
         try:
             if chat:  # the role first, as OpenAI does
                 for c in choices:
                     yield P.sse(P.chat_chunk(response_id, created, self.model_name, c.index,
                                              {"role": "assistant", "content": ""}, None, include_usage))
-            async for c, text in self._step_texts(choices):
+            async for c, text, positions in self._step_texts(choices):
                 if c.finish_reason == "error":
                     yield P.sse(error_body(f"the engine failed request {response_id}", "internal_error",
                                            None, "engine_error"))
                     break
                 # a chunk per step that made tokens, even when they add no text yet (half a
                 # character, a special token, a possible stop string held back), as vLLM does
-                yield chunk(c, text, c.finish_reason)
+                yield chunk(c, text, c.finish_reason, positions)
             else:
                 if include_usage:
                     yield P.sse(P.usage_chunk(response_id, created, self.model_name, chunk_obj, self._usage(choices)))
@@ -312,7 +381,9 @@ class OpenAIServing:
             self._close(choices)
 
     async def _step_texts(self, choices: list[_Choice]):
-        """Yield ``(choice, new text)`` as outputs arrive, until every choice is finished.
+        """Yield ``(choice, new text, new positions)`` as outputs arrive, until every choice is
+        finished; ``new positions``: ``(token id, TokenLogprobs or None)`` of the tokens the
+        output added (after the prompt's, with echo), when the client asked for logprobs.
 
         Sets ``finish_reason`` on the choice whose output finished it (the engine's, or
         ``"stop"`` when a stop string appeared: that request is aborted at once).
@@ -321,6 +392,9 @@ class OpenAIServing:
             if c.finish_reason is not None:
                 continue  # outputs after a stop string (the abort's) are dropped
             text = c.text.push(out.new_token_ids)
+            positions = self._new_positions(c, out)
+            if c.echo is not None:
+                text, c.echo = c.echo + text, None
             if out.new_token_ids and not c.first_seen:
                 c.first_seen = True
                 self.metrics.observe_first_token(c.stream.times)
@@ -331,12 +405,28 @@ class OpenAIServing:
                 c.finish_reason = out.finish_reason
                 text += c.text.finish()
             c.content.append(text)
-            yield c, text
+            yield c, text, positions
             if all(x.finish_reason is not None for x in choices):
                 return
 
+    @staticmethod
+    def _new_positions(c: _Choice, out) -> list:
+        """The logprob positions ``out`` adds to choice ``c`` (its prompt's first, with echo)."""
+        c.cumulative_logprob = out.cumulative_logprob
+        if not c.want_logprobs:
+            return []
+        new = out.new_token_ids
+        items = (out.logprobs or [])[len(out.logprobs or []) - len(new):] if new else []
+        positions = list(zip(new, items))
+        if c.echo is not None:
+            positions = list(zip(c.prompt_ids, out.prompt_logprobs or [None] * len(c.prompt_ids))) + positions
+        c.logprobs += positions
+        return positions
+
     def _usage(self, choices: list[_Choice]) -> dict:
-        return P.usage(sum(len(c.prompt_ids) for c in choices), sum(c.text.num_tokens for c in choices))
+        """Each prompt's tokens once, however many choices continue it; every choice's output tokens."""
+        prompts = {c.prompt_index: len(c.prompt_ids) for c in choices}
+        return P.usage(sum(prompts.values()), sum(c.text.num_tokens for c in choices))
 
     def _close(self, choices: list[_Choice]) -> None:
         """Abort unfinished engine requests and record every choice's metrics (once)."""

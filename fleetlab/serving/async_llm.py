@@ -198,12 +198,18 @@ class AsyncLLM:
         """Queue several requests in one engine loop turn; one :class:`RequestStream` each.
 
         ``requests``: one dict of ``LLM.add_request`` keywords per request (``prompt`` or
-        ``prompt_token_ids``, ``sampling_params``, ``request_id``). All or none: if one raises
+        ``prompt_token_ids``, ``sampling_params`` with ``n = 1``, ``request_id``). All or none: if one raises
         ``ValueError`` (it names the request and the field), none stays queued. Raises
         :class:`Overloaded` when they do not all fit in the queue, and :class:`EngineDead` when
         the engine loop has stopped.
         """
         self._check_alive()
+        for kw in requests:
+            sp = kw.get("sampling_params")
+            if getattr(sp, "n", 1) != 1 or (getattr(sp, "best_of", None) or 1) > 1:
+                raise ValueError(f"request {kw.get('request_id')!r}: sampling field n={sp.n} (best_of={sp.best_of}): "
+                                 "a stream carries one sequence; queue one request per sequence with "
+                                 "fleetlab.engine.parallel_sampling.child_sampling_params(sp, i), as the server does")
         n = len(requests)
         if not n:
             return []

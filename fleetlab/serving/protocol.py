@@ -4,16 +4,19 @@ Requests: :class:`CompletionRequest` (``POST /v1/completions``) and :class:`Chat
 (``POST /v1/chat/completions``), read from the body by :func:`parse_request` (JSON whatever the
 ``Content-Type`` says, as OpenAI's and vLLM's servers read it). Their fields are the ones fleetlab
 applies; ranges follow OpenAI's API (``temperature`` in [0, 2], ``top_p`` in (0, 1], ``max_tokens``
->= 1...) and a value out of range is answered 400 naming the field. Like vLLM, a few engine
+>= 1, ``presence_penalty`` and ``frequency_penalty`` in [-2, 2], ``logprobs`` / ``top_logprobs``
+<= 20...) and a value out of range is answered 400 naming the field. Like vLLM, a few engine
 settings are accepted as extra body fields: ``top_k`` (0 or -1: no limit), ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``. Every other field is refused by :meth:`check_supported`
-unless its value changes nothing (:mod:`fleetlab.serving.refused` says which, and why).
+``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, and ``best_of`` in chat too. Every
+other field is refused by :meth:`check_supported` unless its value changes nothing
+(:mod:`fleetlab.serving.refused` says which, and why).
 
 Responses are plain dicts built by the functions below, in the shapes the official client
 parses: ``text_completion`` / ``chat.completion`` bodies, and for ``stream=true`` a
 server-sent event per chunk (``text_completion`` / ``chat.completion.chunk``), an optional
 usage-only chunk (``stream_options.include_usage``: ``choices`` empty, ``usage`` set; every
-earlier chunk then carries ``"usage": null``) and a final ``data: [DONE]``.
+earlier chunk then carries ``"usage": null``) and a final ``data: [DONE]``. A choice's
+``logprobs`` is null unless asked for (:mod:`fleetlab.serving.openai_logprobs` builds it).
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the client's records; it changes no answer
+    n: int = Field(1, ge=1)  # choices per prompt (index = prompt's index * n + choice)
+    best_of: int | None = Field(None, ge=1)  # generate best_of, return the n of highest cumulative logprob
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # {token id as a string: bias}, biases clamped to [-100, 100]
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
     # fleetlab (and vLLM) extensions
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
@@ -94,6 +103,14 @@ class _SamplingRequest(BaseModel):
         if self.min_tokens and self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise BadRequest(f"min_tokens={self.min_tokens} exceeds max_tokens={self.max_tokens}", "min_tokens",
                              "invalid_value")
+        if self.stream and (self.best_of or self.n) > self.n:
+            raise BadRequest(f"best_of={self.best_of} > n={self.n} cannot be streamed: the best are known only "
+                             "once every sequence has finished (as in OpenAI's API)", "best_of", "invalid_value")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top log-probabilities per output token (None: no logprobs)."""
+        raise NotImplementedError
 
 
 class CompletionRequest(_SamplingRequest):
@@ -102,7 +119,13 @@ class CompletionRequest(_SamplingRequest):
     defaults to 16, as in OpenAI's API."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)  # top logprobs per token, besides the chosen one's
+    echo: bool = False  # the prompt before the completion (with its logprobs when logprobs is set)
     REFUSED: ClassVar[dict[str, refused.Refusal]] = refused.COMPLETION
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -164,12 +187,20 @@ class ChatCompletionRequest(_SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False  # the chosen tokens' logprobs
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # with logprobs: the top tokens at each position
     REFUSED: ClassVar[dict[str, refused.Refusal]] = refused.CHAT
 
     def check_supported(self) -> None:
         super().check_supported()
         for i, message in enumerate(self.messages):
             message.check_supported(f"messages[{i}]")
+        if self.top_logprobs and not self.logprobs:
+            raise BadRequest("top_logprobs needs logprobs=true", "top_logprobs", "invalid_value")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -240,35 +271,37 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_response(response_id: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
-    """A whole ``text_completion``; ``choices``: ``{"index", "text", "finish_reason"}`` dicts."""
+    """A whole ``text_completion``; ``choices``: ``{"index", "text", "finish_reason"}`` dicts (and
+    ``"logprobs"`` where asked for)."""
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{**c, "logprobs": None} for c in choices], "usage": use}
+            "choices": [{**c, "logprobs": c.get("logprobs")} for c in choices], "usage": use}
 
 
 def chat_response(response_id: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
-    """A whole ``chat.completion``; ``choices``: ``{"index", "text", "finish_reason"}`` dicts."""
+    """A whole ``chat.completion``; ``choices``: ``{"index", "text", "finish_reason"}`` dicts (and
+    ``"logprobs"`` where asked for)."""
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                         "logprobs": None, "finish_reason": c["finish_reason"]} for c in choices],
+                         "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]} for c in choices],
             "usage": use}
 
 
 def completion_chunk(response_id: str, created: int, model: str, index: int, text: str,
-                     finish_reason: str | None, with_usage: bool) -> dict:
+                     finish_reason: str | None, with_usage: bool, logprobs: dict | None = None) -> dict:
     """One streamed ``text_completion`` chunk (``"usage": null`` when the stream ends with usage)."""
     chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if with_usage:
         chunk["usage"] = None
     return chunk
 
 
 def chat_chunk(response_id: str, created: int, model: str, index: int, delta: dict,
-               finish_reason: str | None, with_usage: bool) -> dict:
+               finish_reason: str | None, with_usage: bool, logprobs: dict | None = None) -> dict:
     """One streamed ``chat.completion.chunk``; ``delta`` is ``{"role": "assistant", "content": ""}`` in
     the first chunk, ``{"content": text}`` after, ``{}`` in the one that only finishes."""
     chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if with_usage:
         chunk["usage"] = None
     return chunk

@@ -1,12 +1,12 @@
 """What the server refuses: request fields it knows but does not apply, and why.
 
-A client that sends ``repetition_penalty=1.3`` or ``guided_choice=["yes", "no"]`` expects its
-answer to change. A server that drops the field answers as if it had not been sent, and nobody
+A client that sends ``min_p=0.1`` or ``guided_choice=["yes", "no"]`` expects its answer to
+change. A server that drops the field answers as if it had not been sent, and nobody
 notices. So every field fleetlab does not apply is answered 400, naming the field and saying
 why, as OpenAI answers a field it does not know ("Unrecognized request argument supplied").
 
 Each entry of :data:`COMPLETION` and :data:`CHAT` is a :class:`Refusal`: the values that change
-nothing (accepted: ``n=1``, ``presence_penalty=0``, ``modalities=["text"]``...) and the reason
+nothing (accepted: ``min_p=0``, ``modalities=["text"]``, ``tools=[]``...) and the reason
 given for any other value. A field in neither table and not a field of the request model is
 refused as unrecognized. :func:`check_fields` applies them.
 """
@@ -44,10 +44,9 @@ def _same(a, b) -> bool:
     return a == b
 
 
-_N = "fleetlab returns one choice per prompt (n=1); parallel sampling is not implemented yet"
-_LOGPROBS = "fleetlab does not return log-probabilities yet"
-_PENALTY = "fleetlab's sampler applies no penalties or logit bias yet"
-_SAMPLER = "fleetlab's sampler does not implement it (it applies temperature, top_k, top_p, seed)"
+_PROMPT_LOGPROBS = "a vLLM extension; the prompt's log-probabilities come with echo=true and logprobs (OpenAI's way)"
+_SAMPLER = ("fleetlab's sampler does not implement it (it applies temperature, top_k, top_p, seed, the "
+            "penalties and logit_bias)")
 _STRUCTURED = "structured outputs (JSON schema, regex, choice, grammar) are not supported yet"
 _TOOLS = "tool and function calling are not supported"
 _TEXT_ONLY = "fleetlab's models read and write text only"
@@ -60,13 +59,7 @@ _NO_OP_NONE = unset_or()
 
 # Fields both endpoints may receive (OpenAI's, then vLLM's extras).
 _COMMON = {
-    "n": Refusal(unset_or(1), _N),
-    "best_of": Refusal(unset_or(1), _N),
-    "presence_penalty": Refusal(unset_or(0), _PENALTY),
-    "frequency_penalty": Refusal(unset_or(0), _PENALTY),
-    "repetition_penalty": Refusal(unset_or(1), _PENALTY),
-    "logit_bias": Refusal(unset_or({}), _PENALTY),
-    "prompt_logprobs": Refusal(_NO_OP_NONE, _LOGPROBS),
+    "prompt_logprobs": Refusal(_NO_OP_NONE, _PROMPT_LOGPROBS),
     "min_p": Refusal(unset_or(0), _SAMPLER),
     "use_beam_search": Refusal(_NO_OP_FALSE, _SAMPLER),
     "length_penalty": Refusal(unset_or(1), _SAMPLER),
@@ -100,8 +93,6 @@ _COMMON = {
 
 COMPLETION = {
     **_COMMON,
-    "logprobs": Refusal(_NO_OP_NONE, _LOGPROBS),
-    "echo": Refusal(_NO_OP_FALSE, _LOGPROBS + " (echo returns the prompt with them)"),
     "suffix": Refusal(unset_or(""), "fleetlab's models do not fill in the middle"),
     "add_special_tokens": Refusal(unset_or(True), _VLLM),
     "prompt_embeds": Refusal(_NO_OP_NONE, _VLLM + " over HTTP (LLM.add_request takes prompt_embeds)"),
@@ -110,9 +101,7 @@ COMPLETION = {
 
 CHAT = {
     **_COMMON,
-    "logprobs": Refusal(_NO_OP_FALSE, _LOGPROBS),
-    "top_logprobs": Refusal(unset_or(0), _LOGPROBS),
-    "echo": Refusal(_NO_OP_FALSE, _VLLM),
+    "echo": Refusal(_NO_OP_FALSE, _VLLM + " for chat (OpenAI's echo is a completions field)"),
     "tools": Refusal(unset_or([]), _TOOLS),
     "tool_choice": Refusal(unset_or("none", "auto"), _TOOLS),
     "parallel_tool_calls": Refusal(lambda v: v is None or isinstance(v, bool), _TOOLS),

@@ -27,8 +27,9 @@ def accept_uniform_for(seed: int, draw_index: int) -> float:
 class RejectionSampler(Sampler):
     """A :class:`Sampler` whose rows may carry drafts (``st.draft_token_ids``, ``st.row_starts``)."""
 
-    def sample_rows(self, logits: paddle.Tensor, st: SamplingTensors) -> list[list[int] | None]:
-        """Per scored row: its accepted drafts and one token of its own (None if not finite)."""
+    def sample_rows(self, logits: paddle.Tensor, st: SamplingTensors) -> tuple[list[list[int] | None], object]:
+        """Per scored row: its accepted drafts and one token of its own (None if not finite);
+        and the whole ``SampleResult``."""
         res = self.sample(logits, st)
         drafts = st.draft_token_ids
         accepted = (drafts >= 0) & (drafts == res.tokens)  # greedy positions: the draft is the argmax
@@ -43,7 +44,7 @@ class RejectionSampler(Sampler):
             num_drafts = end - start - 1
             m = num_drafts if accepted[start : start + num_drafts].all() else int(np.argmin(accepted[start:end]))
             rows.append(drafts[start : start + m].tolist() + [int(res.tokens[start + m])])
-        return rows
+        return rows, res
 
     def draw(self, probs: paddle.Tensor, st: SamplingTensors, rows: np.ndarray) -> list[paddle.Tensor]:
         """``[drawn, accepted]`` for the sampled positions ``rows``: a draft is accepted with

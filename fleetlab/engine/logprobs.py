@@ -1,0 +1,113 @@
+"""Log-probabilities: how likely the model found each token, returned beside the tokens.
+
+**Which logits.** fleetlab returns the log-softmax of the model's *raw* logits, before logit
+bias, penalties, temperature, top-k and top-p: vLLM's default ``logprobs_mode="raw_logprobs"``.
+So a request's logprobs do not change with its sampling settings, and they equal what the
+unpatched model's own forward gives (``log_softmax(full_forward_logits(...))``, the oracle of
+``tests/test_sampling_parity.py``).
+
+**What a position gets.** A :class:`TokenLogprobs`: the token taken there, its logprob and rank,
+and the ``k`` most likely tokens with theirs (OpenAI's ``logprobs``/``top_logprobs``). Sampled
+tokens get one per output token (``SamplingParams.logprobs = k``); prompt tokens get one per
+token after the first (``prompt_logprobs = k``: the logits at position ``j`` score token
+``j + 1``).
+
+**One device read.** :func:`gather` packs ``R`` positions into a float64 block ``[R, 2 + 2k]``
+(the token's logprob, its rank, the top ``k`` ids, their logprobs) that the sampler appends to
+the step's one device-to-host read; :func:`unpack` reads it back on the host.
+:class:`LogprobsCollector` (the front door's) keeps each request's lists as steps add to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import paddle
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """One position: the token taken, its logprob and rank (1 = the most likely), and the
+    ``top`` most likely tokens as ``(token id, logprob)``, most likely first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+def gather(logprobs: paddle.Tensor, token_ids: paddle.Tensor, k: int) -> paddle.Tensor:
+    """Flat float64 ``[R * (2 + 2k)]``: per row of ``logprobs [R, vocab]`` the logprob of
+    ``token_ids [R]`` (int64, on the device), its rank, then the top ``k`` ids and logprobs."""
+    chosen = paddle.take_along_axis(logprobs, token_ids.reshape([-1, 1]), axis=-1)
+    rank = paddle.sum((logprobs > chosen).astype("int64"), axis=-1, keepdim=True) + 1
+    cols = [chosen.astype("float64"), rank.astype("float64")]
+    if k:
+        values, ids = paddle.topk(logprobs, k, axis=-1)
+        cols += [ids.astype("float64"), values.astype("float64")]
+    return paddle.concat(cols, axis=-1).reshape([-1])
+
+
+def unpack(block: np.ndarray, token_ids, ks) -> list[TokenLogprobs]:
+    """The host side of :func:`gather`: ``block`` ``[R * (2 + 2k)]`` with ``k = max(ks)``; row
+    ``r`` keeps its own ``ks[r]`` top entries."""
+    ks = [int(x) for x in ks]
+    k = max(ks, default=0)
+    rows = block.reshape(len(ks), 2 + 2 * k)
+    out = []
+    for r, (token, kr) in enumerate(zip(token_ids, ks)):
+        ids, values = rows[r, 2: 2 + kr], rows[r, 2 + k: 2 + k + kr]
+        out.append(TokenLogprobs(int(token), float(rows[r, 0]), int(rows[r, 1]),
+                                 [(int(i), float(v)) for i, v in zip(ids, values)]))
+    return out
+
+
+@dataclass(slots=True)
+class _Lists:
+    sample: list | None  # TokenLogprobs per output token, None unless asked for
+    prompt: list | None  # per prompt token: None for the first, then TokenLogprobs
+    cumulative: float = 0.0
+
+
+class LogprobsCollector:
+    """Each request's logprobs as steps add to them, attached to its ``RequestOutput`` s.
+
+    ``add(request)`` registers a request that asked for ``logprobs`` or ``prompt_logprobs``;
+    ``collect(outputs, runner_output)`` stores what the step computed (prompt logprobs of a
+    chunk arrive in steps that give no token; a preempted request that recomputes its prompt
+    writes the same values again) and sets ``logprobs``, ``prompt_logprobs`` and
+    ``cumulative_logprob`` on the outputs. A finished request is forgotten.
+    """
+
+    def __init__(self):
+        self._lists: dict[str, _Lists] = {}
+
+    def add(self, request) -> None:
+        sp = request.sampling_params
+        if sp.logprobs is not None or sp.prompt_logprobs is not None:
+            self._lists[request.request_id] = _Lists(
+                [] if sp.logprobs is not None else None,
+                [None] * request.num_prompt_tokens if sp.prompt_logprobs is not None else None)
+
+    def collect(self, outputs: list, result=None) -> None:
+        if not self._lists:
+            return
+        for rid, (start, lps) in (result.prompt_logprobs.items() if result is not None else ()):
+            lists = self._lists.get(rid)
+            if lists is not None and lists.prompt is not None:
+                lists.prompt[start + 1: start + 1 + len(lps)] = lps
+        for out in outputs:
+            lists = self._lists.get(out.request_id)
+            if lists is None:
+                continue
+            if lists.sample is not None:
+                new = (result.logprobs.get(out.request_id, []) if result is not None else [])
+                new = new[: len(out.new_token_ids)]  # tokens past a stop were dropped
+                lists.sample += new
+                lists.cumulative += sum(lp.logprob for lp in new)
+                out.logprobs, out.cumulative_logprob = list(lists.sample), lists.cumulative
+            if lists.prompt is not None:
+                out.prompt_logprobs = list(lists.prompt)
+            if out.finished:
+                del self._lists[out.request_id]
