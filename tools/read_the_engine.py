@@ -41,6 +41,12 @@ PATH = [
     ("fleetlab/engine/outputs.py", "`RequestOutput`: what `Scheduler.update` hands back"),
     ("fleetlab/engine/observe.py", "`StepRecorder`: what `LLM.step` shows its observers"),
 ]
+# A request asking for more than one sequence, logprobs or penalties also passes through these.
+SAMPLING_PATH = [
+    ("fleetlab/engine/parallel_sampling.py", "`ParentRequest`: `n` children sharing the prompt's blocks"),
+    ("fleetlab/engine/penalties.py", "`PenaltiesProcessor`: penalties and `logit_bias`, a logits processor"),
+    ("fleetlab/engine/logprobs.py", "log-probabilities, in the step's one read"),
+]
 # With speculative decoding, the request also passes through these.
 SPEC_PATH = [
     ("fleetlab/spec_decode/proposer.py", "`Proposer`: how many drafts a row may take"),
@@ -85,10 +91,11 @@ def core_files() -> list[Path]:
 def table() -> str:
     """The reading guide as Markdown."""
     rows = ["| # | file | what happens to the request there | code lines | lines |", "|---|---|---|---|---|"]
-    for i, (name, what) in enumerate(PATH + SPEC_PATH, 1):
+    for i, (name, what) in enumerate(PATH + SAMPLING_PATH + SPEC_PATH, 1):
         path = ROOT / name
-        spec = " (speculative decoding)" if (name, what) in SPEC_PATH else ""
-        rows.append(f"| {i} | `{name}` | {what}{spec} | {code_lines(path)} | "
+        note = (" (speculative decoding)" if (name, what) in SPEC_PATH else
+                " (`n`, logprobs, penalties)" if (name, what) in SAMPLING_PATH else "")
+        rows.append(f"| {i} | `{name}` | {what}{note} | {code_lines(path)} | "
                     f"{len(path.read_text(encoding='utf-8').splitlines())} |")
     files = core_files()
     total = sum(code_lines(p) for p in files)
