@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from fleetlab.device import check_model_dtype_runs
+from fleetlab.distributed.engine import TensorParallelState
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
@@ -73,8 +74,6 @@ class LLM:
         self.spec_config = check_speculative_config(cfg.speculative_config) if cfg.speculative_config else None
         self.tensor_parallel = None  # this rank's TensorParallelState; every rank runs the scheduler
         if cfg.tensor_parallel_size > 1:
-            from fleetlab.distributed.engine import TensorParallelState  # paddle.distributed: only when asked
-
             self.tensor_parallel = TensorParallelState.prepare(model, cfg.tensor_parallel_size)
         self._owns_handle = not isinstance(model, PatchHandle)
         self.handle = patch_model(model, backend=cfg.backend) if self._owns_handle else model
