@@ -7,7 +7,11 @@ import importlib
 import logging
 import sys
 
-# name -> (module with main(argv), help)
+from fleetlab.cpu_tuning import tune_malloc
+from fleetlab.quiet import verbose as show_fleetlab_info
+
+# name -> (module with main(argv), help). A command's module is imported only when it runs, so
+# ``--help`` stays instant and only ``serve`` needs the server's optional dependencies.
 COMMANDS = {
     "demo": ("fleetlab.demo", "serve a batch of prompts on the shipped tiny model and show what happened"),
     "train-tiny": ("fleetlab.models.train", "train the tiny Llama shipped in fleetlab/models/weights"),
@@ -37,11 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     command = parser.parse_args(argv[:1]).command
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if verbose:
-        from fleetlab.quiet import verbose as show_fleetlab_info
-
         show_fleetlab_info()
-    from fleetlab.cpu_tuning import tune_malloc
-
     tune_malloc()  # a program, not a library: keep Paddle's freed CPU buffers (see cpu_tuning)
     module = importlib.import_module(COMMANDS[command][0])
     return int(module.main(argv[1:]) or 0)

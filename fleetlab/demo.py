@@ -15,27 +15,17 @@ under tensor parallelism, where the launcher passes rank 0's output on line by l
 from __future__ import annotations
 
 import argparse
-import random
+import sys
+import tempfile
 import time
 
-PROMPT_KINDS = ("add", "times", "count", "add", "text")
+import paddle
 
-
-def make_prompts(n: int, seed: int = 0) -> list[str]:
-    """A mix of prompts the tiny model was trained on; ``n`` of them, deterministic."""
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(n):
-        kind = PROMPT_KINDS[i % len(PROMPT_KINDS)]
-        if kind == "add":
-            prompts.append(f"{rng.randint(10, 99)}+{rng.randint(10, 99)}=")
-        elif kind == "times":
-            prompts.append(f"{rng.randint(2, 9)}*{rng.randint(2, 9)}=")
-        elif kind == "count":
-            prompts.append(f"count {rng.randint(1, 80)} ")
-        else:
-            prompts.append(rng.choice(["the red cat ", "a small dog ", "the old man "]))
-    return prompts
+from fleetlab import LLM, SamplingParams
+from fleetlab.distributed.group import init_tensor_parallel, launched_rank, launched_world_size
+from fleetlab.distributed.launch import launch, launch_command, shell_line
+from fleetlab.models import load_tiny
+from fleetlab.models.corpus import make_prompts
 
 
 def check(prompt: str, answer: str) -> str:
@@ -82,16 +72,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     tp_size = args.tensor_parallel_size
     if tp_size > 1:
-        from fleetlab.distributed.group import init_tensor_parallel, launched_rank, launched_world_size
-
         if launched_world_size() == 1:
             return _relaunch(argv, tp_size)
         init_tensor_parallel(tp_size)  # before the model is built: on GPUs each rank takes its own device
         if launched_rank() != 0:  # every rank serves; rank 0 alone reports
             return _serve_quietly(args)
-
-    from fleetlab import LLM, SamplingParams
-    from fleetlab.models import load_tiny
 
     model, tok = load_tiny()
     num_params = _num_params(model)  # before LLM keeps only this rank's shard of it
@@ -138,11 +123,6 @@ def _num_params(model) -> int:
 
 def _relaunch(argv, tp_size: int) -> int:
     """Run this demo again on ``tp_size`` ranks through Paddle's launcher, streaming rank 0."""
-    import sys
-    import tempfile
-
-    from fleetlab.distributed.launch import launch, launch_command, shell_line
-
     argv = list(sys.argv[1:] if argv is None else argv)
     log_dir = tempfile.mkdtemp(prefix="fleetlab-tp-demo-")
     print("starting one process per rank:\n  " + shell_line(launch_command(["fleetlab", "demo", *argv], tp_size,
@@ -156,9 +136,6 @@ def _relaunch(argv, tp_size: int) -> int:
 
 def _serve_quietly(args) -> int:
     """A rank other than 0: serve the same prompts (same steps, same all-reduces), print nothing."""
-    from fleetlab import LLM, SamplingParams
-    from fleetlab.models import load_tiny
-
     model, tok = load_tiny()
     llm = LLM(model, tok, block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size)
@@ -187,6 +164,4 @@ def _report_tensor_parallel(llm, elapsed: float, num_params: int, rank_params: i
 
 
 def _device() -> str:
-    import paddle
-
     return paddle.device.get_device()

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from tqdm.auto import tqdm
 
 from fleetlab.device import check_model_dtype_runs
+from fleetlab.distributed.engine import TensorParallelState
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.logprobs import LogprobsCollector
@@ -83,8 +84,6 @@ class LLM:
         self.spec_config = check_speculative_config(cfg.speculative_config) if cfg.speculative_config else None
         self.tensor_parallel = None  # this rank's TensorParallelState; every rank runs the scheduler
         if cfg.tensor_parallel_size > 1:
-            from fleetlab.distributed.engine import TensorParallelState  # paddle.distributed: only when asked
-
             self.tensor_parallel = TensorParallelState.prepare(model, cfg.tensor_parallel_size)
         self._parents: dict[str, ParentRequest] = {}  # parallel sampling: child request id -> its parent
         self._parent_ids: dict[str, ParentRequest] = {}  # parent id -> parent, while a child runs

@@ -6,13 +6,11 @@ in one packed step, then decodes through a paged cache with shuffled block ids, 
 size 4, sequences longer than the sliding window (8).
 """
 
-import sys
-import types
-
 import numpy as np
 import paddle
 import pytest
 
+import fleetlab.patching
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.attention.tiled import TiledBackend
 from fleetlab.context import forward_context, get_forward_context
@@ -280,9 +278,8 @@ def test_core_attention_models_go_to_the_fleet_patcher(monkeypatch):
             self.core_attention = paddle.nn.Identity()
 
     seen = []
-    fake = types.ModuleType("fleetlab.patching.fleet")
-    fake.patch_fleet_model = lambda model, backend: seen.append((model, backend)) or "fleet-handle"
-    monkeypatch.setitem(sys.modules, "fleetlab.patching.fleet", fake)
+    monkeypatch.setattr(fleetlab.patching, "patch_fleet_model",
+                        lambda model, backend: seen.append((model, backend)) or "fleet-handle")
     model = paddle.nn.Sequential(Attention())
     assert patch_model(model, backend="tiled") == "fleet-handle"
     assert seen == [(model, "tiled")]

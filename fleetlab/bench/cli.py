@@ -22,6 +22,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+# name -> module with main(argv), imported only when that benchmark runs (``triton`` needs torch and
+# triton, ``serve`` httpx: optional dependencies the others must not require).
 BENCHES = {
     "engine": "fleetlab.bench.engine",
     "reorder": "fleetlab.bench.reorder",

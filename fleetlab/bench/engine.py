@@ -82,11 +82,14 @@ from pathlib import Path
 
 import numpy as np
 import paddle
+from paddleformers.utils.log import logger as pf_logger
 
+from fleetlab import LLM, SamplingParams
 from fleetlab.bench.machine import MachineRecord, describe
 from fleetlab.bench.progress import add_quiet, bars_and_logs, run_step, section
 from fleetlab.bench.report import STEP_KEYS, headline_table, write_plots
 from fleetlab.bench.workloads import Workload, mixed_workload, padded_batches, shared_prefix_workload
+from fleetlab.models import tiny
 
 logger = logging.getLogger(__name__)
 
@@ -146,8 +149,6 @@ PRESETS = {
 # ----------------------------------------------------------------------------- models
 def build_model(size: str, max_len: int, seed: int = 0):
     """A random-init PaddleFormers Llama of ``size`` (see ``MODEL_SIZES``) holding ``max_len`` positions."""
-    from fleetlab.models import tiny
-
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; choose from {sorted(MODEL_SIZES)}")
     return tiny("llama", seed=seed, max_position_embeddings=int(max_len), **MODEL_SIZES[size])
@@ -189,8 +190,6 @@ def run_paddleformers(model, workload: Workload, batch_size: int) -> dict:
 
 def make_llm(model, cfg: BenchConfig, max_model_len: int, **overrides):
     """A fleetlab ``LLM`` on ``model`` with the benchmark's engine settings."""
-    from fleetlab import LLM
-
     engine = {"block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
               "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_model_len": max_model_len,
               "record_traces": True, "seed": cfg.seed}
@@ -200,8 +199,6 @@ def make_llm(model, cfg: BenchConfig, max_model_len: int, **overrides):
 
 def run_fleetlab(model, workload: Workload, cfg: BenchConfig, **overrides) -> dict:
     """``LLM.generate`` on the workload (greedy, ``ignore_eos``); the model is unpatched after."""
-    from fleetlab import SamplingParams
-
     llm = make_llm(model, cfg, workload.max_seq_len + 1, **overrides)
     try:
         params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload.output_lens]
@@ -381,8 +378,6 @@ def bench_prefix_caching(cfg: BenchConfig, bar=None) -> dict:
 
 def bench_step_breakdown(cfg: BenchConfig) -> list[dict]:
     """Figure 4: per-step time by part, in steps where every one of ``batch`` rows decodes."""
-    from fleetlab import SamplingParams
-
     size = cfg.sizes[0]
     vocab = MODEL_SIZES[size]["vocab_size"]
     results = []
@@ -503,12 +498,7 @@ def main(argv=None) -> int:
 
 def _quiet_libraries() -> None:
     """PaddleFormers logs a warning per ``generate`` call; keep the benchmark's output readable."""
-    try:
-        from paddleformers.utils.log import logger as pf_logger
-
-        pf_logger.set_level("ERROR")
-    except (ImportError, AttributeError):
-        logging.getLogger("paddleformers").setLevel(logging.ERROR)
+    pf_logger.set_level("ERROR")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,8 @@ def machine_info(with_paddle: bool = True) -> dict:
             "python": platform.python_version(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "load_average": load_average()}
     if with_paddle:
+        # Imported only when asked for: they take seconds to import, and describing a stored
+        # record (tools/readme_figures.py) or taking one ``with_paddle=False`` needs neither.
         import paddle
         import paddleformers
 

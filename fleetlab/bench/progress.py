@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import sys
 
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 
 def section(desc: str, total: int | None, *, quiet: bool = False, unit: str = "run"):
     """A tqdm bar for one section of a command (``disable=quiet``); use it as a context manager."""
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=quiet, leave=True,
                 dynamic_ncols=True)
 
@@ -34,8 +35,6 @@ def run_step(bar, what: str, fn):
 def bars_and_logs():
     """Route log records (``-v``) through tqdm while bars are shown, so a message does not
     break a bar's line."""
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
     with logging_redirect_tqdm():
         yield
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from matplotlib.figure import Figure  # a bare Figure, not pyplot: no global backend switch, nothing left open
 
 from fleetlab.engine.observe import STEP_TIMING_PARTS
 
@@ -47,9 +48,6 @@ def headline_table(result: dict) -> str:
 
 def write_plots(result: dict, out: Path) -> list[str]:
     """One PNG per figure in ``out``; returns the file names."""
-    # A bare Figure, not pyplot: no global backend switch, nothing left open in a notebook.
-    from matplotlib.figure import Figure
-
     names = []
     for name, draw in (("throughput.png", _plot_throughput), ("kv_memory.png", _plot_kv_memory),
                        ("prefix_caching.png", _plot_prefix_caching), ("step_breakdown.png", _plot_step_breakdown)):

@@ -41,13 +41,17 @@ import json
 import math
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from matplotlib.figure import Figure
 
 from fleetlab.bench.machine import MachineRecord, describe
 from fleetlab.bench.progress import add_quiet, section
+from fleetlab.models.corpus import make_prompts
+from fleetlab.serving.launch import ServerProcess
 
 DEFAULT_RATES = (2.0, 8.0, 32.0, math.inf)
 
@@ -104,6 +108,8 @@ async def run_rate(url: str, model: str, prompts: list[str], output_lens: list[i
                    seed: int = 0, bar=None) -> dict:
     """Send every prompt at Poisson arrivals of ``rate``; returns the run's figures (see the module docstring).
     ``bar``: a progress bar advanced as each request ends."""
+    # httpx (the ``serve`` extra) is imported where requests are sent: the results' tables and
+    # figures, and the tests of them, work without it.
     import httpx
 
     async def one(client, prompt, n, start, offset):
@@ -146,9 +152,7 @@ def summarize(records: list[RequestRecord], rate: float) -> dict:
 
 
 def workload(num_prompts: int, output_len: tuple[int, int], seed: int) -> tuple[list[str], list[int]]:
-    """Prompts the tiny model knows (``fleetlab.demo.make_prompts``) and exact output lengths."""
-    from fleetlab.demo import make_prompts
-
+    """Prompts the tiny model knows (``fleetlab.models.corpus.make_prompts``) and exact output lengths."""
     rng = np.random.default_rng(seed)
     lens = rng.integers(output_len[0], output_len[1] + 1, size=num_prompts)
     return make_prompts(num_prompts, seed=seed), [int(n) for n in lens]
@@ -180,16 +184,12 @@ def _run(coro):
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro)
-    from concurrent.futures import ThreadPoolExecutor
-
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, coro).result()
 
 
 def draw(result: dict):
     """Latency (TTFT, TPOT, ITL: mean, median, p99) and throughput against the request rate; a Figure."""
-    from matplotlib.figure import Figure
-
     runs = result["runs"]
     labels = [("all at once" if r["rate"] == "inf" else f"{r['rate']:g}") for r in runs]
     x = np.arange(len(runs))
@@ -277,8 +277,6 @@ def main(argv=None) -> int:
     machine = MachineRecord()
     server = None
     if args.url is None:
-        from fleetlab.serving.launch import ServerProcess
-
         print(f"starting python -m fleetlab serve {args.server_args} ...", flush=True)
         server = ServerProcess(args.server_args.split())
     url = args.url or server.url

@@ -43,8 +43,12 @@ from pathlib import Path
 
 import numpy as np
 
+from fleetlab import LLM, SamplingParams
 from fleetlab.bench.machine import MachineRecord, describe
 from fleetlab.bench.progress import add_quiet, section
+from fleetlab.models import load_tiny, load_tiny_draft, tiny
+from fleetlab.models.corpus import CorpusMix, generate_lines
+from fleetlab.viz.spec import draw_spec_benchmark, request_forwards
 
 DEFAULT_OUT = Path("benchmarks/results")
 MIN_OUTPUT_TOKENS = 8  # the goal is stated for requests that produce at least this many tokens
@@ -86,8 +90,6 @@ PRESETS = {
 def trained_prompts(num_count: int, num_sentence: int, seed: int = 0) -> list[str]:
     """Prompts cut from the tiny model's corpus (``fleetlab.models.corpus``): ``"count N"``
     from counting lines, the first three words of sentence lines; distinct, in corpus order."""
-    from fleetlab.models.corpus import CorpusMix, generate_lines
-
     zero = dict.fromkeys(("add2", "add1", "add3", "sub", "mul", "count", "sentence"), 0.0)
     prompts: list[str] = []
     for kind, n, cut in (("count", num_count, lambda line: " ".join(line.split()[:2])),
@@ -136,9 +138,6 @@ def measure(model, prompt_token_ids: list[list[int]], sampling, *, spec: dict | 
     (``forward``: the target's forward; ``propose``: drafting; ``total``: wall / steps), and
     ``token_ids`` (each request's output; drop it before storing).
     """
-    from fleetlab import LLM
-    from fleetlab.viz.spec import request_forwards
-
     method = spec["method"] if spec else "off"
     k = spec["num_speculative_tokens"] if spec else 0
     with LLM(model, record_traces=True, speculative_config=spec, **engine) as llm:
@@ -249,15 +248,12 @@ def goal(workload: dict, k: int) -> dict:
 def run(cfg: SpecBenchConfig, preset: str = "custom", argv=None, quiet: bool = True) -> dict:
     """Measure both workloads; write ``spec.json`` and ``spec.png`` to ``cfg.out``; return the result.
     ``quiet=False``: a progress bar per workload on stderr."""
-    import fleetlab
-    from fleetlab import SamplingParams
-
     start = time.perf_counter()
     machine = MachineRecord()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = fleetlab.models.load_tiny()
-    draft, _ = fleetlab.models.load_tiny_draft()
+    model, tokenizer = load_tiny()
+    draft, _ = load_tiny_draft()
     engine = {"block_size": cfg.block_size}
     lookup = {"prompt_lookup_min": cfg.prompt_lookup_min, "prompt_lookup_max": cfg.prompt_lookup_max}
 
@@ -269,7 +265,7 @@ def run(cfg: SpecBenchConfig, preset: str = "custom", argv=None, quiet: bool = T
     trained_configs += [(f"draft k={k}", spec_config("draft", k, draft=draft)) for k in cfg.draft_ks]
     trained_configs += [(f"ngram k={k}", spec_config("ngram", k, **lookup)) for k in cfg.ngram_ks]
 
-    rep_model = fleetlab.models.tiny("llama", seed=cfg.seed)
+    rep_model = tiny("llama", seed=cfg.seed)
     rep_prompts = repetitive_prompts(cfg.rep_num_requests, cfg.rep_prompt_len, cfg.rep_repeats,
                                      rep_model.config.vocab_size, cfg.seed)
     rep_sp = SamplingParams(max_tokens=cfg.rep_max_tokens, ignore_eos=True)
@@ -310,8 +306,6 @@ def run(cfg: SpecBenchConfig, preset: str = "custom", argv=None, quiet: bool = T
 
 def write_plots(result: dict, out: Path) -> list[str]:
     """``spec.png`` in ``out`` (drawn by :func:`fleetlab.viz.draw_spec_benchmark`)."""
-    from fleetlab.viz.spec import draw_spec_benchmark
-
     draw_spec_benchmark(result).savefig(Path(out) / "spec.png", dpi=110)
     return ["spec.png"]
 

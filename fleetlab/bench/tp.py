@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +32,8 @@ import numpy as np
 
 from fleetlab.bench.machine import MachineRecord, describe
 from fleetlab.bench.progress import add_quiet, section
+from fleetlab.distributed.launch import LaunchResult, launch
+from fleetlab.viz.tp import draw_tp_step_times
 
 PRESETS = {
     # ~12M parameters: matmuls big enough that splitting them shows, small enough for 2 cores.
@@ -50,8 +54,6 @@ def run(preset: str = "default", out: str | Path | None = None, timeout: float =
         quiet: bool = True, argv=None) -> dict:
     """Run the configurations ``runs`` (``(name, tp_size, threads)``; default all three);
     return (and, with ``out``, write) the result dict. ``quiet=False``: a progress bar on stderr."""
-    from fleetlab.distributed.launch import launch
-
     start = time.perf_counter()
     machine = MachineRecord()
     cfg = PRESETS[preset]
@@ -87,20 +89,12 @@ def run(preset: str = "default", out: str | Path | None = None, timeout: float =
         out.mkdir(parents=True, exist_ok=True)
         result["plots"] = ["tp_step_time.png"]
         (out / "tp.json").write_text(json.dumps(result, indent=1) + "\n")
-        from fleetlab.viz.tp import draw_tp_step_times
-
         draw_tp_step_times(result).savefig(out / "tp_step_time.png", dpi=110, bbox_inches="tight")
     return result
 
 
 def _run_alone(args, threads: int, timeout: float):
     """The one-process baseline, started like a rank (a fresh interpreter, its own threads)."""
-    import os
-    import subprocess
-    import sys
-
-    from fleetlab.distributed.launch import LaunchResult
-
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     for key in ("PADDLE_TRAINER_ID", "PADDLE_TRAINERS_NUM"):
         env.pop(key, None)

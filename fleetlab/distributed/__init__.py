@@ -20,14 +20,7 @@ from __future__ import annotations
 
 from fleetlab.distributed.group import TensorParallelError, TensorParallelGroup, init_tensor_parallel
 from fleetlab.distributed.plan import RankShard, ShardPlan, plan_shards
+from fleetlab.distributed.shard import plan_for, shard_model, sharded_info
 
 __all__ = ["RankShard", "ShardPlan", "TensorParallelError", "TensorParallelGroup", "init_tensor_parallel",
-           "plan_for", "plan_shards", "shard_model"]
-
-
-def __getattr__(name):
-    if name in ("plan_for", "shard_model", "sharded_info"):
-        from fleetlab.distributed import shard
-
-        return getattr(shard, name)
-    raise AttributeError(f"module 'fleetlab.distributed' has no attribute {name!r}")
+           "plan_for", "plan_shards", "shard_model", "sharded_info"]

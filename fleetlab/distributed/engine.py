@@ -31,7 +31,7 @@ import os
 import zlib
 
 from fleetlab.distributed.group import TensorParallelGroup, init_tensor_parallel
-from fleetlab.distributed.shard import ShardedModel, shard_model
+from fleetlab.distributed.shard import ShardedModel, plan_for, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,6 @@ class TensorParallelState:
         processes, or when the model's heads or MLP columns do not split that many ways. The
         layers (manual, or Paddle's fleet layers) are the group's: see ``init_tensor_parallel``.
         """
-        from fleetlab.distributed.shard import plan_for
-
         target = getattr(model, "model", model) if hasattr(model, "compute_logits") else model
         plan_for(target, tensor_parallel_size)  # an uneven split raises before any process group work
         tp = init_tensor_parallel(tensor_parallel_size)  # an earlier call may have chosen its layers

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 import paddle
+import paddle.distributed as dist
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,6 @@ class TensorParallelGroup:
         """
         if self.size == 1:
             return x
-        import paddle.distributed as dist
-
         t0 = time.perf_counter()
         try:
             dist.all_reduce(x, group=self.group)
@@ -103,8 +102,6 @@ class TensorParallelGroup:
         ``value`` (an int64 fingerprint). Costs one all-reduce of two int64s."""
         if self.size == 1:
             return
-        import paddle.distributed as dist
-
         value = int(value) & 0x7FFFFFFFFFFFFFFF
         t = paddle.to_tensor([value, -value], dtype="int64")
         try:
@@ -173,8 +170,6 @@ def init_tensor_parallel(tensor_parallel_size: int, layers: str = "auto") -> Ten
     if world != tensor_parallel_size:
         raise ValueError(f"engine config: tensor_parallel_size={tensor_parallel_size} but the launcher started "
                          f"{world} processes (--nproc_per_node); make them equal")
-    import paddle.distributed as dist
-
     if paddle.is_compiled_with_cuda() and paddle.device.cuda.device_count() > 0:
         local = int(os.environ.get("PADDLE_LOCAL_RANK", os.environ.get("PADDLE_RANK_IN_NODE", "0")))
         paddle.set_device(f"gpu:{local}")
@@ -201,11 +196,9 @@ def join_with_fleet(tensor_parallel_size: int):
     ``c_identity`` (an identity in the forward pass; it exists for the backward all-reduce),
     the setting under which it was seen to run on CPU too.
     """
-    from paddle.distributed import fleet
-
-    strategy = fleet.DistributedStrategy()
+    strategy = dist.fleet.DistributedStrategy()
     strategy.hybrid_configs = {"dp_degree": 1, "mp_degree": tensor_parallel_size, "pp_degree": 1}
     strategy.hybrid_configs["mp_configs"].mp_async_allreduce = True
     strategy.hybrid_configs["mp_configs"].mp_skip_c_identity = True
-    fleet.init(is_collective=True, strategy=strategy)
-    return fleet.get_hybrid_communicate_group().get_model_parallel_group()
+    dist.fleet.init(is_collective=True, strategy=strategy)
+    return dist.fleet.get_hybrid_communicate_group().get_model_parallel_group()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import paddle
 import paddle.nn.functional as F
 from paddle import nn
+from paddle.distributed.fleet.meta_parallel import ColumnParallelLinear, RowParallelLinear
 
 
 class ShardedLinear(nn.Layer):
@@ -72,8 +73,6 @@ def column_parallel(weight: paddle.Tensor, bias, tp, layers: str) -> nn.Layer:
     """A column-parallel layer holding ``weight [in, out_r]`` (this rank's columns)."""
     if layers == "manual":
         return ShardedLinear(weight, bias)
-    from paddle.distributed.fleet.meta_parallel import ColumnParallelLinear
-
     with _default_dtype(weight.dtype):
         layer = ColumnParallelLinear(weight.shape[0], weight.shape[1] * tp.size, has_bias=bias is not None,
                                      gather_output=False, mp_group=tp.group)
@@ -87,8 +86,6 @@ def row_parallel(weight: paddle.Tensor, bias, tp, layers: str, name: str) -> nn.
     """A row-parallel layer holding ``weight [in_r, out]`` (this rank's rows) and its all-reduce."""
     if layers == "manual":
         return RowParallelAllReduce(weight, bias, tp, name)
-    from paddle.distributed.fleet.meta_parallel import RowParallelLinear
-
     with _default_dtype(weight.dtype):
         layer = RowParallelLinear(weight.shape[0] * tp.size, weight.shape[1], has_bias=bias is not None,
                                   input_is_parallel=True, mp_group=tp.group)

@@ -25,6 +25,7 @@ import paddle
 
 from fleetlab.distributed.layers import column_parallel, row_parallel
 from fleetlab.distributed.plan import RankShard, ShardPlan, plan_shards
+from fleetlab.patching.families import family_of
 from fleetlab.patching.handle import has_core_attention
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,6 @@ def model_dims(model) -> tuple[str, int, int, int, int]:
     if has_core_attention(model):
         return ("fleet", config.num_attention_heads, config.num_kv_heads, config.head_dim,
                 config.ffn_hidden_size)
-    from fleetlab.patching.families import family_of
-
     spec = family_of(model)
     if spec.name not in SUPPORTED_PADDLEFORMERS:
         raise NotImplementedError(

@@ -20,6 +20,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+import paddle
+import paddle.distributed as dist
+
+from fleetlab import LLM, SamplingParams
+from fleetlab.distributed.group import TensorParallelGroup, join_with_fleet, launched_rank, launched_world_size
+from fleetlab.distributed.layers import column_parallel, row_parallel
+from fleetlab.models import tiny
 
 # The parity workload: prompts longer than the step budget (chunked prefill) and a pool
 # too small for all of them at once (preemption).
@@ -48,9 +55,6 @@ def run_family(family: str, tensor_parallel_size: int = 1, *, prompt_lens=PARITY
     samples instead (each request's seed drawn by the engine from ``EngineConfig.seed``, as
     for any request without one).
     """
-    from fleetlab import LLM, SamplingParams
-    from fleetlab.models import tiny
-
     model = tiny(family, seed=0, **(model_overrides or {}))
     vocab = min(100, int(model.config.vocab_size))
     prompts = prompts_for(prompt_lens, prompt_seed, vocab)
@@ -120,8 +124,6 @@ def run_family(family: str, tensor_parallel_size: int = 1, *, prompt_lens=PARITY
 def all_reduce_latency_ms(tp, shape, calls: int = 100) -> float:
     """Median milliseconds of one all-reduce of a float32 ``shape`` tensor, ranks in lockstep
     and nothing else to do: the exchange alone, without the waiting a serving step adds."""
-    import paddle
-
     x = paddle.ones(shape, dtype="float32")
     times = []
     for i in range(calls + 5):
@@ -140,11 +142,6 @@ def check_fleet_layers(tp_size: int) -> dict:
     weight, and compares with the manual shards. Returns ``{"column": "ok" | error,
     "row": "ok" | error}``.
     """
-    import paddle
-
-    from fleetlab.distributed.group import TensorParallelGroup, join_with_fleet
-    from fleetlab.distributed.layers import column_parallel, row_parallel
-
     group = join_with_fleet(tp_size)  # what init_tensor_parallel(N, layers="paddle") does
     tp = TensorParallelGroup(group.rank, group.nranks, group, "gloo", layers="paddle")
     full = paddle.arange(8 * 16, dtype="float32").reshape([8, 16]) / 100
@@ -177,8 +174,6 @@ def main(argv=None, *, before_step=None) -> int:
     p.add_argument("--check-fleet-layers", action="store_true")
     args = p.parse_args(argv)
 
-    from fleetlab.distributed.group import launched_rank, launched_world_size
-
     rank = launched_rank()
     tp_size = args.tensor_parallel_size or launched_world_size()
     workload = json.loads(args.workload)
@@ -196,8 +191,6 @@ def main(argv=None, *, before_step=None) -> int:
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     print(f"rank {rank}/{tp_size}: wrote {out / f'rank{rank}.json'} in {report['seconds']:.1f} s", flush=True)
     if tp_size > 1:  # leave together (see the __main__ block)
-        import paddle.distributed as dist
-
         dist.barrier()
     return 0
 

@@ -9,10 +9,20 @@ decoder, and the tiny Llama that fleetlab trains and ships.
 - ``tiny_json(family="llama", seed=0)`` -> ``(model, tokenizer)``: a tiny random model whose
   character vocabulary can spell JSON (the shipped one cannot), for structured outputs.
 - ``load_pretrained(path)``: a PaddleFormers checkpoint directory from disk.
+- ``CharTokenizer``: the character tokenizer of the shipped model and of ``tiny_json``.
 - ``fleet_from_llama(model)``: a trained Llama's weights moved into the Fleet-style decoder.
 """
 
 from __future__ import annotations
+
+from fleetlab.models.tokenizer import CharTokenizer
+
+# The builders and loaders below import their module when first called: those modules import
+# Paddle and PaddleFormers (seconds), and ``fleetlab.models`` must stay as cheap to import as
+# ``fleetlab`` itself, as must its light modules (``tokenizer``, ``corpus``).
+
+__all__ = ["FAMILIES", "CharTokenizer", "FleetConfig", "FleetForCausalLM", "fleet_from_llama", "load_pretrained",
+           "load_tiny", "load_tiny_draft", "tiny", "tiny_json"]
 
 FAMILIES = ("llama", "ernie4_5", "phi3", "gemma3", "gpt_oss", "fleet")
 
@@ -46,10 +56,9 @@ def load_tiny():
 def load_tiny_draft():
     """The 2-layer draft trained by ``python -m fleetlab train-tiny --draft`` on the same corpus
     and tokenizer as ``load_tiny()``: ``(model, tokenizer)``, for ``speculative_config``'s ``model``."""
-    from fleetlab.models.pretrained import DRAFT_WEIGHTS_DIR
-    from fleetlab.models.pretrained import load_tiny as _load
+    from fleetlab.models import pretrained
 
-    return _load(DRAFT_WEIGHTS_DIR)
+    return pretrained.load_tiny(pretrained.DRAFT_WEIGHTS_DIR)
 
 
 def load_pretrained(path):
@@ -60,10 +69,6 @@ def load_pretrained(path):
 
 
 def __getattr__(name):
-    if name in ("CharTokenizer",):
-        from fleetlab.models import tokenizer
-
-        return getattr(tokenizer, name)
     if name == "fleet_from_llama":
         from fleetlab.models.convert import fleet_from_llama
 

@@ -21,10 +21,12 @@ digit patterns never seen, rather than addition on unseen pairs. Modulo 11 every
 units-digit combination and every tens-digit combination keeps 65+ training pairs.
 
 The generator is a pure function of its seed (``numpy.random.default_rng``).
+:func:`make_prompts` draws prompts of the same kinds (the demo's and ``bench serve``'s workload).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -144,3 +146,24 @@ def generate_lines(seed: int, n: int, mix: CorpusMix = CorpusMix()) -> list[str]
         raise ValueError(f"generate_lines: n must be >= 0, got {n}")
     stream = iter_lines(seed, mix)
     return [next(stream) for _ in range(n)]
+
+
+PROMPT_KINDS = ("add", "times", "count", "add", "text")
+
+
+def make_prompts(n: int, seed: int = 0) -> list[str]:
+    """``n`` prompts of the kinds the tiny model was trained on (``PROMPT_KINDS`` in turn), deterministic:
+    what ``python -m fleetlab demo`` and ``bench serve`` send."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        kind = PROMPT_KINDS[i % len(PROMPT_KINDS)]
+        if kind == "add":
+            prompts.append(f"{rng.randint(10, 99)}+{rng.randint(10, 99)}=")
+        elif kind == "times":
+            prompts.append(f"{rng.randint(2, 9)}*{rng.randint(2, 9)}=")
+        elif kind == "count":
+            prompts.append(f"count {rng.randint(1, 80)} ")
+        else:
+            prompts.append(rng.choice(["the red cat ", "a small dog ", "the old man "]))
+    return prompts

@@ -30,6 +30,8 @@ import paddle
 import paddle.nn.functional as F
 from paddle import nn
 
+from fleetlab.models.random_init import check_dtype, seeded
+
 
 @dataclass(slots=True)
 class FleetConfig:
@@ -216,8 +218,6 @@ def tiny_fleet(seed: int = 0, **overrides) -> FleetForCausalLM:
     ``overrides`` replace :class:`FleetConfig` fields (an unknown name raises ``TypeError``).
     Paddle's global random state is restored afterwards, as in ``tiny_paddleformers``.
     """
-    from fleetlab.models.small import check_dtype, seeded
-
     config = dataclasses.replace(FleetConfig(), **overrides)
     config.dtype = check_dtype(config.dtype)
     with seeded(seed):

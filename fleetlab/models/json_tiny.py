@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import string
 
+from fleetlab.models import tiny
 from fleetlab.models.tokenizer import DEFAULT_CHARS, CharTokenizer
 
 JSON_CHARS = DEFAULT_CHARS + string.ascii_uppercase + '{}[]"_\\'
@@ -27,7 +28,5 @@ def json_tokenizer() -> CharTokenizer:
 def tiny_json(family: str = "llama", seed: int = 0, **overrides):
     """``(model, tokenizer)``: a tiny random ``family`` model (see ``fleetlab.models.tiny``) whose
     vocabulary is exactly :func:`json_tokenizer`'s (``vocab_size`` 88)."""
-    from fleetlab.models import tiny
-
     tokenizer = json_tokenizer()
     return tiny(family, seed=seed, vocab_size=tokenizer.vocab_size, **overrides), tokenizer

@@ -25,6 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import paddle
+from paddleformers.transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from safetensors.numpy import load_file, save_file
 
 from fleetlab.models.tokenizer import CharTokenizer
 
@@ -47,8 +50,6 @@ def save_tiny(model, tokenizer: CharTokenizer, out_dir: str | os.PathLike) -> di
 
     Returns the paths written, by file kind (``"model"``, ``"config"``, ``"tokenizer"``).
     """
-    from safetensors.numpy import save_file
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -71,9 +72,6 @@ def load_tiny(path: str | os.PathLike | None = None):
     Weights are read with ``safetensors.numpy`` (device-neutral) and copied into a
     model built from ``config.json`` on Paddle's current device.
     """
-    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
-    from safetensors.numpy import load_file
-
     directory = Path(path) if path is not None else WEIGHTS_DIR
     if not (directory / MODEL_FILE).is_file():
         raise FileNotFoundError(
@@ -105,8 +103,6 @@ def load_pretrained(path: str | os.PathLike):
     directory (no download). Note that PaddleFormers may write a small metadata file
     (``flex-ckpt.auto_generated.metadata``) into ``path`` the first time it reads it.
     """
-    from paddleformers.transformers import AutoModelForCausalLM
-
     directory = Path(path)
     if not (directory / CONFIG_FILE).is_file():
         raise FileNotFoundError(f"load_pretrained: {directory} has no {CONFIG_FILE}")
@@ -123,8 +119,6 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
     A row stops after it emits ``eos_token_id`` (which is kept in its output).
     Returns one list of new token ids per prompt, in prompt order.
     """
-    import paddle
-
     if max_new_tokens < 1:
         raise ValueError(f"greedy_generate: max_new_tokens must be >= 1, got {max_new_tokens}")
     groups: dict[int, list[int]] = defaultdict(list)
@@ -149,8 +143,6 @@ def greedy_generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int
 
 
 def _greedy_group(model, tokens: np.ndarray, max_new_tokens: int, eos_token_id: int) -> list[list[int]]:
-    import paddle
-
     finished = np.zeros(len(tokens), dtype=bool)
     outputs: list[list[int]] = [[] for _ in range(len(tokens))]
     for _ in range(max_new_tokens):

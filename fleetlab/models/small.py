@@ -13,6 +13,9 @@ import contextlib
 import copy
 
 import paddle
+import paddleformers.transformers as pft
+
+from fleetlab.models.random_init import check_dtype, seeded
 
 # Shared by every family. The initializer range is wider than a real model's 0.02 so
 # that a random model's logits are peaked: greedy parity tests compare argmaxes, and
@@ -70,8 +73,6 @@ def tiny_paddleformers(family: str, seed: int = 0, **overrides):
     """
     if family not in _FAMILIES:
         raise ValueError(f"unknown tiny PaddleFormers family {family!r}; supported: {list(TINY_FAMILIES)}")
-    import paddleformers.transformers as pft
-
     config_name, model_name, extra = _FAMILIES[family]
     # Copies: configs keep (and PaddleFormers edits in place) the lists and dicts they get.
     kwargs = {**copy.deepcopy({**_COMMON, **extra}), **overrides}
@@ -87,28 +88,6 @@ def tiny_paddleformers(family: str, seed: int = 0, **overrides):
         model.to(dtype=dtype)  # initialised in float32 (the same weights for every dtype), then cast
     model.eval()
     return model
-
-
-DTYPES = ("float32", "bfloat16", "float16")
-
-
-def check_dtype(dtype) -> str:
-    """A supported model dtype's name; ``ValueError`` naming ``dtype`` otherwise."""
-    name = str(dtype).removeprefix("paddle.")
-    if name not in DTYPES:
-        raise ValueError(f"tiny models: dtype={dtype!r} is not supported; choose one of {list(DTYPES)}")
-    return name
-
-
-@contextlib.contextmanager
-def seeded(seed: int):
-    """Seed Paddle's generator for the block, then put the caller's random state back."""
-    state = paddle.get_rng_state()
-    paddle.seed(seed)
-    try:
-        yield
-    finally:
-        paddle.set_rng_state(state)
 
 
 @contextlib.contextmanager

@@ -30,6 +30,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+import paddle
+import paddle.nn.functional as F
+from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
+from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from fleetlab.models.corpus import CorpusMix, held_out_pairs, iter_lines
 from fleetlab.models.pretrained import DRAFT_WEIGHTS_DIR, WEIGHTS_DIR, addition_accuracy, save_tiny
@@ -151,8 +156,6 @@ def pack_batches(
 
 def build_model(cfg: TrainConfig, tokenizer: CharTokenizer):
     """A freshly initialised float32 ``LlamaForCausalLM`` for ``cfg`` (seed it first)."""
-    from paddleformers.transformers import LlamaConfig, LlamaForCausalLM
-
     config = LlamaConfig(
         vocab_size=tokenizer.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -173,8 +176,6 @@ def build_model(cfg: TrainConfig, tokenizer: CharTokenizer):
 
 
 def _lr_schedule(cfg: TrainConfig):
-    import paddle
-
     def factor(step: int) -> float:
         # Linear warm-up, then cosine decay to 10% of the peak.
         if step < cfg.warmup_steps:
@@ -186,9 +187,6 @@ def _lr_schedule(cfg: TrainConfig):
 
 
 def _loss(model, batch: PackedBatch):
-    import paddle
-    import paddle.nn.functional as F
-
     logits = model(
         input_ids=paddle.to_tensor(batch.input_ids),
         position_ids=paddle.to_tensor(batch.position_ids),
@@ -203,8 +201,6 @@ def _loss(model, batch: PackedBatch):
 
 
 def _set_threads(num_threads: int) -> None:
-    import paddle
-
     # CPU kernels reduce in a thread-count-dependent order; fixing it keeps runs identical.
     set_num_threads = getattr(paddle.base.core, "set_num_threads", None)
     if set_num_threads is None:
@@ -215,8 +211,6 @@ def _set_threads(num_threads: int) -> None:
 
 def train(cfg: TrainConfig) -> TrainResult:
     """Train the tiny Llama for ``cfg.steps`` steps, evaluate it, and save it to ``cfg.out_dir``."""
-    import paddle
-
     if cfg.steps < 1:
         raise ValueError(f"train: steps must be >= 1, got {cfg.steps}")
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -258,9 +252,6 @@ def train(cfg: TrainConfig) -> TrainResult:
 
 def _run_steps(cfg, model, tokenizer, optimizer, schedule, batches, monitor) -> list[float]:
     """The optimisation loop, with a progress bar; returns the losses of the last ``log_every`` steps."""
-    from tqdm.auto import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
     recent: list[float] = []
     with logging_redirect_tqdm(), tqdm(range(cfg.steps), desc="train-tiny", unit="step") as bar:
         for step in bar:

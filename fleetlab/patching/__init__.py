@@ -8,8 +8,10 @@ sub-layer, swaps its attention core for a fleetlab backend, and returns a
 
 from __future__ import annotations
 
-from fleetlab.attention.backend import make_attention_backend
+from fleetlab.attention.backend import AttentionBackend, get_attention_backend, make_attention_backend
+from fleetlab.patching.fleet import patch_fleet_model
 from fleetlab.patching.handle import PATCH_ATTR, PatchHandle, has_core_attention
+from fleetlab.patching.paddleformers import patch_paddleformers_model
 
 __all__ = ["PatchHandle", "patch_model"]
 
@@ -42,18 +44,12 @@ def patch_model(model, backend="tiled") -> PatchHandle:
         root.first.retire(f"backend {new.name!r} ({type(new).__name__})")
         backend = new
     if has_core_attention(model):
-        from fleetlab.patching.fleet import patch_fleet_model
-
         return patch_fleet_model(model, backend=backend)
-    from fleetlab.patching.paddleformers import patch_paddleformers_model
-
     return patch_paddleformers_model(model, backend=backend)
 
 
 def _same_backend(current, requested) -> bool:
     """Whether ``requested`` (a name, a class or an instance) names the live patch's backend."""
-    from fleetlab.attention.backend import AttentionBackend, get_attention_backend
-
     if isinstance(requested, AttentionBackend):
         return requested is current
     cls = get_attention_backend(requested) if isinstance(requested, str) else requested

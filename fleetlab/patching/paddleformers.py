@@ -194,11 +194,13 @@ def _check_backend(spec: FamilySpec, backend: AttentionBackend, windows: dict, m
 
 
 def _register_attention() -> None:
-    """Make ``"fleetlab"`` a PaddleFormers attention implementation (class-wide, once)."""
+    """Make ``"fleetlab"`` a PaddleFormers attention implementation (class-wide; registering
+    again only writes the same entry)."""
+    # Imported here, where a PaddleFormers model is being patched (so PaddleFormers is loaded
+    # already): ``fleetlab.patching`` must not import it for a Fleet-style model.
     from paddleformers.nn.attention.interface import AttentionInterface
 
-    if AttentionInterface._global_mapping.get(ATTN_NAME) is not fleetlab_attention:
-        AttentionInterface.register(ATTN_NAME, fleetlab_attention)
+    AttentionInterface.register(ATTN_NAME, fleetlab_attention)
 
 
 _MISSING = object()

@@ -12,6 +12,8 @@ import paddle
 
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
+from fleetlab.kv.paged_cache import PagedKVCache
+from fleetlab.patching.families import library_fixes
 from fleetlab.patching.handle import has_core_attention
 
 
@@ -21,8 +23,6 @@ def full_forward_logits(model, token_ids) -> np.ndarray:
     if has_core_attention(model):
         with paddle.no_grad():
             return model(ids)[0].astype("float32").numpy()
-    from fleetlab.patching.families import library_fixes
-
     # library_fixes mends known library bugs for the duration (PaddleFormers 1.2's GPT-OSS
     # experts mix routing weights across tokens), so the oracle is the model as intended.
     with paddle.no_grad(), library_fixes(model):
@@ -57,8 +57,6 @@ def paged_greedy(handle, prompts, max_new_tokens: int, block_size: int = 4, seed
     hide behind blocks that happen to be contiguous. Same return shape as
     :func:`reference_greedy`.
     """
-    from fleetlab.kv.paged_cache import PagedKVCache
-
     lens = [len(p) + max_new_tokens for p in prompts]
     per_req = [-(-n // block_size) for n in lens]
     ids = np.random.default_rng(seed).permutation(sum(per_req) + 1)

@@ -30,6 +30,7 @@ from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
 from fleetlab.device import check_model_dtype_runs, upload
 from fleetlab.kv.paged_cache import PagedKVCache
+from fleetlab.patching import PatchHandle, patch_model
 from fleetlab.spec_decode.proposer import Proposer
 from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
 
@@ -41,8 +42,6 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, config, context) -> None:
         super().__init__(config, context)
-        from fleetlab.patching import PatchHandle, patch_model
-
         model = config.model
         self.handle = model if isinstance(model, PatchHandle) else patch_model(model, backend=context.backend)
         self._owns_patch = self.handle is not model
