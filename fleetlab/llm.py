@@ -14,6 +14,7 @@ raises, the scheduler rolls the plan back and the runner is reset.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 import weakref
@@ -39,6 +40,7 @@ from fleetlab.patching.handle import PatchHandle
 from fleetlab.spec_decode.proposer import PROPOSERS, ProposerContext
 from fleetlab.spec_decode.rejection import RejectionSampler
 from fleetlab.spec_decode.stats import SpecDecodingStats
+from fleetlab.structured_output.processor import StructuredOutputsProcessor
 from fleetlab.validation import (
     InputProcessor,
     check_backend_fits,
@@ -114,6 +116,13 @@ class LLM:
             max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
             enable_chunked_prefill=cfg.enable_chunked_prefill, policy=cfg.scheduling_policy,
             num_lookahead_tokens=lookahead)
+        # Grammar masks come first, before any other processor changes the logits (built lazily:
+        # an engine that never sees a constraint never loads the grammar library).
+        self.structured_outputs = StructuredOutputsProcessor(self.tokenizer, self.handle.vocab_size,
+                                                             eos_token_id=self.handle.eos_token_id,
+                                                             num_speculative_tokens=k)
+        self._closables.append(self.structured_outputs)
+        processors = [self.structured_outputs, *processors]
         fields = DEFAULT_FIELDS.copy()
         for field in batch_fields + [f for p in processors for f in p.fields]:
             fields.register(field)
@@ -129,7 +138,8 @@ class LLM:
             self.tokenizer, vocab_size=self.handle.vocab_size, max_model_len=self.max_model_len,
             eos_token_id=self.handle.eos_token_id, hidden_size=self.handle.hidden_size, block_size=cfg.block_size,
             num_blocks=num_blocks, max_stop_ids=batch.sizes["max_stop_ids"], batch_fields=batch.fields,
-            processors=processors, num_lookahead_tokens=lookahead, seed=cfg.seed)
+            processors=processors, num_lookahead_tokens=lookahead, seed=cfg.seed,
+            structured_outputs=self.structured_outputs)
         self.observers: list = []  # anything with on_step(scheduler_output, runner_output, outputs)
         self.spec_stats = SpecDecodingStats() if self.proposer else None
         self.recorder = StepRecorder(self) if cfg.record_traces else None
@@ -167,6 +177,11 @@ class LLM:
         [hidden_size]}`` (or ``[num_prompt_tokens, hidden_size]``) used instead of those
         tokens' own embeddings (see :mod:`fleetlab.engine.side_data`). ``extra``: values of
         the engine's extra batch fields (``LLM(..., batch_fields=...)``) by name.
+
+        A request with ``sampling_params.structured_outputs`` waits until its grammar is compiled
+        (on a thread; the others run). A constraint that compiles but cannot be spelled by the
+        model's vocabulary ends the request with ``finish_reason="error"`` once it runs
+        (``generate`` and the server refuse it before anything is queued).
         """
         req = self.processor.process(prompt, sampling_params, prompt_token_ids, request_id, self.scheduler.requests,
                                      priority, prompt_embeds, extra)
@@ -182,11 +197,20 @@ class LLM:
         that gained tokens or finished in it (``new_token_ids`` holds what it gained)."""
         self.handle.check_live()  # before planning: a stale LLM must not touch its queues
         sched = self.scheduler.schedule()
+        if not sched.num_scheduled_tokens:
+            self._wait_for_waiting()
         result = self._execute(sched)
         outputs = self.scheduler.update(sched, result)
         for observer in self.observers:
             observer.on_step(sched, result, outputs)
         return self._detokenize(outputs)
+
+    def _wait_for_waiting(self, timeout: float = 0.05) -> None:
+        """Nothing could run: if requests wait on something (a grammar's compile), give it up to
+        ``timeout`` seconds rather than spin through empty steps."""
+        pending = [r.waiting_on for r in self.scheduler.waiting if not r.is_ready]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run the plan; on any exception undo it (scheduler rollback, runner reset) and re-raise."""
@@ -232,6 +256,9 @@ class LLM:
         for prompt, ids, sp in generate_items(prompts, prompt_token_ids, sampling_params):
             reqs.append(self.processor.process(prompt, sp, ids, None, live))
             live[reqs[-1].request_id] = reqs[-1]
+        for req in reqs:  # a constraint the model cannot spell is refused here, before anything runs
+            if "structured_output" in req.extra:
+                req.extra["structured_output"].check(req.request_id, timeout=None)
         for req in reqs:
             self.scheduler.add_request(req)
         done: dict[str, RequestOutput] = {}

@@ -149,11 +149,25 @@ def check_sampling_params(sp, request_id: str = "?"):
     stop = token_ids_field(where, "stop_token_ids", sp.stop_token_ids)
     if any(t < 0 for t in stop):
         raise ValueError(f"{where} stop_token_ids holds {[t for t in stop if t < 0][:5]}: token ids are >= 0")
+    ignore_eos = bool_field(where, "ignore_eos", sp.ignore_eos)
     return replace(sp, max_tokens=max_tokens, temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,
                    top_k=max(top_k, 0), top_p=top_p,
                    seed=None if sp.seed is None else int_field(where, "seed", sp.seed, 0, INT64_MAX),
-                   stop_token_ids=tuple(stop), ignore_eos=bool_field(where, "ignore_eos", sp.ignore_eos),
-                   min_tokens=int_field(where, "min_tokens", sp.min_tokens, 0, max_tokens))
+                   stop_token_ids=tuple(stop), ignore_eos=ignore_eos,
+                   min_tokens=int_field(where, "min_tokens", sp.min_tokens, 0, max_tokens),
+                   structured_outputs=_structured_outputs(where, request_id, sp.structured_outputs, ignore_eos))
+
+
+def _structured_outputs(where: str, request_id: str, value, ignore_eos: bool):
+    """``structured_outputs`` checked (None stays None): its own fields, and what it cannot go with."""
+    if value is None:
+        return None
+    from fleetlab.structured_output.params import StructuredOutputsParams  # it imports this module
+
+    if ignore_eos:
+        raise ValueError(f"{where} ignore_eos=True cannot go with structured_outputs: a complete output ends with "
+                         "EOS, and the grammar allows nothing else after it")
+    return StructuredOutputsParams.coerce(value, request_id).validate(request_id)
 
 
 def engine_config(**kwargs) -> EngineConfig:
@@ -258,11 +272,15 @@ class InputProcessor:
         (each fills its own fields from a request's sampling params).
       num_lookahead_tokens: extra slots a running request may hold (speculative drafts).
       seed: draws the seed of requests that set none.
+      structured_outputs: the engine's ``StructuredOutputsProcessor`` (None: constraints refused);
+        its ``start(request_id, params)`` checks a constraint with the grammar backend and
+        starts its compile.
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, eos_token_id, hidden_size: int,
                  block_size: int, num_blocks: int, max_stop_ids: int, batch_fields, processors=(),
-                 num_lookahead_tokens: int = 0, seed: int = 0):
+                 num_lookahead_tokens: int = 0, seed: int = 0, structured_outputs=None):
+        self.structured_outputs = structured_outputs
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.eos_token_id, self.hidden_size = eos_token_id, hidden_size
         self.block_size, self.num_blocks, self.max_stop_ids = block_size, num_blocks, max_stop_ids
@@ -285,9 +303,16 @@ class InputProcessor:
         extra = self._extra(rid, extra, prompt_embeds, len(ids))
         for processor in self.processors:
             extra.update(processor.request_values(sp))
+        waiting_on = None
+        if sp.structured_outputs is not None:  # the grammar compiles ahead; the request waits for it
+            if self.structured_outputs is None:
+                raise ValueError(f"request {rid!r}: sampling field structured_outputs: this engine has no "
+                                 "structured-outputs processor")
+            extra["structured_output"] = self.structured_outputs.start(rid, sp.structured_outputs)
+            waiting_on = extra["structured_output"].compiled
         seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**62))
         return Request(rid, ids, sp, seed=seed, arrival_order=next(self._arrivals), eos_token_id=self.eos_token_id,
-                       priority=priority, extra=extra)
+                       priority=priority, extra=extra, waiting_on=waiting_on)
 
     def _request_id(self, request_id, live_ids) -> str:
         """The user's id (a str, or an int written as one), or the engine's next unused one."""

@@ -170,10 +170,12 @@ class ModelRunner:
         if len(starts) == 0:
             return {}, {}
         rows = inputs.pos_row[starts].tolist()
-        tokens = self.sampler.sample_rows(logits, self._sampling_tensors(inputs, starts))
+        st = self._sampling_tensors(inputs, starts)
+        tokens = self.sampler.sample_rows(logits, st)
         req_ids = self.batch.req_ids
         sampled = {req_ids[r]: t for r, t in zip(rows, tokens) if t is not None}
         errors = {req_ids[r]: "the model produced non-finite logits" for r, t in zip(rows, tokens) if t is None}
+        errors.update({req_ids[r]: why for r, why in st.row_errors.items()})  # a logits processor stopped them
         return sampled, errors
 
     def _sampling_tensors(self, inputs: StepInputs, starts: np.ndarray) -> SamplingTensors:

@@ -11,7 +11,7 @@ back in one device-to-host read. Speculative decoding verifies draft tokens with
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
@@ -35,6 +35,8 @@ class SamplingTensors:
       drafts owns ``k + 1`` positions); None: one position per row.
     pos_row: int64 ``[P]`` host, the batch row of each position.
     batch: the InputBatch the rows belong to (what logits processors read), or None.
+    row_errors: batch row -> why a logits processor stops that row's request (a grammar that
+      allows no token): the runner reports it as the request's error and its token is dropped.
     """
 
     greedy: np.ndarray
@@ -48,6 +50,7 @@ class SamplingTensors:
     row_starts: np.ndarray | None = None
     pos_row: np.ndarray | None = None
     batch: object = None
+    row_errors: dict = field(default_factory=dict)
 
     @classmethod
     def from_host(cls, temperature, top_k, top_p, seeds, draw_index, banned=None,

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fleetlab.structured_output.params import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -29,6 +33,10 @@ class SamplingParams:
     ignore_eos: keep going past the model's EOS token (True or False).
     min_tokens: EOS and stop tokens are masked out until this many tokens exist; an int in
       ``[0, max_tokens]`` (clamped with ``max_tokens``).
+    structured_outputs: None, or the constraint the output must follow: a
+      :class:`~fleetlab.structured_output.StructuredOutputsParams` or a dict of its fields
+      (vLLM's: ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``; see
+      :mod:`fleetlab.structured_output`). Not with ``ignore_eos`` (the grammar ends the output).
 
     numpy scalars count as the numbers they hold (``temperature=np.float32(0.7)``); a
     ``bool`` is not an int, and nothing else is converted: a wrong type raises
@@ -47,6 +55,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     @property
     def greedy(self) -> bool:
