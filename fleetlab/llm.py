@@ -118,9 +118,9 @@ class LLM:
             num_lookahead_tokens=lookahead)
         # Grammar masks come first, before any other processor changes the logits (built lazily:
         # an engine that never sees a constraint never loads the grammar library).
-        self.structured_outputs = StructuredOutputsProcessor(self.tokenizer, self.handle.vocab_size,
-                                                             eos_token_id=self.handle.eos_token_id,
-                                                             num_speculative_tokens=k)
+        self.structured_outputs = StructuredOutputsProcessor(
+            self.tokenizer, self.handle.vocab_size, eos_token_id=self.handle.eos_token_id, num_speculative_tokens=k,
+            compile_ahead=self.tensor_parallel is None)  # ranks must admit a request at the same step
         self._closables.append(self.structured_outputs)
         processors = [self.structured_outputs, *processors]
         fields = DEFAULT_FIELDS.copy()

@@ -145,3 +145,10 @@ def test_langchain_with_structured_output(server):
     assert isinstance(person, Person)
     loose = llm.with_structured_output(SCHEMAS["flags"] | {"title": "flags"}, method="json_schema").invoke("flags?")
     jsonschema.validate(loose, SCHEMAS["flags"])
+
+
+def test_serve_model_tiny_json_is_the_json_capable_model():
+    from fleetlab.serving.loader import load_model
+
+    model, tok = load_model("tiny-json")
+    assert tok.vocab_size == model.config.vocab_size == 88 and set('{}[]"') <= set(tok.chars)

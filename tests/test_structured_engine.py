@@ -239,6 +239,22 @@ def test_a_request_waits_for_its_grammar_while_the_others_run(monkeypatch):
     check_output({"json": SCHEMAS["flags"]}, done[slow].text)
 
 
+def test_without_compile_ahead_the_grammar_is_ready_on_arrival(monkeypatch):
+    """Tensor parallelism compiles on arrival: every rank's scheduler then admits at the same step."""
+    import time
+
+    from fleetlab.structured_output.guidance import GuidanceBackend
+    from fleetlab.structured_output.processor import StructuredOutputsProcessor
+
+    compile_ = GuidanceBackend.compile
+    monkeypatch.setattr(GuidanceBackend, "compile", lambda self, params: time.sleep(0.3) or compile_(self, params))
+    for ahead, field in ((True, "nested"), (False, "flags")):
+        processor = StructuredOutputsProcessor(TOK, TOK.vocab_size, compile_ahead=ahead)
+        state = processor.start("r", {"json": SCHEMAS[field]})
+        assert state.compiled.done() is not ahead
+        processor.close()
+
+
 def test_refusals_name_the_request_and_the_field():
     model = json_model("fleet")
     with LLM(model, TOK, **ENGINE) as llm:

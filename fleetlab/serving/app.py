@@ -242,8 +242,8 @@ class OpenAIServing:
         return sp
 
     def _bad_request(self, error: ValueError, prompt_field: str, req) -> BadRequest:
-        """An engine refusal as a 400; one of the constraint names the request field it came from
-        (``response_format...`` or ``structured_outputs``), and a vocabulary that cannot spell it
+        """An engine refusal as a 400. A refusal of the constraint names the request field it came
+        from (``response_format...`` or ``structured_outputs``); a vocabulary that cannot spell it
         is ``unsupported`` (this model cannot serve it; another might)."""
         text = re.sub(r"^request '[^']*': ", "", str(error))
         if not text.startswith("structured_outputs"):

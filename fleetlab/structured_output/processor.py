@@ -45,13 +45,19 @@ class StructuredOutputsProcessor(LogitsProcessor):
     """Masks each constrained row's logits to what its grammar allows (see the module docstring).
 
     tokenizer, vocab_size, eos_token_id: the served model's; num_speculative_tokens: drafts a
-    row may verify (its ``grammar_bitmask`` holds ``k + 1`` mask rows); backend and
-    backend_options: the grammar backend (``"guidance"``), built on the first constrained request.
+    row may verify (its ``grammar_bitmask`` holds ``k + 1`` mask rows); compile_ahead: False
+    compiles on arrival, before ``start`` returns: with tensor parallelism every rank runs its
+    own scheduler, and a compile finishing at different steps on different ranks would admit
+    the request at different steps (vLLM disables async compiles there for the same reason);
+    backend and backend_options: the grammar backend (``"guidance"``), built on the first
+    constrained request.
     """
 
     def __init__(self, tokenizer, vocab_size: int, *, eos_token_id: int | None = None,
-                 num_speculative_tokens: int = 0, backend="guidance", **backend_options):
+                 num_speculative_tokens: int = 0, compile_ahead: bool = True, backend="guidance",
+                 **backend_options):
         self.tokenizer, self.vocab_size, self.eos_token_id = tokenizer, vocab_size, eos_token_id
+        self.compile_ahead = compile_ahead
         self.words = -(-vocab_size // 32)
         self.fields = (
             Field("structured_output", (), "object", "host", None,
@@ -94,7 +100,7 @@ class StructuredOutputsProcessor(LogitsProcessor):
                 from None
         checked = manager.validate(request_id, params)
         state = StructuredOutputRequest(checked, manager.compile(checked))
-        state.check(request_id)
+        state.check(request_id, timeout=0 if self.compile_ahead else None)
         return state
 
     def precompile(self, params) -> Future | None:
