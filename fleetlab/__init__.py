@@ -30,6 +30,7 @@ _LAZY = {
     "LLM": "fleetlab.llm",
     "AsyncLLM": "fleetlab.serving.async_llm",
     "SamplingParams": "fleetlab.engine.sampling_params",
+    "StructuredOutputsParams": "fleetlab.structured_output.params",
     "RequestOutput": "fleetlab.engine.outputs",
     "EngineConfig": "fleetlab.engine.config",
     "Scheduler": "fleetlab.engine.scheduler",
@@ -53,7 +54,8 @@ _LAZY = {
     "unpermute": "fleetlab.engine.input_batch",
     "StepRecorder": "fleetlab.engine.observe",
 }
-_SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv", "serving", "spec_decode", "lessons"}
+_SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv", "serving", "spec_decode", "lessons",
+               "structured_output"}
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 

@@ -20,6 +20,7 @@ are a logits processor the engine always installs (:mod:`fleetlab.engine.penalti
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 import weakref
@@ -49,6 +50,7 @@ from fleetlab.patching.handle import PatchHandle
 from fleetlab.spec_decode.proposer import PROPOSERS, ProposerContext
 from fleetlab.spec_decode.rejection import RejectionSampler
 from fleetlab.spec_decode.stats import SpecDecodingStats
+from fleetlab.structured_output.processor import StructuredOutputsProcessor
 from fleetlab.validation import (
     InputProcessor,
     check_backend_fits,
@@ -126,6 +128,13 @@ class LLM:
             max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
             enable_chunked_prefill=cfg.enable_chunked_prefill, policy=cfg.scheduling_policy,
             num_lookahead_tokens=lookahead)
+        # Grammar masks come first, before any other processor changes the logits (built lazily:
+        # an engine that never sees a constraint never loads the grammar library).
+        self.structured_outputs = StructuredOutputsProcessor(
+            self.tokenizer, self.handle.vocab_size, eos_token_id=self.handle.eos_token_id, num_speculative_tokens=k,
+            compile_ahead=self.tensor_parallel is None)  # ranks must admit a request at the same step
+        self._closables.append(self.structured_outputs)
+        processors = [self.structured_outputs, *processors]
         fields = DEFAULT_FIELDS.copy()
         for field in batch_fields + [f for p in processors for f in p.fields]:
             fields.register(field)
@@ -142,7 +151,7 @@ class LLM:
             eos_token_id=self.handle.eos_token_id, hidden_size=self.handle.hidden_size, block_size=cfg.block_size,
             num_blocks=num_blocks, max_stop_ids=batch.sizes["max_stop_ids"], batch_fields=batch.fields,
             processors=processors, num_lookahead_tokens=lookahead, speculative=self.proposer is not None,
-            seed=cfg.seed)
+            seed=cfg.seed, structured_outputs=self.structured_outputs)
         self.observers: list = []  # anything with on_step(scheduler_output, runner_output, outputs)
         self.spec_stats = SpecDecodingStats() if self.proposer else None
         self.recorder = StepRecorder(self) if cfg.record_traces else None
@@ -181,6 +190,11 @@ class LLM:
         [hidden_size]}`` (or ``[num_prompt_tokens, hidden_size]``) used instead of those
         tokens' own embeddings (see :mod:`fleetlab.engine.side_data`). ``extra``: values of
         the engine's extra batch fields (``LLM(..., batch_fields=...)``) by name.
+
+        A request with ``sampling_params.structured_outputs`` waits until its grammar is compiled
+        (on a thread; the others run). A constraint that compiles but cannot be spelled by the
+        model's vocabulary ends the request with ``finish_reason="error"`` once it runs
+        (``generate`` and the server refuse it before anything is queued).
         """
         live = _LiveIds(self.scheduler.requests, self._parent_ids)
         req = self.processor.process(prompt, sampling_params, prompt_token_ids, request_id, live, priority,
@@ -217,6 +231,8 @@ class LLM:
         that gained tokens or finished in it (``new_token_ids`` holds what it gained)."""
         self.handle.check_live()  # before planning: a stale LLM must not touch its queues
         sched = self.scheduler.schedule()
+        if not sched.num_scheduled_tokens:
+            self._wait_for_waiting()
         result = self._execute(sched)
         outputs = self.scheduler.update(sched, result)
         for observer in self.observers:
@@ -240,6 +256,13 @@ class LLM:
                     del self._parent_ids[parent.request_id]
             outputs = fanned_in
         return self._detokenize(outputs)
+
+    def _wait_for_waiting(self, timeout: float = 0.05) -> None:
+        """Nothing could run: if requests wait on something (a grammar's compile), give it up to
+        ``timeout`` seconds rather than spin through empty steps."""
+        pending = [r.waiting_on for r in self.scheduler.waiting if not r.is_ready]
+        if pending:
+            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run the plan; on any exception undo it (scheduler rollback, runner reset) and re-raise."""
@@ -291,6 +314,10 @@ class LLM:
             parent, reqs = self._fan_out(req, live)
             live |= {req.request_id, *(r.request_id for r in reqs)}
             queued.append((req.request_id, req.sampling_params.n, parent, reqs))
+        for _, _, _, reqs in queued:  # a constraint the model cannot spell is refused here, before anything runs
+            for req in reqs:
+                if "structured_output" in req.extra:
+                    req.extra["structured_output"].check(req.request_id, timeout=None)
         for _, _, parent, reqs in queued:
             self._queue(parent, reqs)
         done: dict[tuple[str, int], RequestOutput] = {}

@@ -153,8 +153,9 @@ def check_sampling_params(sp, request_id: str = "?"):
     n, best_of = _num_sequences(where, sp, temperature)
     seed_high = INT64_MAX - (best_of - 1)  # child i of a request draws with seed + i
     seed = None if sp.seed is None else int_field(where, "seed", sp.seed, 0, seed_high)
+    ignore_eos = bool_field(where, "ignore_eos", sp.ignore_eos)
     return replace(sp, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
-                   stop_token_ids=tuple(stop), ignore_eos=bool_field(where, "ignore_eos", sp.ignore_eos),
+                   stop_token_ids=tuple(stop), ignore_eos=ignore_eos,
                    min_tokens=int_field(where, "min_tokens", sp.min_tokens, 0, max_tokens), n=n,
                    best_of=None if sp.best_of is None else best_of,
                    presence_penalty=float_field(where, "presence_penalty", sp.presence_penalty, -2.0, 2.0),
@@ -163,7 +164,8 @@ def check_sampling_params(sp, request_id: str = "?"):
                                                   FLOAT32_MAX, low_open=True),
                    logit_bias=_logit_bias(where, sp.logit_bias),
                    logprobs=_num_logprobs(where, "logprobs", sp.logprobs),
-                   prompt_logprobs=_num_logprobs(where, "prompt_logprobs", sp.prompt_logprobs))
+                   prompt_logprobs=_num_logprobs(where, "prompt_logprobs", sp.prompt_logprobs),
+                   structured_outputs=_structured_outputs(where, request_id, sp.structured_outputs, ignore_eos))
 
 
 MAX_NUM_SEQUENCES = 16384
@@ -208,6 +210,18 @@ def _logit_bias(where: str, bias) -> dict[int, float] | None:
         value = float_field(where, f"logit_bias[{key!r}]", value, -FLOAT32_MAX, FLOAT32_MAX)
         out[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
     return out or None
+
+
+def _structured_outputs(where: str, request_id: str, value, ignore_eos: bool):
+    """``structured_outputs`` checked (None stays None): its own fields, and what it cannot go with."""
+    if value is None:
+        return None
+    from fleetlab.structured_output.params import StructuredOutputsParams  # it imports this module
+
+    if ignore_eos:
+        raise ValueError(f"{where} ignore_eos=True cannot go with structured_outputs: a complete output ends with "
+                         "EOS, and the grammar allows nothing else after it")
+    return StructuredOutputsParams.coerce(value, request_id).validate(request_id)
 
 
 def engine_config(**kwargs) -> EngineConfig:
@@ -313,11 +327,15 @@ class InputProcessor:
       num_lookahead_tokens: extra slots a running request may hold (speculative drafts).
       speculative: speculative decoding is on (log-probabilities are then refused).
       seed: draws the seed of requests that set none.
+      structured_outputs: the engine's ``StructuredOutputsProcessor`` (None: constraints refused);
+        its ``start(request_id, params)`` checks a constraint with the grammar backend and
+        starts its compile.
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, eos_token_id, hidden_size: int,
                  block_size: int, num_blocks: int, max_stop_ids: int, batch_fields, processors=(),
-                 num_lookahead_tokens: int = 0, speculative: bool = False, seed: int = 0):
+                 num_lookahead_tokens: int = 0, speculative: bool = False, seed: int = 0, structured_outputs=None):
+        self.structured_outputs = structured_outputs
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.eos_token_id, self.hidden_size = eos_token_id, hidden_size
         self.block_size, self.num_blocks, self.max_stop_ids = block_size, num_blocks, max_stop_ids
@@ -341,9 +359,16 @@ class InputProcessor:
         extra = self._extra(rid, extra, prompt_embeds, len(ids))
         for processor in self.processors:
             extra.update(processor.request_values(sp))
+        waiting_on = None
+        if sp.structured_outputs is not None:  # the grammar compiles ahead; the request waits for it
+            if self.structured_outputs is None:
+                raise ValueError(f"request {rid!r}: sampling field structured_outputs: this engine has no "
+                                 "structured-outputs processor")
+            extra["structured_output"] = self.structured_outputs.start(rid, sp.structured_outputs)
+            waiting_on = extra["structured_output"].compiled
         seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**62))
         return Request(rid, ids, sp, seed=seed, arrival_order=next(self._arrivals), eos_token_id=self.eos_token_id,
-                       priority=priority, extra=extra)
+                       priority=priority, extra=extra, waiting_on=waiting_on)
 
     def _request_id(self, request_id, live_ids) -> str:
         """The user's id (a str, or an int written as one), or the engine's next unused one."""

@@ -273,3 +273,50 @@ p_o = float(probs[tokenizer.encode("o", add_bos=False)[0]] / probs.sum())
 assert drafted["o"] == 1998 and round(p_o, 2) == 0.28 and abs(sampled_acceptance - p_o) < 0.03
 assert all(stat < crit / 2 for stat, _, crit in hist.chi_square.values()), hist.chi_square
 '''
+
+PROMISES["10_structured_outputs"] = r'''
+# Section 1: "refuses the request at once, naming what is missing"
+assert "cannot be spelled by the model's vocabulary: it has no '{', '}'" in refusal
+# Section 2: each step's chosen token is one its mask allows, drawn on the figure
+counts = masks.sum(axis=1)
+assert all(masks[s, t] for s, t in enumerate(chosen)) and len(chosen) == len(masks)
+drawn = {p.get_gid() for p in mask_figure.axes[0].patches}
+assert {f"chosen:{s}" for s in range(len(chosen))} <= drawn
+text = [labels[t] for t in chosen]
+# '{"name":"' forced character by character (steps 0-8)
+assert (counts[:9] == 1).all() and "".join(text[:9]) == '{"name":"'
+# "the mask opens to 83 tokens, every character but the newline"; "picks Z eight times";
+# "after the eighth, maxLength leaves only the closing quote"
+newline = tokenizer.encode("\n", add_bos=False)[0]
+assert (counts[9:17] == 83).all() and not masks[9:17, newline].any() and counts[9] == vocab_size - 4 - 1
+assert "".join(text[9:17]) == "Z" * 8 and counts[17] == 1 and text[17] == '"'
+# "The age allows digits, then after 44 only }"; "the mask allows EOS alone"
+age = "".join(text).index("age") + 5
+assert "".join(text[age:age + 2]) == "44" and counts[age + 2] == 1 and text[age + 2] == "}"
+assert counts[-1] == 1 and chosen[-1] == tokenizer.eos_token_id and out.finish_reason == "stop"
+# Section 3: "d takes its row 0 with a prefill ... the constrained c moves from row 2 to row 0", the same object
+assert (row_before, row_after) == (2, 0) and same_object
+assert trace.order_before[0] == "d" and phases["d"] == "prefill" and phases["c"] == "decode"
+assert {ln.get_gid() for ln in rows_figure.axes[0].lines} == {"move:c", "move:b", "move:d"}
+# preemption: resent with the same object, its matcher holding exactly the committed tokens
+assert num_preemptions > 0 and resends.seen
+assert all(committed == held and same for _, _, committed, held, same in resends.seen)
+for o in preempted:
+    jsonschema.validate(json.loads(o.text), SCHEMAS["person"])
+# Section 4: the same text as without speculation; "Most steps keep one token: the unconstrained drafts ...
+# are refused by the grammar at once"; a step allowing three of four drafts, one allowing the first and
+# refusing the second
+assert spec_out.text == out.text
+assert sum(len(v["kept"]) == 1 and v["refused"] == [1] for v in watch.rows) > len(watch.rows) / 2
+assert any(v["accepted"] == 3 and v["refused"] == [4] for v in watch.rows)
+assert any(v["accepted"] == 1 and v["refused"] == [2] for v in watch.rows)
+# the drawn step: "the name already had five Zs, so three more drafts fit"; "the target writes the quote there";
+# the last row never used; after the step the matcher holds only the tokens committed before it
+assert verify is next(v for v in watch.rows if v["accepted"] == 3 and v["refused"] == [4])
+before = tokenizer.decode(spec_out.token_ids[: verify["committed_before"]])
+assert before == '{"name":"ZZZZZ' and "".join(labels[t] for t in verify["kept"]) == 'ZZZ"'
+marks = {ln.get_gid() for ln in verify_figure.axes[0].lines}
+assert marks == {"draft:0:allowed", "draft:1:allowed", "draft:2:allowed", "draft:3:refused"}
+assert "unused:4" in {p.get_gid() for p in verify_figure.axes[0].patches}
+assert verify["in_matcher"] == verify["committed_before"] == 14
+'''

@@ -102,6 +102,30 @@ def test_speculation_reads_the_accepted_ids_and_a_draft_models_drafts(fleet_mode
     assert max(log.num_reads for log in logs) == reads
 
 
+def test_grammar_masks_add_one_upload_only_in_steps_with_a_constrained_row():
+    """The step's masks and the rows they belong to go up in one upload; a step without a
+    constrained row uploads nothing more; the one read stays one."""
+    from fleetlab.models.json_tiny import json_tokenizer
+
+    tok = json_tokenizer()
+    model = tiny("fleet", seed=1, num_layers=1, vocab_size=tok.vocab_size)
+    short = SamplingParams(max_tokens=6, structured_outputs={"choice": ["yes", "no"]})
+    with LLM(model, tok, block_size=4, max_num_batched_tokens=48) as llm:
+        llm.generate(prompt_token_ids=[[1, 5, 6]], sampling_params=short, use_tqdm=False)  # one-off constants
+        for i, p in enumerate(random_prompts([5, 9, 7, 12], seed=5, vocab=tok.vocab_size, low=4)):
+            llm.add_request(prompt_token_ids=p, sampling_params=short if i % 2 else GREEDY)
+        seen = {True: 0, False: 0}
+        while llm.has_unfinished_requests():
+            constrained = any("structured_output" in r.extra for r in llm.scheduler.running + llm.scheduler.waiting)
+            with count_syncs() as log:
+                llm.step()
+            grammar = [e for e in log.uploads if e.site.startswith("structured_output/")]
+            assert log.num_reads == 1 and log.num_uploads - len(grammar) <= UPLOAD_BUDGET, describe(log)
+            assert len(grammar) <= (1 if constrained else 0), describe(log)
+            seen[constrained] += len(grammar) if constrained else 1
+    assert seen[True] and seen[False]  # steps with masks, and steps after every constrained request finished
+
+
 class StubKernels:
     """The Triton kernels' interface in plain Paddle, so the backend's host code runs on a CPU.
 

@@ -572,8 +572,10 @@ def test_the_benchmark_runs_and_reports(tmp_path, capsys):
     from fleetlab.bench.structured import main
 
     out = tmp_path / "structured.json"
-    assert main(["--repeats", "1", "--rounds", "1", "--out", str(out)]) == 0
+    assert main(["--repeats", "1", "--rounds", "1", "--rows", "4", "--step-runs", "1", "-q", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
+    assert [s["constrained_rows"] for s in result["steps"].values()] == [0, 1, 4]
+    assert all(s["steps"] > 30 and s["step_ms_median"] > s["sample_ms_median"] > 0 for s in result["steps"].values())
     assert result["compile_shipped_vocab"]["json_object"]["refused"].startswith(
         "structured_outputs field json_object: cannot be spelled")
     assert all(c["compile_ms"] > 0 for c in result["compile_json_vocab"].values())

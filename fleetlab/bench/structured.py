@@ -10,8 +10,14 @@
   filled one by one against llguidance's thread pool (``fill_threads=2``).
 * **apply**: microseconds for ``apply_token_bitmask`` on ``[rows, vocab]`` float32 logits (Paddle,
   current device), all rows constrained.
+* **steps**: the engine's time per decode step with 0 %, 25 % and 100 % of ``--rows`` rows
+  constrained (a JSON schema with a 40-character string, on a one-layer tiny random Llama over
+  the JSON vocabulary), and of it the sampler's part, where the masks are filled, uploaded and
+  applied. The fractions run interleaved, ``--step-runs`` times each; medians over every step in
+  which all rows decode.
 
-Run: ``python -m fleetlab bench structured`` (writes ``benchmarks/results/structured.json``).
+Run: ``python -m fleetlab bench structured`` (writes ``benchmarks/results/structured.json``;
+``-q``: no progress bars).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from fleetlab.bench.machine import machine_info
+from fleetlab.bench.progress import add_quiet, section
 
 OUT = Path("benchmarks/results/structured.json")
 
@@ -141,11 +148,51 @@ def time_apply(shapes: list[tuple[int, int]], rounds: int) -> list[dict]:
     return out
 
 
+STEP_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["text"],
+               "properties": {"text": {"type": "string", "minLength": 40, "maxLength": 40}}}
+"""The step benchmark's constraint: every output is ``{"text":"<40 characters>"}`` (51 tokens)."""
+
+
+def time_steps(fractions: tuple[float, ...], rows: int, runs: int, bar) -> dict:
+    """Per fraction of constrained rows: median ms per decode step, and of it the sampler's."""
+    from fleetlab import LLM, SamplingParams
+    from fleetlab.models import tiny_json
+
+    model, tok = tiny_json(num_hidden_layers=1)
+    constrained = SamplingParams(max_tokens=64, structured_outputs={"json": STEP_SCHEMA,
+                                                                    "disable_any_whitespace": True})
+    plain = SamplingParams(max_tokens=51, ignore_eos=True)
+    prompts = [tok.encode(f"request {i}: ") for i in range(rows)]
+    samples = {f: {"step": [], "sample": []} for f in fractions}
+    for _ in range(runs):
+        for f in fractions:  # interleaved: a change in the machine's load hits every fraction alike
+            k = round(f * rows)
+            with LLM(model, tok, block_size=16, max_num_seqs=rows, record_traces=True) as llm:
+                for i, p in enumerate(prompts):
+                    llm.add_request(prompt_token_ids=p, sampling_params=constrained if i < k else plain)
+                while llm.has_unfinished_requests():
+                    t0 = time.perf_counter()
+                    llm.step()
+                    wall = time.perf_counter() - t0
+                    trace = llm.traces[-1]
+                    if len(trace.rows) == rows and all(r.phase == "decode" for r in trace.rows):
+                        samples[f]["step"].append(wall)
+                        samples[f]["sample"].append(trace.timings["sample"])
+            bar.update(1)
+    return {f"{round(f * 100)}%": {"constrained_rows": round(f * rows), "rows": rows,
+                                   "steps": len(s["step"]), "step_ms_median": statistics.median(s["step"]) * 1e3,
+                                   "sample_ms_median": statistics.median(s["sample"]) * 1e3}
+            for f, s in samples.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="fleetlab bench structured", description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=5, help="fresh compiles per constraint")
     p.add_argument("--rounds", type=int, default=20, help="walks along each example output")
+    p.add_argument("--rows", type=int, default=16, help="requests decoding at once in the step benchmark")
+    p.add_argument("--step-runs", type=int, default=3, help="runs of each fraction of constrained rows")
     p.add_argument("--out", type=Path, default=OUT)
+    add_quiet(p)
     args = p.parse_args(argv)
     from tqdm.auto import tqdm
 
@@ -158,13 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     shipped = {n: constraints[n] for n in ("json_object", "person", "regex", "choice", "grammar")}
     result = {"machine": machine_info(), "repeats": args.repeats, "rounds": args.rounds}
     json_backend = GuidanceBackend(json_tokenizer())
-    with tqdm(total=len(constraints) + len(shipped), desc="compiles", unit="constraint", file=sys.stderr) as bar:
+    with tqdm(total=len(constraints) + len(shipped), desc="compiles", unit="constraint", file=sys.stderr,
+              disable=args.quiet) as bar:
         result["compile_json_vocab"] = time_compiles(json_backend, constraints, args.repeats, bar)
         result["compile_shipped_vocab"] = time_compiles(GuidanceBackend(CharTokenizer.load(WEIGHTS_DIR)), shipped,
                                                         args.repeats, bar)
     result["fill_json_vocab"] = time_fills(json_backend, constraints, args.rounds)
     result["step_fill_64_rows"] = time_step_fill(json_tokenizer(), constraints, 64, args.rounds)
     result["apply"] = time_apply([(1, 88), (64, 88), (64, 32000), (64, 128000)], args.rounds)
+    fractions = (0.0, 0.25, 1.0)
+    with section("steps", len(fractions) * args.step_runs, quiet=args.quiet) as bar:
+        result["steps"] = time_steps(fractions, args.rows, args.step_runs, bar)
     result["machine"]["load_average_end"] = machine_info(with_paddle=False)["load_average"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -188,6 +239,11 @@ def format_report(result: dict) -> str:
                   f"{step['threads_2']['step_us_median']:.0f} us on llguidance's pool of 2 threads.", "",
               "| apply_token_bitmask rows x vocab | us |", "|---|---|"]
     lines += [f"| {a['rows']} x {a['vocab']} | {a['apply_us_median']:.0f} |" for a in result["apply"]]
+    if "steps" in result:
+        lines += ["", "| constrained rows | decode step, median | of which sampling (masks filled, uploaded, "
+                      "applied) |", "|---|---|---|"]
+        lines += [f"| {name} ({s['constrained_rows']} of {s['rows']}) | {s['step_ms_median']:.1f} ms | "
+                  f"{s['sample_ms_median']:.2f} ms |" for name, s in result["steps"].items()]
     return "\n".join(lines)
 
 

@@ -188,10 +188,12 @@ class ModelRunner:
         if len(starts) == 0 and inputs.prompt_rows is None:
             return
         rows = inputs.pos_row[starts].tolist()
-        tokens, res = self.sampler.sample_rows(logits, self._sampling_tensors(inputs, starts))
+        st = self._sampling_tensors(inputs, starts)
+        tokens, res = self.sampler.sample_rows(logits, st)
         req_ids = self.batch.req_ids
         out.sampled_token_ids = {req_ids[r]: t for r, t in zip(rows, tokens) if t is not None}
         out.errors = {req_ids[r]: "the model produced non-finite logits" for r, t in zip(rows, tokens) if t is None}
+        out.errors.update({req_ids[r]: why for r, why in st.row_errors.items()})  # a logits processor stopped them
         if res.logprobs is not None:
             out.logprobs = {req_ids[r]: [res.logprobs[p]] for r, p, t in zip(rows, starts.tolist(), tokens)
                             if t is not None and res.logprobs[p] is not None}

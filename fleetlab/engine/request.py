@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from fleetlab.engine.sampling_params import SamplingParams
@@ -26,6 +27,8 @@ class Request:
     tokens still to run are ``all_token_ids[num_computed_tokens:]`` plus the drafts in
     ``spec_token_ids``. Preemption frees the blocks (the ``KVCacheManager`` holds them)
     and resets it to 0 (the request is recomputed from its prompt and outputs).
+    A request with ``waiting_on`` set (a future: its grammar's compile) waits until that is
+    done, while the requests behind it are admitted.
     """
 
     request_id: str
@@ -39,6 +42,7 @@ class Request:
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
     extra: dict = field(default_factory=dict)  # values of its own InputBatch fields, e.g. prompt_embeds
+    waiting_on: Future | None = None  # not admitted before this is done (its grammar's compile)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None
@@ -74,6 +78,11 @@ class Request:
         """A request that wants prompt logprobs computes every prompt position: a prefix-cache
         hit would skip the positions it covers (vLLM's ``skip_reading_prefix_cache``)."""
         return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def is_ready(self) -> bool:
+        """Whatever it waits on is done: the scheduler may admit it."""
+        return self.waiting_on is None or self.waiting_on.done()
 
     @property
     def is_finished(self) -> bool:

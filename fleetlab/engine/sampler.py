@@ -14,7 +14,7 @@ device-to-host read. Speculative decoding verifies draft tokens with a subclass
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import paddle
@@ -43,6 +43,8 @@ class SamplingTensors:
     prompt_targets, prompt_num_logprobs: int64 ``[Q]`` host, or None: the logits handed to the
       sampler carry ``Q`` more rows after the ``P`` scored ones, at prompt positions whose
       next prompt token (the target) gets its logprob and the top ``prompt_num_logprobs``.
+    row_errors: batch row -> why a logits processor stops that row's request (a grammar that
+      allows no token): the runner reports it as the request's error and its token is dropped.
     """
 
     greedy: np.ndarray
@@ -59,6 +61,7 @@ class SamplingTensors:
     num_logprobs: np.ndarray | None = None
     prompt_targets: np.ndarray | None = None
     prompt_num_logprobs: np.ndarray | None = None
+    row_errors: dict = field(default_factory=dict)
 
     @classmethod
     def from_host(cls, temperature, top_k, top_p, seeds, draw_index, banned=None,

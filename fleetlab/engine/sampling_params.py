@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fleetlab.structured_output.params import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -48,6 +52,10 @@ class SamplingParams:
     prompt_logprobs: None, or the same for every prompt token after the first; a request
       that asks for them skips reading the prefix cache (as vLLM does), so that every prompt
       position is computed.
+    structured_outputs: None, or the constraint the output must follow: a
+      :class:`~fleetlab.structured_output.StructuredOutputsParams` or a dict of its fields
+      (vLLM's: ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``; see
+      :mod:`fleetlab.structured_output`). Not with ``ignore_eos`` (the grammar ends the output).
 
     numpy scalars count as the numbers they hold (``temperature=np.float32(0.7)``); a
     ``bool`` is not an int, and nothing else is converted: a wrong type raises
@@ -74,6 +82,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | dict | None = None
 
     @property
     def greedy(self) -> bool:

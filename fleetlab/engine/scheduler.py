@@ -147,7 +147,10 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = min(self.waiting, key=lambda r: self.policy.admission_key(r, self.step_count))
+            ready = [r for r in self.waiting if r.is_ready]  # a request whose grammar compiles waits
+            if not ready:
+                break
+            req = min(ready, key=lambda r: self.policy.admission_key(r, self.step_count))
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
             remaining = req.num_tokens - num_hit_tokens
             if remaining > budget and not self.enable_chunked_prefill:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -267,6 +268,7 @@ class OpenAIServing:
                              f"{prompt_field} tokens + {max_tokens} output tokens", "max_tokens",
                              "context_length_exceeded")
         echo_logprobs = getattr(req, "echo", False) and req.num_logprobs is not None
+        constraint, _ = req.structured_outputs_fields()
         sp = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p,
                             top_k=0 if req.top_k in (None, -1) else req.top_k, seed=req.seed,
@@ -276,11 +278,25 @@ class OpenAIServing:
                             frequency_penalty=req.frequency_penalty or 0.0,
                             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                             logit_bias=req.logit_bias, logprobs=req.num_logprobs,
-                            prompt_logprobs=req.num_logprobs if echo_logprobs else None)
+                            prompt_logprobs=req.num_logprobs if echo_logprobs else None,
+                            structured_outputs=constraint)
         try:
             return check_sampling_params(sp, "-")
         except ValueError as e:
-            raise bad_request_from_engine(e, prompt_field) from e
+            raise self._bad_request(e, prompt_field, req) from e
+
+    def _bad_request(self, error: ValueError, prompt_field: str, req) -> BadRequest:
+        """An engine refusal as a 400. A refusal of the constraint names the request field it came
+        from (``response_format...`` or ``structured_outputs``); a vocabulary that cannot spell it
+        is ``unsupported`` (this model cannot serve it; another might)."""
+        text = re.sub(r"^request '[^']*': ", "", str(error))
+        if not text.startswith("structured_outputs"):
+            return bad_request_from_engine(error, prompt_field)
+        where = req.structured_outputs_fields()[1]
+        if "cannot be spelled" in text:
+            return BadRequest(f"{where}: the served model cannot write these structured outputs: {text}", where,
+                              "unsupported")
+        return BadRequest(text if where == "structured_outputs" else f"{where}: {text}", where, "invalid_value")
 
     # ----- running -----
     async def _run(self, req, prefix: str, obj: str, choices: list[_Choice], sp: SamplingParams, prompt_field: str):
@@ -293,7 +309,7 @@ class OpenAIServing:
         try:  # every prompt in one engine turn
             streams = await self.engine.add_requests(requests)
         except ValueError as e:
-            raise bad_request_from_engine(e, prompt_field) from e
+            raise self._bad_request(e, prompt_field, req) from e
         for c, stream in zip(choices, streams):
             c.stream = stream
             self.live.add(stream)

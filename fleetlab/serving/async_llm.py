@@ -27,7 +27,9 @@ step that gave it tokens ended.
     engine.shutdown()
 
 Only ``LLM``'s public methods are used: ``add_request``, ``step`` (called in one place,
-:meth:`AsyncLLM._step`), ``abort``, ``has_unfinished_requests`` and ``stats``.
+:meth:`AsyncLLM._step`), ``abort``, ``has_unfinished_requests`` and ``stats``; and, from the
+asyncio side, ``llm.structured_outputs.precompile`` (thread-safe): a request's grammar compiles
+before the request reaches the engine thread, so a refusal comes back before it is queued.
 """
 
 from __future__ import annotations
@@ -213,6 +215,7 @@ class AsyncLLM:
         n = len(requests)
         if not n:
             return []
+        await self._grammars_compiled(requests)
         with self._lock:
             if self._capacity is not None and self._num_unfinished + n > self._capacity:
                 raise Overloaded(f"the server holds {self._num_unfinished} requests; {n} more would exceed "
@@ -234,6 +237,19 @@ class AsyncLLM:
                 self.abort(s.request_id)
             raise
         return streams
+
+    async def _grammars_compiled(self, requests: list[dict]) -> None:
+        """Wait here, on the event loop, for the grammars these requests need: the engine thread
+        then finds them compiled (or their refusal, which ``LLM.add_request`` raises at once).
+        The grammar manager is the one part of the ``LLM`` safe to use from another thread."""
+        compiler = getattr(self.llm, "structured_outputs", None)
+        if compiler is None:
+            return
+        futures = [compiler.precompile(sp.structured_outputs) for sp in (kw.get("sampling_params") for kw in requests)
+                   if sp is not None and getattr(sp, "structured_outputs", None) is not None]
+        futures = [asyncio.wrap_future(f) for f in futures if f is not None]
+        if futures:
+            await asyncio.gather(*futures, return_exceptions=True)  # a refusal is raised by add_request
 
     async def generate(self, prompt: str | None = None, sampling_params: SamplingParams | None = None, *,
                        prompt_token_ids=None, request_id: str | None = None):

@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fleetlab serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="'tiny' (the shipped tiny Llama) or a checkpoint directory")
+    p.add_argument("--model", default="tiny", help="'tiny' (the shipped tiny Llama), 'tiny-json' (a tiny random "
+                   "model that can spell JSON, for structured outputs) or a checkpoint directory")
     p.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS,
                    help="auto/paddleformers: the PaddleFormers model; fleet (or paddlefleet, the production "
                         "Paddle engine's spelling): the weights in the Fleet-style model")

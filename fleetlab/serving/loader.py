@@ -2,6 +2,9 @@
 
 ``--model``:
   ``tiny``  the trained tiny Llama shipped in ``fleetlab/models/weights`` (character tokenizer);
+  ``tiny-json``  a tiny random Llama whose characters can spell JSON
+            (:func:`fleetlab.models.tiny_json`): it writes noise unless a request constrains it
+            (``response_format``, ``structured_outputs``);
   PATH      a checkpoint directory: PaddleFormers' ``AutoModelForCausalLM`` reads it, and its
             tokenizer is fleetlab's ``CharTokenizer`` when ``tokenizer.json`` says so, else
             PaddleFormers' ``AutoTokenizer`` (nothing is downloaded: both read the directory).
@@ -35,6 +38,10 @@ def load_model(model: str, model_impl: str = "auto"):
         from fleetlab.models import load_tiny
 
         net, tokenizer = load_tiny()
+    elif model == "tiny-json":
+        from fleetlab.models import tiny_json
+
+        net, tokenizer = tiny_json()
     else:
         net, tokenizer = _checkpoint("--model", model), load_tokenizer(Path(model))
     if model_impl in ("fleet", "paddlefleet"):

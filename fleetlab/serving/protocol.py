@@ -7,9 +7,11 @@ applies; ranges follow OpenAI's API (``temperature`` in [0, 2], ``top_p`` in (0,
 >= 1, ``presence_penalty`` and ``frequency_penalty`` in [-2, 2], ``logprobs`` / ``top_logprobs``
 <= 20...) and a value out of range is answered 400 naming the field. Like vLLM, a few engine
 settings are accepted as extra body fields: ``top_k`` (0 or -1: no limit), ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, and ``best_of`` in chat too. Every
-other field is refused by :meth:`check_supported` unless its value changes nothing
-(:mod:`fleetlab.serving.refused` says which, and why).
+``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``best_of`` in chat too, and
+``structured_outputs`` (vLLM's constraint fields), which OpenAI's ``response_format``
+(``json_object``, ``json_schema``) is merged into. Every other field is refused by
+:meth:`check_supported` unless its value changes nothing (:mod:`fleetlab.serving.refused` says
+which, and why).
 
 Responses are plain dicts built by the functions below, in the shapes the official client
 parses: ``text_completion`` / ``chat.completion`` bodies, and for ``stream=true`` a
@@ -38,6 +40,26 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's; refused when true
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's ``name``, ``description``, ``schema``, ``strict``
+    (the output always follows the schema here; ``strict`` changes nothing)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    json_schema: dict | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (any
+    JSON object) or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat: the model, sampling and stopping settings, streaming."""
 
@@ -60,10 +82,12 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None  # {token id as a string: bias}, biases clamped to [-100, 100]
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
+    response_format: ResponseFormat | None = None
     # fleetlab (and vLLM) extensions
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
+    structured_outputs: dict | None = None  # vLLM's StructuredOutputsParams fields
 
     @field_validator("stop")
     @classmethod
@@ -91,6 +115,22 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         """``stream_options.include_usage``: end the stream with a usage-only chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def structured_outputs_fields(self) -> tuple[dict | None, str]:
+        """The request's constraint as ``StructuredOutputsParams`` fields (None: none), and the
+        request field it came from (what a 400 names). As in vLLM, ``response_format`` is merged
+        into ``structured_outputs`` (which may then carry only options, such as
+        ``disable_any_whitespace``)."""
+        fields = None if self.structured_outputs is None else dict(self.structured_outputs)
+        rf = self.response_format
+        if rf is None or rf.type == "text":
+            return fields, "structured_outputs"
+        if rf.type == "json_object":
+            return {**(fields or {}), "json_object": True}, "response_format"
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise BadRequest("response_format of type json_schema needs json_schema.schema",
+                             "response_format.json_schema", "invalid_value")
+        return {**(fields or {}), "json": rf.json_schema.json_schema}, "response_format.json_schema.schema"
 
     def check_supported(self) -> None:
         """Raise :class:`BadRequest` naming the field for anything fleetlab would not apply."""

@@ -47,7 +47,9 @@ def _same(a, b) -> bool:
 _PROMPT_LOGPROBS = "a vLLM extension; the prompt's log-probabilities come with echo=true and logprobs (OpenAI's way)"
 _SAMPLER = ("fleetlab's sampler does not implement it (it applies temperature, top_k, top_p, seed, the "
             "penalties and logit_bias)")
-_STRUCTURED = "structured outputs (JSON schema, regex, choice, grammar) are not supported yet"
+_GUIDED = ("vLLM removed its guided_* fields in 0.12: send structured outputs as structured_outputs={{{!r}: ...}} "
+           "(or response_format)")
+_STRUCTURAL_TAG = "fleetlab's structured outputs do not implement structural tags (json, regex, choice, grammar do)"
 _TOOLS = "tool and function calling are not supported"
 _TEXT_ONLY = "fleetlab's models read and write text only"
 _TEMPLATE = "the server renders messages with its own chat template (the tokenizer's, or fleetlab's minimal one)"
@@ -66,15 +68,14 @@ _COMMON = {
     "allowed_token_ids": Refusal(_NO_OP_NONE, _SAMPLER),
     "bad_words": Refusal(unset_or([]), _SAMPLER),
     "logits_processors": Refusal(_NO_OP_NONE, _SAMPLER),
-    "response_format": Refusal(lambda v: v is None or v == {"type": "text"}, _STRUCTURED),
-    "structured_outputs": Refusal(_NO_OP_NONE, _STRUCTURED),
-    "guided_json": Refusal(_NO_OP_NONE, _STRUCTURED),
-    "guided_regex": Refusal(_NO_OP_NONE, _STRUCTURED),
-    "guided_choice": Refusal(_NO_OP_NONE, _STRUCTURED),
-    "guided_grammar": Refusal(_NO_OP_NONE, _STRUCTURED),
-    "structural_tag": Refusal(_NO_OP_NONE, _STRUCTURED),
-    "guided_decoding_backend": Refusal(_NO_OP_NONE, _STRUCTURED),
-    "guided_whitespace_pattern": Refusal(_NO_OP_NONE, _STRUCTURED),
+    "guided_json": Refusal(_NO_OP_NONE, _GUIDED.format("json")),
+    "guided_regex": Refusal(_NO_OP_NONE, _GUIDED.format("regex")),
+    "guided_choice": Refusal(_NO_OP_NONE, _GUIDED.format("choice")),
+    "guided_grammar": Refusal(_NO_OP_NONE, _GUIDED.format("grammar")),
+    "guided_whitespace_pattern": Refusal(_NO_OP_NONE, _GUIDED.format("whitespace_pattern")),
+    "guided_decoding_backend": Refusal(_NO_OP_NONE, "vLLM removed guided_decoding_backend in 0.12 (the server "
+                                                    "chooses the grammar backend): remove it"),
+    "structural_tag": Refusal(_NO_OP_NONE, _STRUCTURAL_TAG),
     "include_stop_str_in_output": Refusal(_NO_OP_FALSE, _VLLM),
     "skip_special_tokens": Refusal(unset_or(True), _VLLM + " (special tokens are always skipped)"),
     "spaces_between_special_tokens": Refusal(unset_or(True), _VLLM),

@@ -18,36 +18,36 @@ small interface; see ``backend.py``). The pieces, each in its own file:
 - ``manager.py``: :class:`~fleetlab.structured_output.manager.StructuredOutputManager`:
   validate on arrival, compile ahead on a thread pool, cache by constraint.
 - ``bitmask.py``: ``apply_token_bitmask`` on the device, ``dead_rows`` on the host.
+- ``request.py``: :class:`~fleetlab.structured_output.request.StructuredOutputRequest`, one
+  request's grammar state (its compile's future, its matcher), the object its batch row holds.
+- ``processor.py``: :class:`~fleetlab.structured_output.processor.StructuredOutputsProcessor`,
+  the engine's side: a logits processor every ``LLM`` has.
 - ``examples.py``: bounded example schemas (tests, benchmark, notebooks).
 
-**How the engine uses it** (the core's side is being written; these are the hooks):
+**How the engine uses it**, in the order of a request's life:
 
-1. *Arrival*: ``SamplingParams(structured_outputs=...)`` is checked by
-   ``manager.validate(request_id, params)`` (a ``ValueError`` naming the request and the field:
-   the server's 400), then ``manager.submit(...)`` starts the compile and returns at once.
-2. *Scheduling*: a request whose grammar is not ready waits without holding up the others
-   (``manager.is_ready``); one whose compile failed finishes with the error.
-3. *The batch*: the request's matcher (``manager.matcher(request_id)``) is an object field of
-   the InputBatch, so condense, decode-first reorder and swaps move it with its row.
-4. *Before the forward*: the runner fills one bitmask row per scored position of each
-   constrained row (``backend.fill_bitmasks``; a verify row of ``k`` drafts takes ``k + 1`` rows,
-   ``matcher.fill_bitmask_with_drafts``), finishes rows that allow no token
-   (``bitmask.dead_rows``) with an error, and uploads the step's masks once.
-5. *Sampler*: ``apply_token_bitmask(logits, masks, rows)`` first, before penalties,
-   temperature, top-k and top-p, for greedy, sampled and draft-verifying rows alike; rows
-   without a constraint are not touched.
-6. *After sampling*: each constrained request's matcher accepts the tokens it kept this step
-   (``accept_tokens``; verified drafts and the bonus token). Drafts that verification rejected
-   never entered the matcher; an engine that advances matchers through drafts first undoes
-   the rejected ones with ``rollback(n)``.
-7. *Preemption and resets*: a matcher kept with its request survives preemption (its tokens do);
-   one lost with a reset runner is rebuilt by replaying the output tokens
-   (``manager.matcher(request_id, replay=output_token_ids)``).
-8. *The end*: a terminated matcher allows only EOS; ``manager.release(request_id)`` when done.
+1. *Arrival* (``fleetlab.validation``): ``SamplingParams(structured_outputs=...)`` is checked
+   (a ``ValueError`` naming the request and the field; ``ignore_eos`` refused beside it), the
+   backend validates it, and its compile starts on the manager's thread
+   (``StructuredOutputsProcessor.start``). ``LLM.generate`` and the server wait for the compile
+   before queueing anything, so a vocabulary that cannot spell the constraint is refused at once.
+2. *Scheduling*: the request waits on its compile (``Request.waiting_on``); the scheduler admits
+   the requests behind it meanwhile. A step never compiles.
+3. *The batch*: its ``StructuredOutputRequest`` sits in the ``structured_output`` object field,
+   so condense, decode-first reorder, swaps and preemption (the request is resent in full, with
+   the same object) move it with its row.
+4. *Sampling*: the processor brings each scored row's matcher to the row's committed output,
+   fills one mask per scored position (a verify row of ``k`` drafts takes ``k + 1``), writes
+   them into the row's ``grammar_bitmask`` field, uploads the step's masks once and applies them
+   before temperature, top-k and top-p. A row left with no allowed token stops with an error.
+5. *Speculative decoding*: a draft the grammar refuses is refused by its own position's mask,
+   so verification rejects it; the drafts the grammar allows enter the matcher only while their
+   masks are filled (and are rolled back at once), and the matcher is advanced only by the
+   tokens the scheduler committed.
 
 vLLM keeps the same state in ``vllm/v1/structured_output`` (a manager compiling on a thread
-pool, one grammar object per request, the scheduler building each step's bitmask, the runner
-applying it); FastDeploy builds its structured outputs on xgrammar.
+pool, one ``StructuredOutputRequest`` per request, the scheduler building each step's bitmask,
+the runner applying it); FastDeploy builds its structured outputs on xgrammar.
 """
 
 from fleetlab.structured_output.backend import (
@@ -63,7 +63,8 @@ from fleetlab.structured_output.backend import (
 from fleetlab.structured_output.bitmask import apply_token_bitmask, dead_rows
 from fleetlab.structured_output.manager import StructuredOutputManager
 from fleetlab.structured_output.params import StructuredOutputsParams
+from fleetlab.structured_output.request import StructuredOutputRequest
 
 __all__ = ["CompiledGrammar", "GrammarBackend", "GrammarError", "GrammarMatcher", "StructuredOutputManager",
-           "StructuredOutputsParams", "apply_token_bitmask", "dead_rows", "get_grammar_backend",
-           "list_grammar_backends", "make_grammar_backend", "register_grammar_backend"]
+           "StructuredOutputRequest", "StructuredOutputsParams", "apply_token_bitmask", "dead_rows",
+           "get_grammar_backend", "list_grammar_backends", "make_grammar_backend", "register_grammar_backend"]

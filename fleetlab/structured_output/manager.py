@@ -8,6 +8,8 @@
 - ``submit(request_id, params)`` right after: starts the compile on the pool and returns at
   once. The compile includes the vocabulary check. Requests with the same constraint share one
   compile (cached by the constraint's canonical key; an LRU of ``cache_size`` grammars).
+  ``compile(params)`` is the same without the request: the engine keeps the future with the
+  request itself (:class:`~fleetlab.structured_output.request.StructuredOutputRequest`).
 - ``is_ready(request_id)`` each step, for the scheduler: a constrained request is schedulable
   once its grammar is compiled (or failed: the engine then finishes it with the error).
 - ``matcher(request_id, replay=())`` once ready: the request's matcher, or the compile's
@@ -45,7 +47,7 @@ class StructuredOutputManager:
         self.cache_size = cache_size
         self.compile_times: dict[tuple, float] = {}
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="fleetlab-grammar")
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # submit holds it around compile
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._requests: dict[str, tuple[Future, StructuredOutputsParams]] = {}
 
@@ -61,10 +63,19 @@ class StructuredOutputManager:
 
     def submit(self, request_id: str, params: StructuredOutputsParams) -> Future:
         """Start compiling ``params`` (validated) for ``request_id``; returns at once."""
-        key = params.cache_key()
         with self._lock:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} already has a structured-outputs grammar")
+            future = self.compile(params)
+            self._requests[request_id] = (future, params)
+        return future
+
+    def compile(self, params: StructuredOutputsParams) -> Future:
+        """The compile of ``params`` (validated): the cached one, or a new one started on the
+        pool. Returns at once; the future's result is a :class:`CompiledGrammar`, or it raises
+        :class:`GrammarError` (e.g. a vocabulary that cannot spell the constraint)."""
+        key = params.cache_key()
+        with self._lock:
             future = self._cache.get(key)
             if future is None or future.cancelled():
                 future = self._pool.submit(self._compile, params)
@@ -72,7 +83,6 @@ class StructuredOutputManager:
                 while len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
             self._cache.move_to_end(key)
-            self._requests[request_id] = (future, params)
         return future
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
