@@ -134,7 +134,7 @@ viz.draw_memory_waste([23, 41, 7], block_size=16, max_model_len=128)
 
 # %% [markdown]
 # A slot is not small. It holds one token's K and V in every layer: for the tiny model of
-# notebook 00 (4 layers, 2 KV heads of 32 dims, float32) that is 2 KiB per token; for a
+# notebook 01 (4 layers, 2 KV heads of 32 dims, float32) that is 2 KiB per token; for a
 # 7B-class model in bfloat16 (32 layers, 8 KV heads of 128 dims) it is 128 KiB.
 
 # %%
@@ -200,4 +200,4 @@ explore
 # - Set `block_size` to 1 and to 32 above: which layout wins, and by how much?
 # - In section 2, make `system` 12 tokens long instead of 10: how many blocks do **a** and
 #   **b** share now, and why?
-# - Next notebook: **03_input_batch_reorder**, the table of running requests.
+# - Next notebook: **03_attention_patching**, how the model itself is made to read and write these blocks.

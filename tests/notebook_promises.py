@@ -7,7 +7,7 @@ sentence it holds the notebook to. A notebook without an entry is only run.
 
 PROMISES: dict[str, str] = {}
 
-PROMISES["00_tour"] = '''
+PROMISES["01_tour"] = '''
 steps = {t.step: t for t in llm.traces}
 first_step = {}
 for t in llm.traces:
@@ -74,7 +74,7 @@ assert "need 9 blocks of 25" in explore.figure.axes[0].texts[-1].get_text()
 assert "8 blocks x 25 = 200 token slots" in explore.figure.axes[0].get_title()
 '''
 
-PROMISES["03_input_batch_reorder"] = '''
+PROMISES["04_input_batch_reorder"] = '''
 from fleetlab.engine.input_batch import unpermute as _unpermute  # noqa: F401  (the notebook's import)
 
 split_before, split_after = viz.token_split(rows_before), viz.token_split(rows_after)
@@ -108,7 +108,7 @@ assert rows_by_id["2"].num_scheduled_tokens == 1 and rows_by_id["2"].phase == "p
 assert step0.order_after[0] == "2" and step0.num_decodes == 1 and step0.num_batched_tokens == 16
 '''
 
-PROMISES["04_decode_loop"] = '''
+PROMISES["05_decode_loop"] = '''
 # "the long prompt of request 1 split over steps 0-2 (chunked prefill)"
 assert [t.step for t in traces for r in t.rows if r.request_id == "1" and r.phase == "prefill"] == [0, 1, 2]
 # "preempts the newest running request (request 2 in step 7, request 5 in step 16, request 6 in steps 18 and 21)"
@@ -137,7 +137,7 @@ assert all(t.token_ids == f.token_ids for t, f in zip(outputs, roomy_outputs))
 assert roomy.stats()["num_preemptions"] == 0 and len(roomy.traces) < len(traces)
 '''
 
-PROMISES["05_performance"] = '''
+PROMISES["06_performance"] = '''
 from pathlib import Path as _Path
 
 # "viz.results_dir() finds that folder from the installed package, wherever the notebook runs"
@@ -167,7 +167,7 @@ assert 0.25 <= 1 - continuous.num_steps / static.num_steps <= 0.4, (static.num_s
 assert counts and all(reads == 1 for reads, _ in counts) and len({u for _, u in counts}) == 1
 '''
 
-PROMISES["06_prototyping"] = '''
+PROMISES["07_prototyping"] = '''
 # "Same tokens"; "both paths run in the same step"
 assert split_tokens == reference_tokens and both > 0
 fcfs_traces = policy_runs["fcfs"].traces
@@ -191,7 +191,7 @@ assert all(ttft["spf"][r] > ttft["fcfs"][r] for r in ("0", "7"))
 assert ttft["spf"]["2"] < ttft["fcfs"]["2"]
 '''
 
-PROMISES["07_speculative_decoding"] = '''
+PROMISES["08_speculative_decoding"] = '''
 # Section 1: "Same texts, in 5 steps instead of 19"; "proposed 48 tokens and the target accepted 44 of them
 # (0.92)"; "4.67 tokens on average"; by position "1.0, 0.92, 0.92, 0.83"
 assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 05 · Performance
+# # 06 · Performance
 #
 # **You will learn** how to read fleetlab's benchmark results, and what continuous
 # batching buys over static batches, measured on this machine:
@@ -243,4 +243,4 @@ print(describe(log))
 #   batching catch up?
 # - Run `python -m fleetlab bench` (or `make bench`) and re-run section 1.
 # - Read `_prefill_kernel` the same way: where does the causal mask come in?
-# - Back to **00_tour** with what you know now.
+# - Back to **01_tour** with what you know now.

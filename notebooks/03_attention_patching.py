@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 01 · Attention patching
+# # 03 · Attention patching
 #
 # **You will learn** how fleetlab runs a model library's *own* model on its paged
 # attention without editing the model's code:
@@ -200,4 +200,4 @@ viz.draw_logits_parity(fleet_ref_logits, fleet_logits)
 #   and full layers (see `handle.sliding_windows`); GPT-OSS adds attention sinks.
 # - Re-run `paged_greedy` with `block_size=1` or `16`: the paged layout changes completely,
 #   the logits must not.
-# - Next notebook: **02_paged_kv_cache**, where those block tables come from.
+# - Next notebook: **04_input_batch_reorder**, the table of running requests whose tokens each step packs.

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 00 · A tour of fleetlab
+# # 01 · A tour of fleetlab
 #
 # **You will learn** how an inference engine serves many requests at once, by following a
 # handful of prompts through fleetlab on a tiny model trained for this project:
@@ -68,7 +68,7 @@ for out, want in zip(outputs, expected):
 
 # %% [markdown]
 # Same answers. The engine changed *how* the work was scheduled, not what the model
-# computes. (Notebook 01 checks this down to the logits.)
+# computes. (Notebook 03 checks this down to the logits.)
 #
 # ## 3. What happened inside
 #
@@ -168,12 +168,12 @@ print(f"prefix cache hit rate: {llm.stats()['prefix_cache_hit_rate']:.0%}")
 # %% [markdown]
 # ## Try next
 #
-# - **01_attention_patching**: how `LLM` took over the model's attention without editing its code.
 # - **02_paged_kv_cache**: blocks, block tables, prefix sharing and eviction, with sliders.
-# - **03_input_batch_reorder**: why and how the batch puts decode rows first.
-# - **04_decode_loop**: the scheduler step by step, with preemption and a play button.
-# - **05_performance**: continuous batching against static batches, measured.
-# - **06_prototyping**: your own attention backend and scheduling policy.
+# - **03_attention_patching**: how `LLM` took over the model's attention without editing its code.
+# - **04_input_batch_reorder**: why and how the batch puts decode rows first.
+# - **05_decode_loop**: the scheduler step by step, with preemption and a play button.
+# - **06_performance**: continuous batching against static batches, measured.
+# - **07_prototyping**: your own attention backend and scheduling policy.
 #
 # Or change the engine above: `max_num_seqs=1` (one request at a time: watch the timeline
 # stretch), `block_size=16`, or `max_num_batched_tokens=8` (long prompts get split over

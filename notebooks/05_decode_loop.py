@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 04 · The decode loop: continuous batching step by step
+# # 05 · The decode loop: continuous batching step by step
 #
 # **You will learn** what the scheduler decides every step, and watch it happen:
 #
@@ -167,4 +167,4 @@ print("steps: tight", len(traces), "| roomy", len(roomy.traces), "| roomy preemp
 #   (then `max_num_batched_tokens` must be at least `max_model_len`).
 # - `num_blocks=20`: fewer preemptions, fewer steps? (Below 14 the longest request would
 #   not fit even alone, and `add_request` refuses it.)
-# - Next notebook: **05_performance**, what continuous batching buys.
+# - Next notebook: **06_performance**, what continuous batching buys.

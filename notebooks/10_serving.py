@@ -1,7 +1,7 @@
 # %% [markdown]
-# # 09 · Serving: the engine behind an OpenAI-compatible server
+# # 10 · Serving: the engine behind an OpenAI-compatible server
 #
-# **You will learn** what a serving engine adds around the decode loop of `04_decode_loop`:
+# **You will learn** what a serving engine adds around the decode loop of `05_decode_loop`:
 #
 # 1. an **async engine loop**: one background thread steps the `LLM` while the web server
 #    answers many clients on an asyncio event loop; each request gets its own output stream;

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 08 · Tensor parallelism: one model, two processes
+# # 09 · Tensor parallelism: one model, two processes
 #
 # A model too big (or too slow) for one device is split across several: every rank holds a
 # slice of each layer's attention heads and MLP columns, and the ranks add up their partial

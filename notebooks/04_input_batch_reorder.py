@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 03 · The InputBatch and decode-first reordering
+# # 04 · The InputBatch and decode-first reordering
 #
 # **You will learn** how an engine keeps the state of its running requests between
 # steps, and why it rearranges that state every step:
@@ -203,4 +203,4 @@ step0_axis
 # - In `make_batch`, make every request a decode: how many swaps now?
 # - Use `decode_threshold=4` in `reorder_frames`: rows running up to 4 tokens (say,
 #   speculative decoding) count as decodes.
-# - Next notebook: **04_decode_loop**, the scheduler that fills these rows.
+# - Next notebook: **05_decode_loop**, the scheduler that fills these rows.

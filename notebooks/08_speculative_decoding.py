@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 07 · Speculative decoding: draft cheaply, verify in one forward
+# # 08 · Speculative decoding: draft cheaply, verify in one forward
 #
 # **You will learn** how an engine gets several tokens out of one forward pass of a big
 # model, without changing what it writes:
@@ -230,7 +230,7 @@ live_player
 # request 4 runs an 8-token chunk of its long prompt; the reorder swapped rows 1 and 2 so
 # both verify rows lead, and the proposer's rows went with them. (In step 5 a 4-token
 # chunk of a prompt counts as a decode: to the kernels a row of at most `k + 1` query
-# tokens is one, whatever its history, as notebook 03 showed for 1-token chunks.)
+# tokens is one, whatever its history, as notebook 04 showed for 1-token chunks.)
 #
 # ## 4. How many drafts? Acceptance and forwards against `k`
 #
@@ -388,4 +388,4 @@ histogram
 #   a one-token suffix matches far more often. Do more drafts get accepted, or fewer?
 # - Register your own proposer (`fleetlab.spec_decode.proposer.register_proposer`), say one that
 #   always proposes a space: what acceptance does it get on sentences?
-# - Next notebook: **08_tensor_parallel**.
+# - Next notebook: **09_tensor_parallel**.

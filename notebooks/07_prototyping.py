@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 06 · Prototyping: your own attention backend and scheduling policy
+# # 07 · Prototyping: your own attention backend and scheduling policy
 #
 # **You will learn** how to try an idea on the engine without touching its code:
 #
@@ -236,7 +236,7 @@ policy_figure
 
 # %% [markdown]
 # A preempted request does not always start from scratch: its full blocks stay in the
-# prefix cache until someone needs the space (notebooks 02 and 04), so when it comes back
+# prefix cache until someone needs the space (notebooks 02 and 05), so when it comes back
 # it takes back what is left and computes only the rest. Its chunks after a preemption
 # therefore add up to less than its length. Under `fcfs`, request 1 (36 tokens) comes back
 # in step 10 with 12 of them cached and runs chunks of 16 and 8; a request preempted while
