@@ -7,6 +7,30 @@ sentence it holds the notebook to. A notebook without an entry is only run.
 
 PROMISES: dict[str, str] = {}
 
+PROMISES["00_why_a_kv_cache"] = '''
+# Section 1: the loop "stops when the model writes its end-of-text token"
+assert no_cache_ids[-1] == tokenizer.eos_token_id and len(prompt) == 9
+# Section 2: "every position they share gets the same logits, to float rounding"
+assert prefix_diff < 1e-4, prefix_diff
+# Section 3: "the prefill runs the 9 prompt tokens in one pass; every later step, a decode, runs one"; the same
+# tokens as the loop without a cache; the timed runs agree
+assert cached_tokens == [9] + [1] * 99
+assert cached_ids[:len(no_cache_ids)] == no_cache_ids and all(r[0] == cached_ids for r in runs)
+# "without the cache the model runs 5,850 tokens to write 100, with it 108"
+assert sum(no_cache_work) == 5850 and sum(cached_tokens) == 108 and len(cached_ids) == 100
+drawn = {ln.get_gid(): ln for ax in cache_figure.axes for ln in ax.lines if ln.get_gid()}
+assert list(drawn["work:no-cache"].get_ydata()) == no_cache_work
+assert list(drawn["work:cached"].get_ydata()) == cached_tokens
+# "a decode step stays nearly flat as the sequence grows ... a pass over the whole sequence grows with its length:
+# by 128 tokens it costs more than a decode step"
+assert decode_ms.max() < 1.5 * decode_ms.min(), decode_ms
+assert pass_ms[128] > 1.5 * pass_ms[8] and pass_ms[128] > decode_ms.max(), (pass_ms, decode_ms)
+# Section 4: "A pass of 64 tokens costs a few times a pass of one token, not 64 times: per token, prefill is more
+# than ten times cheaper"; "a pass of 8 tokens ... costs less than two passes of 1"; "half an operation per byte"
+assert pass_ms[64] < 8 * pass_ms[1] and per_token[1] / per_token[64] > 10, pass_ms
+assert pass_ms[8] < 2 * pass_ms[1], pass_ms
+'''
+
 PROMISES["01_tour"] = '''
 steps = {t.step: t for t in llm.traces}
 first_step = {}

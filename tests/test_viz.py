@@ -29,7 +29,7 @@ def test_request_colors_are_stable_and_distinct_for_the_first_requests():
     colors = [viz.request_color(str(i)) for i in range(len(PALETTE))]
     assert len(set(colors)) == len(PALETTE)
     assert viz.request_color("3") == viz.request_color(3)
-    assert len({viz.request_color(c) for c in "abcdefghijkl"}) == len(PALETTE)
+    assert len({viz.request_color(c) for c in "abcdefghijklmnop"[:len(PALETTE)]}) == len(PALETTE)
     assert viz.request_color("req-a") == viz.request_color("req-a")
     assert set(viz.PHASE_COLORS.values()).isdisjoint(PALETTE)
     with pytest.raises(ValueError, match="phase"):
@@ -73,10 +73,14 @@ def test_block_grid_colours_each_block_by_owner_share_and_cache_state(shared_poo
     assert {face(cells[f"block:{blk}"]) for blk in never_used} == {FREE_COLOR}
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert texts.count("x2") == 2
-    # A freed cached block shows its place in the free queue (the tail: freed last, evicted last).
+    # A freed cached block is numbered in eviction order among the cached ones (1 = first): the
+    # white free blocks ahead of them in the queue go first, so the numbers start at 1.
     queue = {info.block_id: info.lru_position for info in pool.snapshot()}
-    assert {str(queue[b]) for b in freed} <= set(texts)
-    assert max(queue[b] for b in freed) == pool.num_free_blocks - 1
+    ranks = viz.eviction_ranks(pool.snapshot())
+    assert sorted(ranks) == sorted(freed) and sorted(ranks.values()) == [1, 2]
+    assert [b for b in sorted(freed, key=queue.get)] == sorted(ranks, key=ranks.get)
+    labels = sorted(t.get_text() for t in fig.axes[0].texts if t.get_bbox_patch() is not None)  # not the block ids
+    assert labels == ["1", "2", "x2", "x2"]
 
 
 def test_block_grid_accepts_a_snapshot_and_marks_unknown_owners_grey():
@@ -321,10 +325,14 @@ def test_logits_parity_report_and_bars():
     flip = new[1][1].argmax() != ref[1][1].argmax()
     assert report.argmax_agreement == pytest.approx(1 - flip / 5)
     fig = viz.draw_logits_parity(ref, new, max_points=20)
-    bars = by_gid(fig.axes[1].patches, "diff:")
-    assert len(bars) == 5
-    assert bars["diff:1:1"].get_height() == pytest.approx(0.5)
-    assert bars["diff:0:0"].get_height() == pytest.approx(1e-9)  # zero drawn at the log floor
+    points = by_gid(fig.axes[1].lines, "diff:")
+    assert len(points) == 5
+    assert points["diff:1:1"].get_ydata()[0] == pytest.approx(0.5)
+    # a zero sits on the axis' bottom edge, hollow: no bar rising from an arbitrary floor
+    bottom = fig.axes[1].get_ylim()[0]
+    zero = points["diff:0:0"]
+    assert zero.get_ydata()[0] == pytest.approx(bottom) and zero.get_markerfacecolor() == "none"
+    assert points["diff:1:1"].get_markerfacecolor() != "none"
     assert fig.axes[0].collections[0].get_offsets().shape == (20, 2)
     with pytest.raises(ValueError, match="shapes"):
         viz.logits_parity(ref, ref[:1])
@@ -607,3 +615,55 @@ def test_bandwidth_legend_names_implementations_in_words_and_explains_reference_
     assert IMPLEMENTATION_NAMES["triton"] in labels
     assert any("spec-sheet peak, 4.8 TB/s" in t for t in labels)
     assert any("not a limit" in t for t in labels)
+
+
+# ----------------------------------------------------------------- waiting (a real engine run)
+def serve_recording_queue(llm, arrivals):
+    """Add ``{step: [prompt token ids]}`` at their steps, run to the end; returns the arrival
+    step of each request and the engine's own count of waiting requests before each step."""
+    arrival_steps, waiting_before, step = {}, {}, 0
+    while llm.has_unfinished_requests() or step <= max(arrivals):
+        for ids in arrivals.get(step, []):
+            rid = llm.add_request(prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=6, ignore_eos=True))
+            arrival_steps[rid] = step
+        waiting_before[step] = llm.stats()["num_requests_waiting"]
+        llm.step()
+        step += 1
+    return arrival_steps, waiting_before
+
+
+@pytest.mark.parametrize("config, arrivals, reason", [
+    (dict(max_num_seqs=1), {0: [[5] * 6, [6] * 6]}, "rows"),                         # one row for two requests
+    (dict(max_num_batched_tokens=8), {0: [list(range(3, 23))], 1: [[7] * 4]}, "budget"),  # a 20-token prompt, 8 a step
+    (dict(num_blocks=7), {0: [list(range(3, 22))], 1: [list(range(30, 40))]}, "pool"),  # 5 of 7 blocks taken
+], ids=["rows", "budget", "pool"])
+def test_waits_name_what_kept_a_request_out_and_match_the_engines_queue(fleet_model, config, arrivals, reason):
+    engine = {**dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, record_traces=True), **config}
+    llm = LLM(fleet_model, **engine)
+    try:
+        arrival_steps, waiting_before = serve_recording_queue(llm, arrivals)
+        waits = viz.queue_waits(llm.traces, arrival_steps, llm.config)
+    finally:
+        llm.handle.unpatch()
+    for step, count in waiting_before.items():  # the queue the waits describe is the engine's own
+        assert len(viz.queue_before(waits, step)) == count, (step, viz.queue_before(waits, step), count)
+    second = next(w for w in waits if w.request_id == "1")
+    assert second.reasons and set(second.reasons.values()) == {reason}, second
+    first_run = min(t.step for t in llm.traces for r in t.rows if r.request_id == "1")
+    assert second.end == first_run and second.steps == list(range(second.start, first_run))
+    assert reason in second.describe() or viz.WAIT_REASONS[reason] in second.describe()
+    fig = viz.draw_timeline(llm.traces, waits=waits)
+    bars = by_gid(fig.axes[0].patches, "wait:1:")
+    assert {g.rsplit(":", 1)[1] for g in bars} == {reason} and len(bars) == len(second.reasons)
+    assert by_gid(fig.axes[0].lines, "arrived:1:")
+
+
+def test_a_preempting_step_admits_nobody_and_waits_say_so(engine_traces):
+    traces, _ = engine_traces
+    preempting = [t for t in traces if t.preempted]
+    assert preempting
+    config = type("Config", (), dict(max_num_seqs=4, max_num_batched_tokens=16, enable_chunked_prefill=True))
+    assert all(viz.blocked_by(t, config) == "preemption" for t in preempting)
+    waits = viz.queue_waits(traces, {}, config)  # no arrivals given: only stays after preemptions
+    preemption_steps = sorted(t.step for t in preempting for _ in t.preempted)
+    assert [w.start for w in waits] == [p + 1 for p in preemption_steps] and all(w.after_preemption for w in waits)
