@@ -10,7 +10,9 @@
 # 4. two requests that share a prompt prefix, and the pieces you can open next.
 #
 # Everything runs on a CPU in seconds. The cells only *use* fleetlab: the engine's code
-# lives in the `fleetlab` package, one small file per idea.
+# lives in the `fleetlab` package, one small file per idea. Notebook 00 showed why an engine
+# keeps a KV cache and what prefill and decode are; here they are at work, many requests at
+# once.
 
 # %%
 # %matplotlib inline
@@ -74,14 +76,17 @@ for out, want in zip(outputs, expected):
 #
 # `llm.traces` holds one record per step. In the timeline below each lane is a request
 # and each box a step it ran in. **Orange boxes are prefill**: prompt tokens go through
-# the model (the number is how many). **Blue boxes are decode**: one new token. In step 0
-# the four rows (`max_num_seqs=4`) are taken, so requests 4 and 5 wait. Request 4 joins
-# in step 2, right after request 2 finishes, and request 5 in step 3: a request takes a
-# row the step after one frees, and steps 2 and 3 run prefill and decode side by side.
+# the model (the number is how many). **Blue boxes are decode**: one new token. All six
+# requests arrive before step 0 (the black triangles), but the four rows
+# (`max_num_seqs=4`) are taken, so requests 4 and 5 wait: the thin grey bars, which
+# `viz.queue_waits` reads from each step's trace (here: every row was taken). Request 4
+# joins in step 2, right after request 2 finishes, and request 5 in step 3: a request takes
+# a row the step after one frees, and steps 2 and 3 run prefill and decode side by side.
 # That is **continuous batching**.
 
 # %%
-timeline = viz.draw_timeline(llm.traces)
+waits = viz.queue_waits(llm.traces, {out.request_id: 0 for out in outputs}, llm.config)
+timeline = viz.draw_timeline(llm.traces, waits=waits)
 timeline
 
 # %%
@@ -110,14 +115,14 @@ shared = "the red cat sat on the mat. "
 for text in [shared + "the dog", shared + "a cat"]:
     llm.add_request(text, fleetlab.SamplingParams(max_tokens=6))
 for _ in range(2):
-    finished, trace = llm.step(trace=True)
-    print(viz.describe_step(trace))
+    llm.step()
+    print(viz.describe_step(llm.traces[-1]))
 for a in viz.admissions(llm.traces, block_size=4)[-2:]:
     print(f"req {a.request_id} admitted in step {a.step}: {a.num_cached_tokens} tokens already in the cache "
           f"(blocks {a.cached_block_ids})")
 
 # %% [markdown]
-# Request 6 (37 tokens: `<bos>` and 36 characters) runs its prompt in two chunks, 24
+# Request 6 (36 tokens: `<bos>` and 35 characters) runs its prompt in two chunks, 24
 # tokens then the last 8 after the 4 it found cached (`<bos>the` is also how request 5,
 # `"the dog"`, began). Request 7 joins in the second step. Its first 29 tokens are the same
 # as request 6's, and 7 blocks of 4 of them (28 tokens) are already full and computed,
@@ -127,8 +132,8 @@ for a in viz.admissions(llm.traces, block_size=4)[-2:]:
 # The **block pool** after those two steps: one square per block of the cache, coloured by
 # the request holding it. The 7 blocks both requests hold are hatched and marked `x2`
 # (two owners). Grey dotted squares are free, but still remember the tokens of a finished
-# request, in case a later prompt starts the same way; their number is their turn to be
-# recycled.
+# request, in case a later prompt starts the same way; their number is the order in which
+# the pool would overwrite them (1 first; the white, empty blocks go before any of them).
 
 # %%
 frame = viz.pool_frame(llm)
@@ -150,7 +155,8 @@ viz.draw_batch(batch_rows)
 # %%
 while llm.has_unfinished_requests():
     for out in llm.step():
-        print(f"req {out.request_id} finished: {out.text!r} ({out.finish_reason})")
+        if out.finished:
+            print(f"req {out.request_id} finished: {out.text!r} ({out.finish_reason})")
 print(f"prefix cache hit rate: {llm.stats()['prefix_cache_hit_rate']:.0%}")
 
 # %% [markdown]

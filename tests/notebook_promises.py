@@ -42,6 +42,11 @@ finish_step = {rid: t.step for t in llm.traces for rid in t.finished}
 assert len(steps[0].rows) == 4 and first_step["4"] > 0 and first_step["5"] > 0
 # "Request 4 joins in step 2, right after request 2 finishes, and request 5 in step 3"
 assert first_step["4"] == 2 == finish_step["2"] + 1 and first_step["5"] == 3
+# "so requests 4 and 5 wait: the thin grey bars ... (here: every row was taken)"
+waited = {w.request_id: w for w in waits if w.reasons}
+assert set(waited) == {"4", "5"} and {r for w in waited.values() for r in w.reasons.values()} == {"rows"}
+bars = {p.get_gid() for p in timeline.axes[0].patches if (p.get_gid() or "").startswith("wait:")}
+assert bars == {"wait:4:0:rows", "wait:4:1:rows", "wait:5:0:rows", "wait:5:1:rows", "wait:5:2:rows"}
 # "steps 2 and 3 run prefill and decode side by side"
 assert all({r.phase for r in steps[s].rows} == {"prefill", "decode"} for s in (2, 3))
 # "The pool has 48 blocks; this small workload never needs more than a dozen."
@@ -53,6 +58,15 @@ six = [r for t in paused for r in t.rows if r.request_id == "6"]
 seven = [r for t in paused for r in t.rows if r.request_id == "7"]
 assert [r.num_scheduled_tokens for r in six] == [24, 8] and six[0].num_computed_tokens == 4
 assert [r.num_scheduled_tokens for r in seven] == [6] and seven[0].num_computed_tokens == 28
+# "Request 6 (36 tokens: <bos> and 35 characters)"; request 7's "first 29 tokens are the same as request 6's"
+six_ids, seven_ids = (tokenizer.encode(shared + tail) for tail in ("the dog", "a cat"))
+assert len(six_ids) == 36 == six[0].num_prompt_tokens and sum(r.num_scheduled_tokens for r in six) + 4 == 36
+assert next(i for i, (x, y) in enumerate(zip(six_ids, seven_ids)) if x != y) == 29
+# grey blocks: "their number is the order in which the pool would overwrite them (1 first ...)"
+cached_free = [i for i in frame.blocks if i.ref_count == 0 and i.is_cached]
+numbers = sorted(int(t.get_text()) for t in pool_figure.axes[0].texts
+                 if t.get_bbox_patch() is not None and t.get_text().isdigit())
+assert numbers == list(range(1, len(cached_free) + 1))
 # "The 7 blocks both requests hold are hatched and marked x2"
 assert set(frame.block_tables) == {"6", "7"}
 shared_blocks = [i.block_id for i in frame.blocks if i.ref_count == 2]
