@@ -93,6 +93,8 @@ arrows = [p for p in shared_mapping.axes[0].patches if (p.get_gid() or "").start
 assert len(arrows) == len(a_blocks) + len(b_blocks)
 # Section 3: c "still finds the two cached blocks and revives them"
 assert c_blocks[:2] == a_blocks[:2]
+# the box: "b would share all 10 system-prompt tokens, not the 8 of two full blocks"
+assert len(system) == 10 and b[:10] == a[:10] and b[10] != a[10] and b_blocks[:2] == a_blocks[:2]
 # Section 5: "ceil(192 / block_size) blocks: 192 token slots when the block size divides 192, a few more otherwise"
 # and "block size 25 with three 64-token prompts ... need 9 blocks (225 slots) and the pool has 8 (200); the
 # picture says so". The sliders never leave a stale or broken picture.
@@ -110,6 +112,12 @@ for size in (1, 5, 7, 16, 25, 32):
 sliders["block_size"].value = 25
 assert "need 9 blocks of 25" in explore.figure.axes[0].texts[-1].get_text()
 assert "8 blocks x 25 = 200 token slots" in explore.figure.axes[0].get_title()
+# "large blocks waste more in each request's last block (the hatched part of its last square)"
+sliders["prompt_a"].value, sliders["prompt_b"].value, sliders["prompt_c"].value = 23, 41, 7
+for size, empty in ((8, 3), (1, 0), (32, 3)):
+    sliders["block_size"].value = size
+    hatched = [p for p in explore.figure.axes[0].patches if (p.get_gid() or "").startswith("empty:")]
+    assert len(hatched) == empty, (size, len(hatched))
 '''
 
 PROMISES["04_input_batch_reorder"] = '''

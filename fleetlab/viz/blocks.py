@@ -70,7 +70,8 @@ def block_face(info, owners: Sequence, eviction_rank: int | None = None) -> tupl
 
 
 def draw_block_pool(pool, block_tables: Mapping[object, Sequence[int]] | None = None, *, ncols: int = 8,
-                    ax=None, title: str | None = None, revived: Iterable[int] = (), legend: bool = True):
+                    ax=None, title: str | None = None, revived: Iterable[int] = (), legend: bool = True,
+                    fill: Mapping[int, float] | None = None):
     """Draw a block pool as a grid of squares, one per physical block, in block-id order.
 
     Args:
@@ -83,6 +84,9 @@ def draw_block_pool(pool, block_tables: Mapping[object, Sequence[int]] | None = 
       revived: block ids to outline in green: blocks a request just took from the prefix
         cache instead of computing them (gid ``"revived:<id>"``).
       legend: draw the legend (:func:`pool_legend`) right of the grid.
+      fill: ``{block id: share of its slots holding a token}``: the empty part of each of
+        these blocks is drawn white and hatched (gid ``"empty:<id>"``), so a request's
+        half-full last block shows what paging wastes.
     Colours: a request's colour for its blocks (hatched ``xx`` and labelled ``xN`` when N
     requests share it); grey dotted for a free block that still holds a cached prefix
     (labelled n: the n-th such block to be evicted, :func:`eviction_ranks`); white for a free
@@ -103,6 +107,10 @@ def draw_block_pool(pool, block_tables: Mapping[object, Sequence[int]] | None = 
         color, hatch, label = block_face(info, owners.get(info.block_id, []), ranks.get(info.block_id))
         ax.add_patch(Rectangle((col, -row), 0.92, 0.92, facecolor=color, edgecolor=EDGE_COLOR, hatch=hatch,
                                linewidth=1.0, gid=f"block:{info.block_id}"))
+        share = (fill or {}).get(info.block_id)
+        if share is not None and share < 1:
+            ax.add_patch(Rectangle((col + 0.92 * share, -row), 0.92 * (1 - share), 0.92, facecolor="white",
+                                   edgecolor=EDGE_COLOR, hatch="///", linewidth=0.6, gid=f"empty:{info.block_id}"))
         if info.block_id in revived:
             ax.add_patch(Rectangle((col - 0.04, -row - 0.04), 1.0, 1.0, facecolor="none", edgecolor=REVIVED_COLOR,
                                    linewidth=2.5, gid=f"revived:{info.block_id}"))
@@ -115,25 +123,29 @@ def draw_block_pool(pool, block_tables: Mapping[object, Sequence[int]] | None = 
     ax.set_aspect("equal")
     ax.axis("off")
     if legend:
-        ax.legend(handles=pool_legend(block_tables or {}, shared=any(i.ref_count > 1 for i in infos),
-                                      revived=bool(revived)),
-                  loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+        handles = pool_legend(block_tables or {}, shared=any(i.ref_count > 1 for i in infos), revived=bool(revived),
+                              cached=any(i.ref_count == 0 and i.is_cached for i in infos))
+        if fill and any(v < 1 for v in fill.values()):
+            handles.append(Patch(facecolor="white", hatch="///", edgecolor=EDGE_COLOR, label="slots holding no token"))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
     ax.set_title(title or f"block pool: {sum(i.ref_count > 0 for i in infos)}/{len(infos)} blocks in use",
                  fontsize=9)
     return fig
 
 
-def pool_legend(requests: Iterable = (), *, shared: bool = True, revived: bool = True) -> list:
-    """Legend handles of :func:`draw_block_pool`: the requests, then the block states."""
+def pool_legend(requests: Iterable = (), *, shared: bool = True, revived: bool = True, cached: bool = True) -> list:
+    """Legend handles of :func:`draw_block_pool`: the requests, then the block states (shared,
+    revived and free-but-cached only when asked for)."""
     handles = [Patch(facecolor=request_color(r), edgecolor=EDGE_COLOR, label=f"req {r}") for r in requests]
     if shared:
         handles.append(Patch(facecolor="white", hatch="xx", edgecolor=EDGE_COLOR, label="shared (xN: N owners)"))
     if revived:
         handles.append(Patch(facecolor="white", edgecolor=REVIVED_COLOR, linewidth=2.5,
                              label="just taken from\nthe prefix cache"))
-    handles += [Patch(facecolor=CACHED_FREE_COLOR, hatch="..", edgecolor=EDGE_COLOR,
-                      label="free, still cached\n(n: n-th to be evicted)"),
-                Patch(facecolor=FREE_COLOR, edgecolor=EDGE_COLOR, label="free")]
+    if cached:
+        handles.append(Patch(facecolor=CACHED_FREE_COLOR, hatch="..", edgecolor=EDGE_COLOR,
+                             label="free, still cached\n(n: n-th to be evicted)"))
+    handles.append(Patch(facecolor=FREE_COLOR, edgecolor=EDGE_COLOR, label="free"))
     return handles
 
 
