@@ -120,6 +120,18 @@ for size, empty in ((8, 3), (1, 0), (32, 3)):
     assert len(hatched) == empty, (size, len(hatched))
 '''
 
+PROMISES["03_attention_patching"] = '''
+# "Request 0's first four tokens land in block 7 (slots 28-31) and its fifth in block 2 (slot 8)"
+assert md.slot_mapping.numpy()[:5].tolist() == [28, 29, 30, 31, 8]
+# "request i's tokens are [cu_seqlens_q[i], cu_seqlens_q[i + 1]) of the packed sequence"
+assert list(md.cu_seqlens_q_host) == [0, 5, 16, 24]
+# Parity: "the worst difference per step should stay within a few float32 rounding steps (the dashed line)"
+report = viz.logits_parity(ref_logits, paged_logits)
+largest = max(float(abs(np.concatenate([a.ravel() for a in ref_logits])).max()), 1.0)
+assert report.max_abs_diff < 20 * np.finfo(np.float32).eps * largest and paged_tokens == ref_tokens
+assert again == ref_tokens and fleet_tokens == fleet_ref_tokens
+'''
+
 PROMISES["04_input_batch_reorder"] = '''
 from fleetlab.engine.input_batch import unpermute as _unpermute  # noqa: F401  (the notebook's import)
 
