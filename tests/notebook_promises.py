@@ -153,6 +153,14 @@ for rows, split in ((rows_before, split_before), (rows_after, split_after)):
 # Section 3: "not stable ... (j jumped ahead of d)"; "A stable partition ... moves more rows (twice as many)"
 order = [r.req_id for r in frames[-1].records]
 assert order.index("j") < order.index("d")
+# "every frame side by side: the rows each frame moved are outlined in red"
+assert [ax.get_title().split(":")[0] for ax in reorder_strip.axes] == [str(i) for i in range(len(frames))]
+for i, frame in enumerate(frames):
+    red = {int(p.get_gid().split(":")[2]) for p in reorder_strip.axes[i].patches
+           if (p.get_gid() or "").startswith("strip:") and p.get_linewidth() > 2}
+    assert red == set(frame.moved), (i, red, frame.moved)
+# "the cell after it times them on this machine against the play interval"
+assert len(frame_s) == len(frames) and max(frame_s) < reorder_player.play.interval / 1000, frame_s
 moved = {}
 for stable in (False, True):
     b = make_batch()
