@@ -198,6 +198,34 @@ assert outlined == {f"revived:{b}" for b in two.cached_block_ids}
 # "empty on a preemption (the freed blocks turn grey, still cached)": after step 7 request 2 holds nothing
 frame7 = next(f for f in pool_frames if f.step == 7)
 assert "2" not in frame7.block_tables and any(i.is_cached and i.ref_count == 0 for i in frame7.blocks)
+# Section 2: the queue drawn is the engine's own, before every step
+assert all(len(viz.queue_before(waits, s)) == n for s, n in waiting_before.items())
+why = {(w.request_id, w.after_preemption): w for w in waits}
+def _steps(rid, reason):
+    return sorted(s for s, r in why[rid, False].reasons.items() if r == reason)
+# "request 2 waits two steps for tokens"; "Requests 3 and 4 arrive in step 3 and wait seven steps: ... the pool
+# (it stays full through step 9, and in step 7 the scheduler even preempts request 2"
+assert why["2", False].reasons == {0: "budget", 1: "budget"}
+for rid in ("3", "4"):
+    assert why[rid, False].start == 3 and why[rid, False].end == 10 and len(why[rid, False].reasons) == 7
+    assert _steps(rid, "pool") == [3, 4, 5, 6, 8, 9] and _steps(rid, "preemption") == [7]
+full = [t for t in traces if t.step in (3, 4, 5, 6, 8) and not t.finished]
+assert full and all(t.num_free_blocks < 2 for t in full)  # the smallest waiting prompt (7 tokens) needs 2 blocks
+assert ("2", 7) in [(r, t.step) for t in traces for r in t.preempted]
+# "Requests 5 and 6 arrive in step 6 ...; request 5 waits one more step for the budget, and request 6 ... finds every
+# row taken (steps 11-15)"
+assert why["5", False].start == why["6", False].start == 6 and _steps("5", "budget") == [10] and why["5", False].end == 11
+assert _steps("6", "rows") == [11, 12, 13, 14, 15]
+drawn = {p.get_gid() for p in timeline.axes[0].patches if (p.get_gid() or "").startswith("wait:")}
+assert drawn == {f"wait:{w.request_id}:{s}:{r}" for w in waits for s, r in w.reasons.items()}
+# Section 4: the strip's key steps, with what the prefix cache gave back outlined
+assert [ax.get_gid() for ax in pool_strip.axes if ax.get_visible()] == [f"pool-step:{s}" for s in (6, 7, 10, 16, 17, 23)]
+outlined_at = {ax.get_gid(): {p.get_gid() for p in ax.patches if (p.get_gid() or "").startswith("revived:")}
+               for ax in pool_strip.axes if ax.get_visible()}
+assert outlined_at["pool-step:10"] == {f"revived:{b}" for b in two.cached_block_ids}
+assert len(outlined_at["pool-step:23"]) == 5 and not outlined_at["pool-step:7"]
+# the player's frames, timed on this machine, fit its play interval
+assert len(frame_s) == len(traces) and max(frame_s) < replay.play.interval / 1000, frame_s
 # Section 5: every text the same as the roomy run's, which never preempts
 assert all(t.token_ids == f.token_ids for t, f in zip(outputs, roomy_outputs))
 assert roomy.stats()["num_preemptions"] == 0 and len(roomy.traces) < len(traces)

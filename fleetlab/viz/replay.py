@@ -76,8 +76,9 @@ def draw_pool_strip(traces: Sequence, steps: Sequence[int], pool_frames: Sequenc
                     ncols: int = 7, per_row: int = 3):
     """The block pool after each of ``steps``, small, ``per_row`` panels a row, one legend.
 
-    Each panel is titled with its step's story in short: who was preempted, who took which
-    blocks back from the prefix cache, who waited. Panels' axes have gid ``"pool-step:<step>"``.
+    Each panel is titled with its step's story in short: who waited, who was preempted, who
+    took which blocks back from the prefix cache, who finished. Panels' axes have gid
+    ``"pool-step:<step>"``.
     Returns the Figure.
     """
     if not steps:
@@ -90,6 +91,9 @@ def draw_pool_strip(traces: Sequence, steps: Sequence[int], pool_frames: Sequenc
     owners: dict[str, None] = {}
     for ax, step, frame in zip(axes, steps, frames):
         lines = step_story(traces, step, block_size=frame.block_size, waits=waits)[1:]  # the rows are in the timeline
+        finished = next(t.finished for t in traces if t.step == step)
+        if finished:
+            lines.append(f"finished {', '.join(finished)}: blocks freed (full ones stay cached)")
         wrapped = [part for line in lines for part in textwrap.wrap(line, 60)]
         draw_block_pool(frame, ncols=ncols, ax=ax, revived=_revived(traces, step, frame.block_size), legend=False,
                         title="\n".join([f"after step {step}", *wrapped]))
