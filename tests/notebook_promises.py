@@ -255,8 +255,20 @@ continuous_idle = viz.idle_row_steps(continuous_llm.traces, 4)
 assert static_idle > 2 * continuous_idle
 last_admission = max(a.step for a in viz.admissions(continuous_llm.traces))
 assert all(len(t.rows) == 4 for t in continuous_llm.traces if t.step <= last_admission)
-# "continuous batching needs about a third fewer steps"
+# "continuous batching needs about a third fewer steps"; "in exactly the same steps every run"
 assert 0.25 <= 1 - continuous.num_steps / static.num_steps <= 0.4, (static.num_steps, continuous.num_steps)
+assert {r.num_steps for r in runs if r.name == static.name} == {static.num_steps}
+assert {r.num_steps for r in runs if r.name == continuous.name} == {continuous.num_steps}
+assert sum(r.name == static.name for r in runs) == sum(r.name == continuous.name for r in runs) == 3
+# "In CPU time, continuous batching's best run needs less than static batching's best"
+cpu = {name: [r.cpu_s for r in runs if r.name == name] for name in (static.name, continuous.name)}
+assert min(cpu[continuous.name]) < min(cpu[static.name]), cpu
+# Section 2: "The model's forward pass takes most of the steps' time"
+assert shares["forward"] > 0.5, shares
+# Section 4: "the twenty lines below, and the fold they call, read from the kernel file as it is now"
+assert 15 <= len(loop.lines) <= 25 and "_online_softmax(" in loop.lines[-1] and "for n0 in range" in str(loop)
+assert "_kv_tile_offsets(" in str(loop) and fold.name == "_online_softmax" and len(fold.lines) <= 10
+assert (_Path(fleetlab.__file__).resolve().parents[1] / loop.path).is_file()
 # Section 5: "One read per step ... and the same number of uploads in every step"
 assert counts and all(reads == 1 for reads, _ in counts) and len({u for _, u in counts}) == 1
 '''

@@ -53,7 +53,7 @@ from fleetlab.viz.cost import draw_attention_pattern, draw_cache_cost, draw_pass
 from fleetlab.viz.latency import draw_latency
 from fleetlab.viz.layers import PatchedLayer, draw_layer_map, format_patch_table, patch_table
 from fleetlab.viz.parity import ParityReport, draw_logits_parity, greedy_table, logits_parity
-from fleetlab.viz.perf import RunRecord, draw_run_comparison, run_record
+from fleetlab.viz.perf import RunRecord, draw_run_comparison, fastest_runs, run_record
 from fleetlab.viz.replay import draw_pool_step, draw_pool_strip, step_story
 from fleetlab.viz.results import (
     draw_bench_summary,
@@ -193,6 +193,7 @@ __all__ = [
     "eviction_ranks",
     "pool_legend",
     "draft_state",
+    "fastest_runs",
     "draw_attention_pattern",
     "draw_cache_cost",
     "draw_pass_cost",
