@@ -291,10 +291,35 @@ back = next(a for a in viz.admissions(fcfs_traces, block_size=4) if a.resumed an
 assert (back.step, back.num_cached_tokens, back.chunks) == (10, 12, [16, 8]) and prompt_lens["1"] == 36
 # "a request preempted while decoding may find all but its newest token cached and decode at once"
 assert any(a.resumed and a.rebuilt and not a.chunks for a in viz.admissions(fcfs_traces, block_size=4))
-# "the long sentences (requests 0 and 7 above) wait longer than under fcfs"
-ttft = {p: {r.request_id: r.ttft_steps for r in s.requests} for p, s in stats.items()}
+# "the long sentences (requests 0 and 7 above) wait longer than under fcfs"; "The step panels have no whiskers:
+# steps are the same in every run"
+ttft = {p: {r.request_id: r.ttft_steps for r in runs[0].requests} for p, runs in stats.items()}
 assert all(ttft["spf"][r] > ttft["fcfs"][r] for r in ("0", "7"))
 assert ttft["spf"]["2"] < ttft["fcfs"]["2"]
+for runs in stats.values():
+    assert len(runs) == 3 and all([r.ttft_steps for r in s.requests] == [r.ttft_steps for r in runs[0].requests]
+                                  and [r.tpot_steps for r in s.requests] == [r.tpot_steps for r in runs[0].requests]
+                                  for s in runs)
+# "In milliseconds TTFT follows the steps: every spf run's median is below every fcfs run's"; "TPOT's median is 1.0
+# step under both policies"
+assert max(s.ttft_s.p50 for s in stats["spf"]) < min(s.ttft_s.p50 for s in stats["fcfs"])
+assert all(s.tpot_steps.p50 == 1.0 for runs in stats.values() for s in runs)
+# the timelines' waits: fcfs "request 1 ... waits two steps for tokens"; "preempts request 1 ... the pool stays full
+# (steps 5-9)"; "the short sums that arrived in steps 0 and 1 queue behind both until request 0 finishes"
+fw = {(w.request_id, w.after_preemption): w for w in waits["fcfs"]}
+assert fw["1", False].reasons == {0: "budget", 1: "budget"} and fw["1", False].end == 2
+assert set(fw["1", True].reasons) == {5, 6, 7, 8, 9} and set(fw["1", True].reasons.values()) == {"pool"}
+assert all(fw[r, False].end > zero_done for r in ("2", "3", "4", "5"))
+# spf: "the sum 12+7= (request 2) goes first in step 0, and request 1, at 36 tokens shorter than request 0's 47, takes
+# the rest of the budget. Request 0 waits: for the budget, then for room in the pool, then for a row ...; it starts in
+# step 16. Request 7, the longest sentence (49 tokens), waits longer still."
+sw = {(w.request_id, w.after_preemption): w for w in waits["spf"]}
+spf_step0 = policy_runs["spf"].traces[0]
+assert [r.request_id for r in spf_step0.rows] == ["2", "1"] and spf_step0.num_batched_tokens == 16
+assert (prompt_lens["0"], prompt_lens["1"], prompt_lens["7"]) == (47, 36, 49)
+reasons0 = [sw["0", False].reasons[s] for s in sw["0", False].steps]
+assert reasons0[:3] == ["budget"] * 3 and "pool" in reasons0 and "rows" in reasons0 and sw["0", False].end == 16
+assert sw["7", False].end > sw["0", False].end
 '''
 
 PROMISES["08_speculative_decoding"] = '''

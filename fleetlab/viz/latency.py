@@ -82,7 +82,7 @@ def _panel(ax, runs, field: str, scale: float) -> None:
                          label=name if j == 0 else None)[0]
             bar.set_gid(f"{field}:{name}:p{q}")
             high = shown
-            if known.size > 1:
+            if known.size > 1 and known.max() > known.min():  # equal runs (steps): nothing to whisker
                 low, high = float(known.min()), float(known.max())
                 ax.errorbar([x], [shown], yerr=[[shown - low], [high - shown]], color="black", capsize=2,
                             linewidth=0.8, gid=f"spread:{field}:{name}:p{q}")
