@@ -214,12 +214,14 @@ assert full and all(t.num_free_blocks < 2 for t in full)  # the smallest waiting
 assert ("2", 7) in [(r, t.step) for t in traces for r in t.preempted]
 # "Requests 5 and 6 arrive in step 6 ...; request 5 waits one more step for the budget, and request 6 ... finds every
 # row taken (steps 11-15)"
-assert why["5", False].start == why["6", False].start == 6 and _steps("5", "budget") == [10] and why["5", False].end == 11
+assert why["5", False].start == why["6", False].start == 6
+assert _steps("5", "budget") == [10] and why["5", False].end == 11
 assert _steps("6", "rows") == [11, 12, 13, 14, 15]
 drawn = {p.get_gid() for p in timeline.axes[0].patches if (p.get_gid() or "").startswith("wait:")}
 assert drawn == {f"wait:{w.request_id}:{s}:{r}" for w in waits for s, r in w.reasons.items()}
 # Section 4: the strip's key steps, with what the prefix cache gave back outlined
-assert [ax.get_gid() for ax in pool_strip.axes if ax.get_visible()] == [f"pool-step:{s}" for s in (6, 7, 10, 16, 17, 23)]
+strip_steps = [ax.get_gid() for ax in pool_strip.axes if ax.get_visible()]
+assert strip_steps == [f"pool-step:{s}" for s in (6, 7, 10, 16, 17, 23)]
 outlined_at = {ax.get_gid(): {p.get_gid() for p in ax.patches if (p.get_gid() or "").startswith("revived:")}
                for ax in pool_strip.axes if ax.get_visible()}
 assert outlined_at["pool-step:10"] == {f"revived:{b}" for b in two.cached_block_ids}
@@ -354,12 +356,15 @@ assert ngram_stats["num_steps"] == 16 and round(ngram_stats["spec_acceptance_rat
 ngram_costs = viz.request_forwards(ngram_llm.traces)
 assert (ngram_costs["0"].num_tokens, ngram_costs["0"].num_forwards) == (13, 9)
 assert (ngram_costs["1"].num_tokens, ngram_costs["1"].num_forwards) == (18, 16)
-# looping model: "Every draft is accepted (1.00) and the model needs 14 forwards for 32 tokens"; "from step 7
-# ... all four drafts plus a bonus"; "(62 in step 9), the first step has nothing to copy"
+# looping model: "Every draft is accepted (1.00) and the model needs 14 forwards for 32 tokens"; "in steps 7 and 8
+# ... all four drafts plus a bonus"; "Step 8's bonus token is 62, new to the text: ... step 9 has nothing to copy"
 assert round(loop_stats["spec_acceptance_rate"], 2) == 1.0 and loop_stats["num_steps"] == 14
 assert len(loop_output.token_ids) == 32
-loop_drafts = {r.step: r.num_drafts for r in viz.verify_rows(loop_llm.traces)}
+loop_rows = {r.step: r for r in viz.verify_rows(loop_llm.traces)}
+loop_drafts = {s: r.num_drafts for s, r in loop_rows.items()}
 assert max(loop_drafts[s] for s in range(7)) <= 2 and loop_drafts[7] == loop_drafts[8] == 4 and loop_drafts[9] == 0
+assert loop_rows[8].cells[-1] == (62, "bonus") and loop_rows[9].cells == [(62, "sampled")]
+assert 62 not in looping_prompt + [t for s in range(8) for t, _ in loop_rows[s].cells]
 # Section 3, by hand: "condense() slides d, e and f up into c's hole; the decode-first scan then swaps b ... with f";
 # "the three verify rows lead, and the decode kernel gets tokens 0-11"; "the same four moves"
 assert [r.req_id for r in lockstep_before] == ["a", "b", None, "d", "e", "f"]
@@ -368,9 +373,19 @@ assert sum(r.num_scheduled_tokens for r in lockstep_after[:num_decodes]) == 12
 assert all(r.in_step for r in lockstep_before + lockstep_after)
 arrows = {a.get_gid() for a in lockstep_figure.artists}
 assert arrows == {f"move:{w}:{r}" for w in ("main", "proposer") for r in "fdeb"}
-# "request a: 14 against 11"
+# "request a: 14 against 11, k = 3 ahead"
 a_row = lockstep_after[0]
-assert (a_row.draft_num_computed_tokens, a_row.num_computed_tokens) == (14, 11)
+assert (a_row.draft_num_computed_tokens, a_row.num_computed_tokens) == (14, 11) and K == 3
+# live frames: "Both halves of a row show the same moment, the step's start": a verify row's drafts are the ones the
+# step verified, and "Each verify row's draft model is k = 3 tokens ahead of the target"
+for t, rows in zip(live_traces, live_frames):
+    verified = {r.request_id: r.draft_token_ids for r in t.rows}
+    for row in rows:
+        if row.phase != "empty" and row.num_spec_tokens:
+            assert row.draft_token_ids == verified[row.req_id], (t.step, row)
+            assert row.draft_num_computed_tokens == row.num_computed_tokens + row.num_spec_tokens, (t.step, row)
+assert [ax.get_title().startswith(("main", "Proposer")) for ax in live_strip.axes] == [True] * 4
+assert len(frame_s) == len(live_frames) and max(frame_s) < live_player.play.interval / 1000, frame_s
 # live: lockstep after every step (the cell checks it); "step 7: requests 2 and 3 each verify three drafts (4 tokens)
 # and request 4 runs an 8-token chunk ...; the reorder swapped rows 1 and 2"; "In step 5 a 4-token chunk of a prompt
 # counts as a decode"
