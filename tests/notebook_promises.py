@@ -419,3 +419,17 @@ p_o = float(probs[tokenizer.encode("o", add_bos=False)[0]] / probs.sum())
 assert drafted["o"] == 1998 and round(p_o, 2) == 0.28 and abs(sampled_acceptance - p_o) < 0.03
 assert all(stat < crit / 2 for stat, _, crit in hist.chi_square.values()), hist.chi_square
 '''
+
+PROMISES["09_tensor_parallel"] = '''
+# "KV head 0 is replicated on ranks 0 and 1, KV head 1 on ranks 2 and 3 (... one band per rank holding it, each
+# labelled). The MLP boxes name the columns each rank holds."
+two, four = shard_figure.axes[:2]
+labels = {t.get_gid(): t.get_text() for t in four.texts if t.get_gid()}
+assert [labels[f"label:KV heads (cached):0:{r}"] for r in (0, 1)] == ["0", "0"]
+assert [labels[f"label:KV heads (cached):1:{r}"] for r in (2, 3)] == ["1", "1"]
+assert not any(k.startswith("label:KV heads (cached):0:") and k[-1] in "23" for k in labels)
+mlp = [t.get_text() for ax in (two, four) for t in ax.texts if (t.get_gid() or "").startswith("label:MLP")]
+assert mlp[:4] == ["0-31", "32-63", "64-95", "96-127"] and mlp[4:] == [f"{16 * b}-{16 * b + 15}" for b in range(8)]
+# "Every rank must produce exactly these tokens" (the cell's last family, llama, still in `alone`)
+assert family == "llama" and all(r["families"]["llama"]["tokens"] == alone["tokens"] for r in ranks)
+'''
