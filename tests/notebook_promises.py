@@ -433,3 +433,15 @@ assert mlp[:4] == ["0-31", "32-63", "64-95", "96-127"] and mlp[4:] == [f"{16 * b
 # "Every rank must produce exactly these tokens" (the cell's last family, llama, still in `alone`)
 assert family == "llama" and all(r["families"]["llama"]["tokens"] == alone["tokens"] for r in ranks)
 '''
+
+PROMISES["10_serving"] = '''
+# Streaming: "a chunk may carry several tokens; the text is the same either way. The EOS token is not text: the chunk
+# it ends carries only the finish_reason"
+assert 1 < len(chunk_texts) <= usage.completion_tokens and chunk_texts[-1] == "" and finish == "stop"
+assert "".join(chunk_texts).startswith("4 5 6 7 ")
+# "the stored full run (64 requests per rate ...), where they stand out": throughput, TTFT and TPOT grow with the rate
+assert stored is not None and stored["workload"]["num_prompts"] == 64
+for key in ("request_throughput", "ttft_ms", "tpot_ms", "itl_ms"):
+    values = [run[key] if key == "request_throughput" else run[key]["median"] for run in stored["runs"]]
+    assert all(b >= a for a, b in zip(values, values[1:])), (key, values)
+'''
