@@ -24,7 +24,7 @@ from notebook_promises import PROMISES
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
-COURSE = ["01_tour", "02_paged_kv_cache", "03_attention_patching", "04_input_batch_reorder",
+COURSE = ["00_why_a_kv_cache", "01_tour", "02_paged_kv_cache", "03_attention_patching", "04_input_batch_reorder",
           "05_decode_loop", "06_performance", "07_prototyping"]
 CELL_TIMEOUT_S = 180
 # A line a library prints as a notice: a Python warning, a logging record, a colour code.
