@@ -116,8 +116,8 @@ reorder_player
 
 # %%
 frame_s = viz.time_frames(reorder_player, range(len(frames)))
-print(f"a frame takes {min(frame_s):.2f} to {max(frame_s):.2f} s to draw and render here; "
-      f"play shows one every {reorder_player.play.interval / 1000:.1f} s")
+print(f"a frame takes {np.median(frame_s):.2f} s to draw and render here (the median of {len(frame_s)}; "
+      f"the slowest {max(frame_s):.2f} s); play shows one every {reorder_player.play.interval / 1000:.1f} s")
 
 # %% [markdown]
 # The whole move at once: an arrow for each request that changed rows.

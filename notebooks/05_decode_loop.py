@@ -12,6 +12,8 @@
 
 # %%
 # %matplotlib inline
+import numpy as np
+
 import fleetlab
 from fleetlab import viz
 
@@ -161,8 +163,8 @@ replay
 
 # %%
 frame_s = viz.time_frames(replay, range(len(traces)))
-print(f"a frame takes {min(frame_s):.2f} to {max(frame_s):.2f} s to draw and render here; "
-      f"play shows one every {replay.play.interval / 1000:.1f} s")
+print(f"a frame takes {np.median(frame_s):.2f} s to draw and render here (the median of {len(frame_s)}; "
+      f"the slowest {max(frame_s):.2f} s); play shows one every {replay.play.interval / 1000:.1f} s")
 
 # %% [markdown]
 # ## 5. Preemption costs time, never correctness

@@ -252,8 +252,8 @@ live_player
 
 # %%
 frame_s = viz.time_frames(live_player, range(len(live_frames)))
-print(f"a frame takes {min(frame_s):.2f} to {max(frame_s):.2f} s to draw and render here; "
-      f"play shows one every {live_player.play.interval / 1000:.1f} s")
+print(f"a frame takes {np.median(frame_s):.2f} s to draw and render here (the median of {len(frame_s)}; "
+      f"the slowest {max(frame_s):.2f} s); play shows one every {live_player.play.interval / 1000:.1f} s")
 #
 # ## 4. How many drafts? Acceptance and forwards against `k`
 #

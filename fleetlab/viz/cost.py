@@ -70,15 +70,15 @@ def _band(ax, x, seconds, color, label, gid):
 
 
 def draw_cache_cost(no_cache_tokens: Sequence[int], cached_tokens: Sequence[int], lengths: Sequence[int],
-                    no_cache_s, cached_lengths: Sequence[int], cached_s):
+                    no_cache_s, cached_lengths: Sequence[int], cached_s, *, clock: str = "wall-clock"):
     """Generating with and without a KV cache, in work and in time.
 
     Left: tokens run through the model for each generated token (``no_cache_tokens``: the
     whole sequence every time; ``cached_tokens``: the prompt once, then one token), with the
     totals. Right: milliseconds per generated token against the sequence's length:
     ``no_cache_s [repeats, len(lengths)]`` (a pass over the whole sequence) and ``cached_s
-    [repeats, len(cached_lengths)]`` (a decode step). Lines have gid ``"work:<no-cache|cached>"``
-    and ``"time:<no-cache|cached>"``. Returns the Figure.
+    [repeats, len(cached_lengths)]`` (a decode step), measured on ``clock`` (named on the axis).
+    Lines have gid ``"work:<no-cache|cached>"`` and ``"time:<no-cache|cached>"``. Returns the Figure.
     """
     fig = Figure(figsize=(11.0, 3.4), layout="constrained")
     ax_work, ax_time = fig.subplots(1, 2)
@@ -94,20 +94,20 @@ def draw_cache_cost(no_cache_tokens: Sequence[int], cached_tokens: Sequence[int]
     _band(ax_time, lengths, no_cache_s, PALETTE[2], "no cache: one pass over the sequence", "time:no-cache")
     _band(ax_time, cached_lengths, cached_s, PALETTE[0], "KV cache: one engine decode step", "time:cached")
     ax_time.set_xlabel("sequence length (tokens)")
-    ax_time.set_ylabel("ms per generated token")
+    ax_time.set_ylabel(f"{clock} ms per generated token")
     ax_time.set_ylim(0, None)
     ax_time.set_title("time per generated token (measured: fastest run, band up to the slowest)", fontsize=9)
     ax_time.legend(fontsize=7, loc="upper left", frameon=False)
     return fig
 
 
-def draw_pass_cost(sizes: Sequence[int], seconds):
+def draw_pass_cost(sizes: Sequence[int], seconds, *, clock: str = "wall-clock"):
     """What one forward pass costs as it carries more tokens: ``seconds [repeats, len(sizes)]``.
 
     Left: milliseconds per pass; right: milliseconds per token (the pass divided by its
-    tokens), both against the tokens in the pass, on log axes. A prefill of ``n`` prompt
-    tokens is one pass of ``n``; a decode step of one request is a pass of 1. Lines have gid
-    ``"pass"`` and ``"per-token"``. Returns the Figure.
+    tokens), both against the tokens in the pass, on log axes, measured on ``clock``. A prefill
+    of ``n`` prompt tokens is one pass of ``n``; a decode step of one request is a pass of 1.
+    Lines have gid ``"pass"`` and ``"per-token"``. Returns the Figure.
     """
     sizes = np.asarray(sizes, dtype=float)
     seconds = np.atleast_2d(np.asarray(seconds, dtype=float))
@@ -121,9 +121,9 @@ def draw_pass_cost(sizes: Sequence[int], seconds):
         ax.set_xlabel("tokens in the pass")
         ax.grid(True, which="major", color=EDGE_COLOR, alpha=0.15)
     ax_pass.set_ylim(0, None)
-    ax_pass.set_ylabel("ms per pass")
+    ax_pass.set_ylabel(f"{clock} ms per pass")
     ax_pass.set_title("one forward pass (measured: fastest run, band up to the slowest)", fontsize=9)
     ax_token.set_yscale("log")
-    ax_token.set_ylabel("ms per token")
+    ax_token.set_ylabel(f"{clock} ms per token")
     ax_token.set_title("per token: the pass divided by the tokens it carries", fontsize=9)
     return fig
