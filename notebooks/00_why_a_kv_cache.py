@@ -15,8 +15,8 @@
 # Every number below is measured when the cell runs. Times are the CPU time this process
 # spends (`time.process_time()`): what the computation costs, which other programs on a
 # shared machine inflate far less than wall-clock time. They are taken after a warm-up run
-# and repeated; each curve shows the fastest run with a band up to
-# the slowest, and the prose only claims what holds across runs.
+# and repeated; each curve shows the fastest run with a band up to the slowest, and the prose
+# only claims what holds across runs.
 
 # %%
 # %matplotlib inline
@@ -125,7 +125,7 @@ print("the three timed runs agree token for token:", all(r[0] == cached_ids for 
 
 # %%
 sizes = [1, 2, 4, 8, 16, 32, 64, 128]
-sequences = {n: (prompt * 20)[:n] for n in sizes}
+sequences = {n: (prompt * 20)[:n] for n in sizes}  # any tokens: a pass's time depends on how many
 for n in sizes:  # warm-up passes
     full_forward_logits(model, sequences[n])
 pass_s = np.zeros((7, len(sizes)))  # [repeats, sizes]
