@@ -95,9 +95,9 @@ viz.draw_block_pool(pool, {"a": a_blocks, "b": b_blocks})
 #
 # When a request finishes its blocks go back to the free queue, but a full block **keeps
 # its cached content** until the pool needs it for something else. The queue is in
-# least-recently-freed order (the number in a grey block is its place: 0 is reused first),
-# and a request's blocks are freed tail first, so the head of a prefix, the part most
-# likely to be shared, survives longest.
+# least-recently-freed order (the number in a grey block is the order in which the pool
+# would overwrite it: 1 first), and a request's blocks are freed tail first, so the head of
+# a prefix, the part most likely to be shared, survives longest.
 
 # %%
 pool.free(a_blocks)
@@ -134,7 +134,7 @@ viz.draw_memory_waste([23, 41, 7], block_size=16, max_model_len=128)
 
 # %% [markdown]
 # A slot is not small. It holds one token's K and V in every layer: for the tiny model of
-# notebook 00 (4 layers, 2 KV heads of 32 dims, float32) that is 2 KiB per token; for a
+# notebook 01 (4 layers, 2 KV heads of 32 dims, float32) that is 2 KiB per token; for a
 # 7B-class model in bfloat16 (32 layers, 8 KV heads of 128 dims) it is 128 KiB.
 
 # %%
@@ -154,7 +154,10 @@ for name, (layers, kv_heads, head_dim, dtype) in {
 # whole blocks. Try block size 25 with three 64-token prompts: they need 9 blocks (225
 # slots) and the pool has 8 (200); the picture says so. Small blocks waste almost nothing
 # but mean longer block tables (more ids to store and look up); large blocks waste more in
-# each request's last block. Real engines settle around 16.
+# each request's last block (the hatched part of its last square). vLLM's default is 16
+# tokens a block, FastDeploy's 64 (see the box below): larger blocks give shorter tables and
+# longer contiguous reads to the attention kernels, at the price of that last-block waste,
+# which stays small next to requests of hundreds or thousands of tokens.
 
 # %%
 def paging_picture(block_size, prompt_a, prompt_b, prompt_c):
@@ -166,7 +169,10 @@ def paging_picture(block_size, prompt_a, prompt_b, prompt_c):
     title = f"pool: {pool.num_blocks} blocks x {block_size} = {pool.num_blocks * block_size} token slots"
     if pool.can_allocate(sum(need.values())):
         tables = {req: pool.allocate(n) for req, n in need.items()}
-        viz.draw_block_pool(pool, tables, ncols=16, ax=ax_pool, title=title)
+        # each request's last block holds only what is left of its prompt: shade the rest as empty
+        last = {tables[req][-1]: (n - (need[req] - 1) * block_size) / block_size for req, n in lengths.items()}
+        ncols = min(24, max(4, round((1.9 * pool.num_blocks) ** 0.5)))  # a grid about as wide as the panel
+        viz.draw_block_pool(pool, tables, ncols=ncols, ax=ax_pool, title=title, fill=last)
     else:
         ax_pool.axis("off")
         ax_pool.set_title(title, fontsize=9)
@@ -192,7 +198,18 @@ explore
 # >   step. Its default block size is 16.
 # > - FastDeploy: `PrefixCacheManager` owns the GPU blocks and the prefix tree over them
 # >   (and can swap blocks to CPU); the scheduler, `ResourceManagerV1`, asks it for blocks.
-# >   Its default block size is 64.
+# >   Its default block size is 64 (`EngineArgs.block_size`).
+# > - SGLang's `RadixCache` (`python/sglang/srt/mem_cache/radix_cache.py`) is the other
+# >   classic design: a radix tree whose edges are runs of token ids, each token pointing at
+# >   its own KV slot (page size 1). A lookup walks the tree down to the last token a prompt
+# >   shares with anything cached; a node splits where two prompts part; eviction takes the
+# >   least recently used leaves, so a shared stem outlives its branches. What each does
+# >   better: the tree shares *every* common token (section 2's **b** would share all 10
+# >   system-prompt tokens, not the 8 of two full blocks) and holds branching conversations
+# >   naturally; the hash chain finds a block with one dictionary lookup, allocates and frees
+# >   whole blocks, and lets kernels read a block's slots as one contiguous run instead of
+# >   one index per token. With a page size above 1, SGLang's tree matches whole pages only,
+# >   as the hash chain matches whole blocks.
 
 # %% [markdown]
 # ## Try next
@@ -200,4 +217,4 @@ explore
 # - Set `block_size` to 1 and to 32 above: which layout wins, and by how much?
 # - In section 2, make `system` 12 tokens long instead of 10: how many blocks do **a** and
 #   **b** share now, and why?
-# - Next notebook: **03_input_batch_reorder**, the table of running requests.
+# - Next notebook: **03_attention_patching**, how the model itself is made to read and write these blocks.

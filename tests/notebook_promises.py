@@ -7,7 +7,31 @@ sentence it holds the notebook to. A notebook without an entry is only run.
 
 PROMISES: dict[str, str] = {}
 
-PROMISES["00_tour"] = '''
+PROMISES["00_why_a_kv_cache"] = '''
+# Section 1: the loop "stops when the model writes its end-of-text token"
+assert no_cache_ids[-1] == tokenizer.eos_token_id and len(prompt) == 9
+# Section 2: "every position they share gets the same logits, to float rounding"
+assert prefix_diff < 1e-4, prefix_diff
+# Section 3: "the prefill runs the 9 prompt tokens in one pass; every later step, a decode, runs one"; the same
+# tokens as the loop without a cache; the timed runs agree
+assert cached_tokens == [9] + [1] * 99
+assert cached_ids[:len(no_cache_ids)] == no_cache_ids and all(r[0] == cached_ids for r in runs)
+# "without the cache the model runs 5,850 tokens to write 100, with it 108"
+assert sum(no_cache_work) == 5850 and sum(cached_tokens) == 108 and len(cached_ids) == 100
+drawn = {ln.get_gid(): ln for ax in cache_figure.axes for ln in ax.lines if ln.get_gid()}
+assert list(drawn["work:no-cache"].get_ydata()) == no_cache_work
+assert list(drawn["work:cached"].get_ydata()) == cached_tokens
+# "a decode step stays nearly flat as the sequence grows ... a pass over the whole sequence grows with its length:
+# by 128 tokens it costs more than a decode step"
+assert decode_ms.max() < 1.5 * decode_ms.min(), decode_ms
+assert pass_ms[128] > 1.5 * pass_ms[8] and pass_ms[128] > decode_ms.max(), (pass_ms, decode_ms)
+# Section 4: "A pass of 64 tokens costs a few times a pass of one token, not 64 times: per token, prefill is more
+# than ten times cheaper"; "a pass of 8 tokens ... costs less than two passes of 1"; "half an operation per byte"
+assert pass_ms[64] < 8 * pass_ms[1] and per_token[1] / per_token[64] > 10, pass_ms
+assert pass_ms[8] < 2 * pass_ms[1], pass_ms
+'''
+
+PROMISES["01_tour"] = '''
 steps = {t.step: t for t in llm.traces}
 first_step = {}
 for t in llm.traces:
@@ -18,6 +42,11 @@ finish_step = {rid: t.step for t in llm.traces for rid in t.finished}
 assert len(steps[0].rows) == 4 and first_step["4"] > 0 and first_step["5"] > 0
 # "Request 4 joins in step 2, right after request 2 finishes, and request 5 in step 3"
 assert first_step["4"] == 2 == finish_step["2"] + 1 and first_step["5"] == 3
+# "so requests 4 and 5 wait: the thin grey bars ... (here: every row was taken)"
+waited = {w.request_id: w for w in waits if w.reasons}
+assert set(waited) == {"4", "5"} and {r for w in waited.values() for r in w.reasons.values()} == {"rows"}
+bars = {p.get_gid() for p in timeline.axes[0].patches if (p.get_gid() or "").startswith("wait:")}
+assert bars == {"wait:4:0:rows", "wait:4:1:rows", "wait:5:0:rows", "wait:5:1:rows", "wait:5:2:rows"}
 # "steps 2 and 3 run prefill and decode side by side"
 assert all({r.phase for r in steps[s].rows} == {"prefill", "decode"} for s in (2, 3))
 # "The pool has 48 blocks; this small workload never needs more than a dozen."
@@ -29,6 +58,15 @@ six = [r for t in paused for r in t.rows if r.request_id == "6"]
 seven = [r for t in paused for r in t.rows if r.request_id == "7"]
 assert [r.num_scheduled_tokens for r in six] == [24, 8] and six[0].num_computed_tokens == 4
 assert [r.num_scheduled_tokens for r in seven] == [6] and seven[0].num_computed_tokens == 28
+# "Request 6 (36 tokens: <bos> and 35 characters)"; request 7's "first 29 tokens are the same as request 6's"
+six_ids, seven_ids = (tokenizer.encode(shared + tail) for tail in ("the dog", "a cat"))
+assert len(six_ids) == 36 == six[0].num_prompt_tokens and sum(r.num_scheduled_tokens for r in six) + 4 == 36
+assert next(i for i, (x, y) in enumerate(zip(six_ids, seven_ids)) if x != y) == 29
+# grey blocks: "their number is the order in which the pool would overwrite them (1 first ...)"
+cached_free = [i for i in frame.blocks if i.ref_count == 0 and i.is_cached]
+numbers = sorted(int(t.get_text()) for t in pool_figure.axes[0].texts
+                 if t.get_bbox_patch() is not None and t.get_text().isdigit())
+assert numbers == list(range(1, len(cached_free) + 1))
 # "The 7 blocks both requests hold are hatched and marked x2"
 assert set(frame.block_tables) == {"6", "7"}
 shared_blocks = [i.block_id for i in frame.blocks if i.ref_count == 2]
@@ -55,6 +93,8 @@ arrows = [p for p in shared_mapping.axes[0].patches if (p.get_gid() or "").start
 assert len(arrows) == len(a_blocks) + len(b_blocks)
 # Section 3: c "still finds the two cached blocks and revives them"
 assert c_blocks[:2] == a_blocks[:2]
+# the box: "b would share all 10 system-prompt tokens, not the 8 of two full blocks"
+assert len(system) == 10 and b[:10] == a[:10] and b[10] != a[10] and b_blocks[:2] == a_blocks[:2]
 # Section 5: "ceil(192 / block_size) blocks: 192 token slots when the block size divides 192, a few more otherwise"
 # and "block size 25 with three 64-token prompts ... need 9 blocks (225 slots) and the pool has 8 (200); the
 # picture says so". The sliders never leave a stale or broken picture.
@@ -72,9 +112,27 @@ for size in (1, 5, 7, 16, 25, 32):
 sliders["block_size"].value = 25
 assert "need 9 blocks of 25" in explore.figure.axes[0].texts[-1].get_text()
 assert "8 blocks x 25 = 200 token slots" in explore.figure.axes[0].get_title()
+# "large blocks waste more in each request's last block (the hatched part of its last square)"
+sliders["prompt_a"].value, sliders["prompt_b"].value, sliders["prompt_c"].value = 23, 41, 7
+for size, empty in ((8, 3), (1, 0), (32, 3)):
+    sliders["block_size"].value = size
+    hatched = [p for p in explore.figure.axes[0].patches if (p.get_gid() or "").startswith("empty:")]
+    assert len(hatched) == empty, (size, len(hatched))
 '''
 
-PROMISES["03_input_batch_reorder"] = '''
+PROMISES["03_attention_patching"] = '''
+# "Request 0's first four tokens land in block 7 (slots 28-31) and its fifth in block 2 (slot 8)"
+assert md.slot_mapping.numpy()[:5].tolist() == [28, 29, 30, 31, 8]
+# "request i's tokens are [cu_seqlens_q[i], cu_seqlens_q[i + 1]) of the packed sequence"
+assert list(md.cu_seqlens_q_host) == [0, 5, 16, 24]
+# Parity: "the worst difference per step should stay within a few float32 rounding steps (the dashed line)"
+report = viz.logits_parity(ref_logits, paged_logits)
+largest = max(float(abs(np.concatenate([a.ravel() for a in ref_logits])).max()), 1.0)
+assert report.max_abs_diff < 20 * np.finfo(np.float32).eps * largest and paged_tokens == ref_tokens
+assert again == ref_tokens and fleet_tokens == fleet_ref_tokens
+'''
+
+PROMISES["04_input_batch_reorder"] = '''
 from fleetlab.engine.input_batch import unpermute as _unpermute  # noqa: F401  (the notebook's import)
 
 split_before, split_after = viz.token_split(rows_before), viz.token_split(rows_after)
@@ -95,6 +153,14 @@ for rows, split in ((rows_before, split_before), (rows_after, split_after)):
 # Section 3: "not stable ... (j jumped ahead of d)"; "A stable partition ... moves more rows (twice as many)"
 order = [r.req_id for r in frames[-1].records]
 assert order.index("j") < order.index("d")
+# "every frame side by side: the rows each frame moved are outlined in red"
+assert [ax.get_title().split(":")[0] for ax in reorder_strip.axes] == [str(i) for i in range(len(frames))]
+for i, frame in enumerate(frames):
+    red = {int(p.get_gid().split(":")[2]) for p in reorder_strip.axes[i].patches
+           if (p.get_gid() or "").startswith("strip:") and p.get_linewidth() > 2}
+    assert red == set(frame.moved), (i, red, frame.moved)
+# "the cell after it times them on this machine against the play interval"
+assert len(frame_s) == len(frames) and np.median(frame_s) < reorder_player.play.interval / 1000, frame_s
 moved = {}
 for stable in (False, True):
     b = make_batch()
@@ -108,7 +174,7 @@ assert rows_by_id["2"].num_scheduled_tokens == 1 and rows_by_id["2"].phase == "p
 assert step0.order_after[0] == "2" and step0.num_decodes == 1 and step0.num_batched_tokens == 16
 '''
 
-PROMISES["04_decode_loop"] = '''
+PROMISES["05_decode_loop"] = '''
 # "the long prompt of request 1 split over steps 0-2 (chunked prefill)"
 assert [t.step for t in traces for r in t.rows if r.request_id == "1" and r.phase == "prefill"] == [0, 1, 2]
 # "preempts the newest running request (request 2 in step 7, request 5 in step 16, request 6 in steps 18 and 21)"
@@ -132,12 +198,42 @@ assert outlined == {f"revived:{b}" for b in two.cached_block_ids}
 # "empty on a preemption (the freed blocks turn grey, still cached)": after step 7 request 2 holds nothing
 frame7 = next(f for f in pool_frames if f.step == 7)
 assert "2" not in frame7.block_tables and any(i.is_cached and i.ref_count == 0 for i in frame7.blocks)
+# Section 2: the queue drawn is the engine's own, before every step
+assert all(len(viz.queue_before(waits, s)) == n for s, n in waiting_before.items())
+why = {(w.request_id, w.after_preemption): w for w in waits}
+def _steps(rid, reason):
+    return sorted(s for s, r in why[rid, False].reasons.items() if r == reason)
+# "request 2 waits two steps for tokens"; "Requests 3 and 4 arrive in step 3 and wait seven steps: ... the pool
+# (it stays full through step 9, and in step 7 the scheduler even preempts request 2"
+assert why["2", False].reasons == {0: "budget", 1: "budget"}
+for rid in ("3", "4"):
+    assert why[rid, False].start == 3 and why[rid, False].end == 10 and len(why[rid, False].reasons) == 7
+    assert _steps(rid, "pool") == [3, 4, 5, 6, 8, 9] and _steps(rid, "preemption") == [7]
+full = [t for t in traces if t.step in (3, 4, 5, 6, 8) and not t.finished]
+assert full and all(t.num_free_blocks < 2 for t in full)  # the smallest waiting prompt (7 tokens) needs 2 blocks
+assert ("2", 7) in [(r, t.step) for t in traces for r in t.preempted]
+# "Requests 5 and 6 arrive in step 6 ...; request 5 waits one more step for the budget, and request 6 ... finds every
+# row taken (steps 11-15)"
+assert why["5", False].start == why["6", False].start == 6
+assert _steps("5", "budget") == [10] and why["5", False].end == 11
+assert _steps("6", "rows") == [11, 12, 13, 14, 15]
+drawn = {p.get_gid() for p in timeline.axes[0].patches if (p.get_gid() or "").startswith("wait:")}
+assert drawn == {f"wait:{w.request_id}:{s}:{r}" for w in waits for s, r in w.reasons.items()}
+# Section 4: the strip's key steps, with what the prefix cache gave back outlined
+strip_steps = [ax.get_gid() for ax in pool_strip.axes if ax.get_visible()]
+assert strip_steps == [f"pool-step:{s}" for s in (6, 7, 10, 16, 17, 23)]
+outlined_at = {ax.get_gid(): {p.get_gid() for p in ax.patches if (p.get_gid() or "").startswith("revived:")}
+               for ax in pool_strip.axes if ax.get_visible()}
+assert outlined_at["pool-step:10"] == {f"revived:{b}" for b in two.cached_block_ids}
+assert len(outlined_at["pool-step:23"]) == 5 and not outlined_at["pool-step:7"]
+# the player's frames, timed on this machine, fit its play interval
+assert len(frame_s) == len(traces) and np.median(frame_s) < replay.play.interval / 1000, frame_s
 # Section 5: every text the same as the roomy run's, which never preempts
 assert all(t.token_ids == f.token_ids for t, f in zip(outputs, roomy_outputs))
 assert roomy.stats()["num_preemptions"] == 0 and len(roomy.traces) < len(traces)
 '''
 
-PROMISES["05_performance"] = '''
+PROMISES["06_performance"] = '''
 from pathlib import Path as _Path
 
 # "viz.results_dir() finds that folder from the installed package, wherever the notebook runs"
@@ -161,13 +257,25 @@ continuous_idle = viz.idle_row_steps(continuous_llm.traces, 4)
 assert static_idle > 2 * continuous_idle
 last_admission = max(a.step for a in viz.admissions(continuous_llm.traces))
 assert all(len(t.rows) == 4 for t in continuous_llm.traces if t.step <= last_admission)
-# "continuous batching needs about a third fewer steps"
+# "continuous batching needs about a third fewer steps"; "in exactly the same steps every run"
 assert 0.25 <= 1 - continuous.num_steps / static.num_steps <= 0.4, (static.num_steps, continuous.num_steps)
+assert {r.num_steps for r in runs if r.name == static.name} == {static.num_steps}
+assert {r.num_steps for r in runs if r.name == continuous.name} == {continuous.num_steps}
+assert sum(r.name == static.name for r in runs) == sum(r.name == continuous.name for r in runs) == 3
+# "In CPU time, continuous batching's best run needs less than static batching's best"
+cpu = {name: [r.cpu_s for r in runs if r.name == name] for name in (static.name, continuous.name)}
+assert min(cpu[continuous.name]) < min(cpu[static.name]), cpu
+# Section 2: "The model's forward pass takes most of the steps' time"
+assert shares["forward"] > 0.5, shares
+# Section 4: "the twenty lines below, and the fold they call, read from the kernel file as it is now"
+assert 15 <= len(loop.lines) <= 25 and "_online_softmax(" in loop.lines[-1] and "for n0 in range" in str(loop)
+assert "_kv_tile_offsets(" in str(loop) and fold.name == "_online_softmax" and len(fold.lines) <= 10
+assert (_Path(fleetlab.__file__).resolve().parents[1] / loop.path).is_file()
 # Section 5: "One read per step ... and the same number of uploads in every step"
 assert counts and all(reads == 1 for reads, _ in counts) and len({u for _, u in counts}) == 1
 '''
 
-PROMISES["06_prototyping"] = '''
+PROMISES["07_prototyping"] = '''
 # "Same tokens"; "both paths run in the same step"
 assert split_tokens == reference_tokens and both > 0
 fcfs_traces = policy_runs["fcfs"].traces
@@ -185,13 +293,38 @@ back = next(a for a in viz.admissions(fcfs_traces, block_size=4) if a.resumed an
 assert (back.step, back.num_cached_tokens, back.chunks) == (10, 12, [16, 8]) and prompt_lens["1"] == 36
 # "a request preempted while decoding may find all but its newest token cached and decode at once"
 assert any(a.resumed and a.rebuilt and not a.chunks for a in viz.admissions(fcfs_traces, block_size=4))
-# "the long sentences (requests 0 and 7 above) wait longer than under fcfs"
-ttft = {p: {r.request_id: r.ttft_steps for r in s.requests} for p, s in stats.items()}
+# "the long sentences (requests 0 and 7 above) wait longer than under fcfs"; "The step panels have no whiskers:
+# steps are the same in every run"
+ttft = {p: {r.request_id: r.ttft_steps for r in runs[0].requests} for p, runs in stats.items()}
 assert all(ttft["spf"][r] > ttft["fcfs"][r] for r in ("0", "7"))
 assert ttft["spf"]["2"] < ttft["fcfs"]["2"]
+for runs in stats.values():
+    assert len(runs) == 3 and all([r.ttft_steps for r in s.requests] == [r.ttft_steps for r in runs[0].requests]
+                                  and [r.tpot_steps for r in s.requests] == [r.tpot_steps for r in runs[0].requests]
+                                  for s in runs)
+# "In milliseconds TTFT follows the steps: every spf run's median is below every fcfs run's"; "TPOT's median is 1.0
+# step under both policies"
+assert max(s.ttft_s.p50 for s in stats["spf"]) < min(s.ttft_s.p50 for s in stats["fcfs"])
+assert all(s.tpot_steps.p50 == 1.0 for runs in stats.values() for s in runs)
+# the timelines' waits: fcfs "request 1 ... waits two steps for tokens"; "preempts request 1 ... the pool stays full
+# (steps 5-9)"; "the short sums that arrived in steps 0 and 1 queue behind both until request 0 finishes"
+fw = {(w.request_id, w.after_preemption): w for w in waits["fcfs"]}
+assert fw["1", False].reasons == {0: "budget", 1: "budget"} and fw["1", False].end == 2
+assert set(fw["1", True].reasons) == {5, 6, 7, 8, 9} and set(fw["1", True].reasons.values()) == {"pool"}
+assert all(fw[r, False].end > zero_done for r in ("2", "3", "4", "5"))
+# spf: "the sum 12+7= (request 2) goes first in step 0, and request 1, at 36 tokens shorter than request 0's 47, takes
+# the rest of the budget. Request 0 waits: for the budget, then for room in the pool, then for a row ...; it starts in
+# step 16. Request 7, the longest sentence (49 tokens), waits longer still."
+sw = {(w.request_id, w.after_preemption): w for w in waits["spf"]}
+spf_step0 = policy_runs["spf"].traces[0]
+assert [r.request_id for r in spf_step0.rows] == ["2", "1"] and spf_step0.num_batched_tokens == 16
+assert (prompt_lens["0"], prompt_lens["1"], prompt_lens["7"]) == (47, 36, 49)
+reasons0 = [sw["0", False].reasons[s] for s in sw["0", False].steps]
+assert reasons0[:3] == ["budget"] * 3 and "pool" in reasons0 and "rows" in reasons0 and sw["0", False].end == 16
+assert sw["7", False].end > sw["0", False].end
 '''
 
-PROMISES["07_speculative_decoding"] = '''
+PROMISES["08_speculative_decoding"] = '''
 # Section 1: "Same texts, in 5 steps instead of 19"; "proposed 48 tokens and the target accepted 44 of them
 # (0.92)"; "4.67 tokens on average"; by position "1.0, 0.92, 0.92, 0.83"
 assert [o.token_ids for o in outputs] == [o.token_ids for o in plain_outputs]
@@ -223,12 +356,15 @@ assert ngram_stats["num_steps"] == 16 and round(ngram_stats["spec_acceptance_rat
 ngram_costs = viz.request_forwards(ngram_llm.traces)
 assert (ngram_costs["0"].num_tokens, ngram_costs["0"].num_forwards) == (13, 9)
 assert (ngram_costs["1"].num_tokens, ngram_costs["1"].num_forwards) == (18, 16)
-# looping model: "Every draft is accepted (1.00) and the model needs 14 forwards for 32 tokens"; "from step 7
-# ... all four drafts plus a bonus"; "(62 in step 9), the first step has nothing to copy"
+# looping model: "Every draft is accepted (1.00) and the model needs 14 forwards for 32 tokens"; "in steps 7 and 8
+# ... all four drafts plus a bonus"; "Step 8's bonus token is 62, new to the text: ... step 9 has nothing to copy"
 assert round(loop_stats["spec_acceptance_rate"], 2) == 1.0 and loop_stats["num_steps"] == 14
 assert len(loop_output.token_ids) == 32
-loop_drafts = {r.step: r.num_drafts for r in viz.verify_rows(loop_llm.traces)}
+loop_rows = {r.step: r for r in viz.verify_rows(loop_llm.traces)}
+loop_drafts = {s: r.num_drafts for s, r in loop_rows.items()}
 assert max(loop_drafts[s] for s in range(7)) <= 2 and loop_drafts[7] == loop_drafts[8] == 4 and loop_drafts[9] == 0
+assert loop_rows[8].cells[-1] == (62, "bonus") and loop_rows[9].cells == [(62, "sampled")]
+assert 62 not in looping_prompt + [t for s in range(8) for t, _ in loop_rows[s].cells]
 # Section 3, by hand: "condense() slides d, e and f up into c's hole; the decode-first scan then swaps b ... with f";
 # "the three verify rows lead, and the decode kernel gets tokens 0-11"; "the same four moves"
 assert [r.req_id for r in lockstep_before] == ["a", "b", None, "d", "e", "f"]
@@ -237,9 +373,19 @@ assert sum(r.num_scheduled_tokens for r in lockstep_after[:num_decodes]) == 12
 assert all(r.in_step for r in lockstep_before + lockstep_after)
 arrows = {a.get_gid() for a in lockstep_figure.artists}
 assert arrows == {f"move:{w}:{r}" for w in ("main", "proposer") for r in "fdeb"}
-# "request a: 14 against 11"
+# "request a: 14 against 11, k = 3 ahead"
 a_row = lockstep_after[0]
-assert (a_row.draft_num_computed_tokens, a_row.num_computed_tokens) == (14, 11)
+assert (a_row.draft_num_computed_tokens, a_row.num_computed_tokens) == (14, 11) and K == 3
+# live frames: "Both halves of a row show the same moment, the step's start": a verify row's drafts are the ones the
+# step verified, and "Each verify row's draft model is k = 3 tokens ahead of the target"
+for t, rows in zip(live_traces, live_frames):
+    verified = {r.request_id: r.draft_token_ids for r in t.rows}
+    for row in rows:
+        if row.phase != "empty" and row.num_spec_tokens:
+            assert row.draft_token_ids == verified[row.req_id], (t.step, row)
+            assert row.draft_num_computed_tokens == row.num_computed_tokens + row.num_spec_tokens, (t.step, row)
+assert [ax.get_title().startswith(("main", "Proposer")) for ax in live_strip.axes] == [True] * 4
+assert len(frame_s) == len(live_frames) and np.median(frame_s) < live_player.play.interval / 1000, frame_s
 # live: lockstep after every step (the cell checks it); "step 7: requests 2 and 3 each verify three drafts (4 tokens)
 # and request 4 runs an 8-token chunk ...; the reorder swapped rows 1 and 2"; "In step 5 a 4-token chunk of a prompt
 # counts as a decode"
@@ -274,7 +420,33 @@ assert drafted["o"] == 1998 and round(p_o, 2) == 0.28 and abs(sampled_acceptance
 assert all(stat < crit / 2 for stat, _, crit in hist.chi_square.values()), hist.chi_square
 '''
 
-PROMISES["10_structured_outputs"] = r'''
+PROMISES["09_tensor_parallel"] = '''
+# "KV head 0 is replicated on ranks 0 and 1, KV head 1 on ranks 2 and 3 (... one band per rank holding it, each
+# labelled). The MLP boxes name the columns each rank holds."
+two, four = shard_figure.axes[:2]
+labels = {t.get_gid(): t.get_text() for t in four.texts if t.get_gid()}
+assert [labels[f"label:KV heads (cached):0:{r}"] for r in (0, 1)] == ["0", "0"]
+assert [labels[f"label:KV heads (cached):1:{r}"] for r in (2, 3)] == ["1", "1"]
+assert not any(k.startswith("label:KV heads (cached):0:") and k[-1] in "23" for k in labels)
+mlp = [t.get_text() for ax in (two, four) for t in ax.texts if (t.get_gid() or "").startswith("label:MLP")]
+assert mlp[:4] == ["0-31", "32-63", "64-95", "96-127"] and mlp[4:] == [f"{16 * b}-{16 * b + 15}" for b in range(8)]
+# "Every rank must produce exactly these tokens" (the cell's last family, llama, still in `alone`)
+assert family == "llama" and all(r["families"]["llama"]["tokens"] == alone["tokens"] for r in ranks)
+'''
+
+PROMISES["10_serving"] = '''
+# Streaming: "a chunk may carry several tokens; the text is the same either way. The EOS token is not text: the chunk
+# it ends carries only the finish_reason"
+assert 1 < len(chunk_texts) <= usage.completion_tokens and chunk_texts[-1] == "" and finish == "stop"
+assert "".join(chunk_texts).startswith("4 5 6 7 ")
+# "the stored full run (64 requests per rate ...), where they stand out": throughput, TTFT and TPOT grow with the rate
+assert stored is not None and stored["workload"]["num_prompts"] == 64
+for key in ("request_throughput", "ttft_ms", "tpot_ms", "itl_ms"):
+    values = [run[key] if key == "request_throughput" else run[key]["median"] for run in stored["runs"]]
+    assert all(b >= a for a, b in zip(values, values[1:])), (key, values)
+'''
+
+PROMISES["11_structured_outputs"] = r'''
 # Section 1: "refuses the request at once, naming what is missing"
 assert "cannot be spelled by the model's vocabulary: it has no '{', '}'" in refusal
 # Section 2: each step's chosen token is one its mask allows, drawn on the figure

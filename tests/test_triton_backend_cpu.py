@@ -23,9 +23,9 @@ def test_triton_backend_needs_a_gpu(fleet_model):
 
 
 def test_kernel_source_reads_the_kernels_without_triton():
-    from fleetlab.attention.source import kernel_source
+    from fleetlab.viz.source import source_excerpt
 
-    text = kernel_source("_decode_kernel")
+    text = "\n".join(source_excerpt("_decode_kernel", "fleetlab.attention.triton_kernels").lines)
     assert text.startswith("@triton.jit") and "def _decode_kernel(" in text and "block_tables_ptr" in text
     with pytest.raises(ValueError, match="no function"):
-        kernel_source("no_such_kernel")
+        source_excerpt("no_such_kernel", "fleetlab.attention.triton_kernels")

@@ -30,7 +30,7 @@ def test_request_colors_are_stable_and_distinct_for_the_first_requests():
     colors = [viz.request_color(str(i)) for i in range(len(PALETTE))]
     assert len(set(colors)) == len(PALETTE)
     assert viz.request_color("3") == viz.request_color(3)
-    assert len({viz.request_color(c) for c in "abcdefghijkl"}) == len(PALETTE)
+    assert len({viz.request_color(c) for c in "abcdefghijklmnop"[:len(PALETTE)]}) == len(PALETTE)
     assert viz.request_color("req-a") == viz.request_color("req-a")
     assert set(viz.PHASE_COLORS.values()).isdisjoint(PALETTE)
     with pytest.raises(ValueError, match="phase"):
@@ -74,10 +74,14 @@ def test_block_grid_colours_each_block_by_owner_share_and_cache_state(shared_poo
     assert {face(cells[f"block:{blk}"]) for blk in never_used} == {FREE_COLOR}
     texts = [t.get_text() for t in fig.axes[0].texts]
     assert texts.count("x2") == 2
-    # A freed cached block shows its place in the free queue (the tail: freed last, evicted last).
+    # A freed cached block is numbered in eviction order among the cached ones (1 = first): the
+    # white free blocks ahead of them in the queue go first, so the numbers start at 1.
     queue = {info.block_id: info.lru_position for info in pool.snapshot()}
-    assert {str(queue[b]) for b in freed} <= set(texts)
-    assert max(queue[b] for b in freed) == pool.num_free_blocks - 1
+    ranks = viz.eviction_ranks(pool.snapshot())
+    assert sorted(ranks) == sorted(freed) and sorted(ranks.values()) == [1, 2]
+    assert [b for b in sorted(freed, key=queue.get)] == sorted(ranks, key=ranks.get)
+    labels = sorted(t.get_text() for t in fig.axes[0].texts if t.get_bbox_patch() is not None)  # not the block ids
+    assert labels == ["1", "2", "x2", "x2"]
 
 
 def test_block_grid_accepts_a_snapshot_and_marks_unknown_owners_grey():
@@ -322,10 +326,14 @@ def test_logits_parity_report_and_bars():
     flip = new[1][1].argmax() != ref[1][1].argmax()
     assert report.argmax_agreement == pytest.approx(1 - flip / 5)
     fig = viz.draw_logits_parity(ref, new, max_points=20)
-    bars = by_gid(fig.axes[1].patches, "diff:")
-    assert len(bars) == 5
-    assert bars["diff:1:1"].get_height() == pytest.approx(0.5)
-    assert bars["diff:0:0"].get_height() == pytest.approx(1e-9)  # zero drawn at the log floor
+    points = by_gid(fig.axes[1].lines, "diff:")
+    assert len(points) == 5
+    assert points["diff:1:1"].get_ydata()[0] == pytest.approx(0.5)
+    # a zero sits on the axis' bottom edge, hollow: no bar rising from an arbitrary floor
+    bottom = fig.axes[1].get_ylim()[0]
+    zero = points["diff:0:0"]
+    assert zero.get_ydata()[0] == pytest.approx(bottom) and zero.get_markerfacecolor() == "none"
+    assert points["diff:1:1"].get_markerfacecolor() != "none"
     assert fig.axes[0].collections[0].get_offsets().shape == (20, 2)
     with pytest.raises(ValueError, match="shapes"):
         viz.logits_parity(ref, ref[:1])
@@ -608,3 +616,212 @@ def test_bandwidth_legend_names_implementations_in_words_and_explains_reference_
     assert IMPLEMENTATION_NAMES["triton"] in labels
     assert any("spec-sheet peak, 4.8 TB/s" in t for t in labels)
     assert any("not a limit" in t for t in labels)
+
+
+# ----------------------------------------------------------------- waiting (a real engine run)
+def serve_recording_queue(llm, arrivals):
+    """Add ``{step: [prompt token ids]}`` at their steps, run to the end; returns the arrival
+    step of each request and the engine's own count of waiting requests before each step."""
+    arrival_steps, waiting_before, step = {}, {}, 0
+    while llm.has_unfinished_requests() or step <= max(arrivals):
+        for ids in arrivals.get(step, []):
+            rid = llm.add_request(prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=6, ignore_eos=True))
+            arrival_steps[rid] = step
+        waiting_before[step] = llm.stats()["num_requests_waiting"]
+        llm.step()
+        step += 1
+    return arrival_steps, waiting_before
+
+
+@pytest.mark.parametrize("config, arrivals, reason", [
+    (dict(max_num_seqs=1), {0: [[5] * 6, [6] * 6]}, "rows"),                         # one row for two requests
+    (dict(max_num_batched_tokens=8), {0: [list(range(3, 23))], 1: [[7] * 4]}, "budget"),  # a 20-token prompt, 8 a step
+    (dict(num_blocks=7), {0: [list(range(3, 22))], 1: [list(range(30, 40))]}, "pool"),  # 5 of 7 blocks taken
+], ids=["rows", "budget", "pool"])
+def test_waits_name_what_kept_a_request_out_and_match_the_engines_queue(fleet_model, config, arrivals, reason):
+    engine = {**dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=64, record_traces=True), **config}
+    llm = LLM(fleet_model, **engine)
+    try:
+        arrival_steps, waiting_before = serve_recording_queue(llm, arrivals)
+        waits = viz.queue_waits(llm.traces, arrival_steps, llm.config)
+    finally:
+        llm.handle.unpatch()
+    for step, count in waiting_before.items():  # the queue the waits describe is the engine's own
+        assert len(viz.queue_before(waits, step)) == count, (step, viz.queue_before(waits, step), count)
+    second = next(w for w in waits if w.request_id == "1")
+    assert second.reasons and set(second.reasons.values()) == {reason}, second
+    first_run = min(t.step for t in llm.traces for r in t.rows if r.request_id == "1")
+    assert second.end == first_run and second.steps == list(range(second.start, first_run))
+    assert reason in second.describe() or viz.WAIT_REASONS[reason] in second.describe()
+    fig = viz.draw_timeline(llm.traces, waits=waits)
+    bars = by_gid(fig.axes[0].patches, "wait:1:")
+    assert {g.rsplit(":", 1)[1] for g in bars} == {reason} and len(bars) == len(second.reasons)
+    assert by_gid(fig.axes[0].lines, "arrived:1:")
+
+
+def test_a_preempting_step_admits_nobody_and_waits_say_so(engine_traces):
+    traces, _ = engine_traces
+    preempting = [t for t in traces if t.preempted]
+    assert preempting
+    config = type("Config", (), dict(max_num_seqs=4, max_num_batched_tokens=16, enable_chunked_prefill=True))
+    assert all(viz.blocked_by(t, config) == "preemption" for t in preempting)
+    waits = viz.queue_waits(traces, {}, config)  # no arrivals given: only stays after preemptions
+    preemption_steps = sorted(t.step for t in preempting for _ in t.preempted)
+    assert [w.start for w in waits] == [p + 1 for p in preemption_steps] and all(w.after_preemption for w in waits)
+
+
+# ----------------------------------------------------------------- static strips and player frames
+def test_reorder_strip_shows_every_frame_with_its_moves():
+    batch = InputBatch(max_num_seqs=5, max_model_len=32, max_blocks_per_seq=4)
+    for rid, n, generated in (("a", 3, 0), ("b", 4, 1), ("c", 2, 0), ("d", 5, 2), ("e", 3, 1)):
+        batch.add_request(rid, range(3, 3 + n), output_token_ids=[9] * generated,
+                          num_computed_tokens=n + generated - 1 if generated else 0, block_ids=[0])
+    batch.remove_request("c")
+    batch.set_num_scheduled({"a": 3, "b": 1, "d": 1, "e": 1})
+    frames = viz.reorder_frames(batch)
+    fig = viz.draw_reorder_strip(frames)
+    assert len(fig.axes) == len(frames) >= 3
+    for i, frame in enumerate(frames):
+        cells = by_gid(fig.axes[i].patches, f"strip:{i}:")
+        assert len(cells) == len(frame.records)
+        assert {int(g.rsplit(":", 1)[1]) for g, p in cells.items() if p.get_linewidth() > 2} == set(frame.moved)
+    assert "a p3" in [t.get_text() for t in fig.axes[0].texts]
+    assert len(viz.draw_reorder_strip(frames, [0, len(frames) - 1]).axes) == 2
+    with pytest.raises(ValueError, match="outside"):
+        viz.draw_reorder_strip(frames, [len(frames)])
+
+
+def test_pool_strip_and_step_frames_tell_each_steps_story(fleet_model):
+    llm = LLM(fleet_model, block_size=4, num_blocks=10, max_num_batched_tokens=16, max_num_seqs=3,
+              record_traces=True)
+    prompts = [[5] * 9, [5] * 9 + [6, 7], list(range(10, 19))]
+    frames = []
+    try:
+        for ids in prompts:
+            llm.add_request(prompt_token_ids=ids, sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))
+        while llm.has_unfinished_requests():
+            llm.step()
+            frames.append(viz.pool_frame(llm))
+    finally:
+        llm.handle.unpatch()
+    traces = llm.traces
+    waits = viz.queue_waits(traces, {"0": 0, "1": 0, "2": 0}, llm.config)
+    shared = next(a for a in viz.admissions(traces, 4) if a.cached_block_ids)
+    steps = [t.step for t in traces][:4]
+    fig = viz.draw_pool_strip(traces, steps, frames, waits=waits, per_row=2)
+    assert [ax.get_gid() for ax in fig.axes if ax.get_visible()] == [f"pool-step:{s}" for s in steps]
+    one = viz.draw_pool_step(traces, shared.step, frames, waits=waits)
+    assert {p.get_gid() for p in one.axes[0].patches if (p.get_gid() or "").startswith("revived:")} == {
+        f"revived:{b}" for b in shared.cached_block_ids}
+    story = viz.step_story(traces, shared.step, block_size=4, waits=waits)
+    assert story[0] == viz.describe_step(traces[shared.step]) and "prefix cache" in " ".join(story)
+    assert one.get_layout_engine() is None  # a player frame is drawn once, without a layout engine
+    with pytest.raises(ValueError, match="no pool frame"):
+        viz.draw_pool_step(traces, traces[-1].step, frames[:1])
+
+
+def test_time_frames_measures_each_frame_and_puts_the_slider_back():
+    drawn = []
+
+    def frame(i):
+        drawn.append(i)
+        fig = Figure(figsize=(2, 1))
+        fig.add_subplot().plot([0, i])
+        return fig
+
+    live = viz.player(frame, 4, start=2)
+    seconds = viz.time_frames(live, [0, 2, 3])
+    assert len(seconds) == 3 and all(s > 0 for s in seconds)
+    assert drawn[1:4] == [0, 2, 3] and live.slider.value == 2 and live.last_frame_s > 0
+    assert viz.figure_png(live.figure)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------- source excerpts
+def test_source_excerpt_is_numbered_as_in_its_file():
+    from pathlib import Path
+
+    import fleetlab
+
+    loop = viz.source_excerpt("_decode_kernel", "fleetlab.attention.triton_kernels", start="m = tl.full",
+                              stop="_online_softmax(")
+    lines = (Path(fleetlab.__file__).parents[1] / loop.path).read_text().splitlines()
+    assert loop.path == "fleetlab/attention/triton_kernels.py"
+    assert lines[loop.first_line - 1: loop.last_line] == loop.lines
+    assert loop.lines[0].strip().startswith("m = tl.full") and "_online_softmax(" in loop.lines[-1]
+    text = str(loop)
+    assert text.splitlines()[0].startswith(f"# {loop.path}, lines {loop.first_line}-{loop.last_line}")
+    assert text.splitlines()[1].lstrip().startswith(str(loop.first_line))
+    body = viz.source_excerpt("_online_softmax", "fleetlab.attention.triton_kernels", body_only=True)
+    assert '"""' not in str(body) and "def " not in str(body) and body.lines[-1].strip().startswith("return")
+    with pytest.raises(ValueError, match="not found in _decode_kernel"):
+        viz.source_excerpt("_decode_kernel", "fleetlab.attention.triton_kernels", start="no such line")
+    with pytest.raises(ValueError, match="no function"):
+        viz.source_excerpt("missing", "fleetlab.attention.naive")
+
+
+# ----------------------------------------------------------------- why a KV cache (notebook 00)
+def test_attention_pattern_and_cost_drawings():
+    fig = viz.draw_attention_pattern(list("abcd"))
+    cells = by_gid(fig.axes[0].patches, "attn:")
+    assert len(cells) == 10 and "attn:0:1" not in cells  # causal: no query reads a later key
+    assert face(cells["attn:3:3"]) != face(cells["attn:3:0"]) != face(cells["attn:2:0"])
+    seconds = np.array([[0.010, 0.012, 0.020], [0.011, 0.013, 0.030]])
+    passes = viz.draw_pass_cost([1, 8, 64], seconds)
+    line = by_gid(passes.axes[0].lines, "pass")["pass"]
+    assert list(line.get_ydata()) == pytest.approx([10, 12, 20])  # the fastest run, in ms
+    per_token = by_gid(passes.axes[1].lines, "per-token")["per-token"]
+    assert list(per_token.get_ydata()) == pytest.approx([10, 1.5, 20 / 64])
+    cost = viz.draw_cache_cost([3, 4, 5], [3, 1, 1], [4, 8], seconds[:, :2], [5, 6], seconds[:, 1:])
+    work = by_gid(cost.axes[0].lines, "work:")
+    assert list(work["work:no-cache"].get_ydata()) == [3, 4, 5] and list(work["work:cached"].get_ydata()) == [3, 1, 1]
+    assert set(by_gid(cost.axes[1].lines, "time:")) == {"time:no-cache", "time:cached"}
+
+
+# ----------------------------------------------------------------- repeated runs
+def test_latency_bars_over_repeated_runs_show_the_median_and_the_spread():
+    from fleetlab.bench.latency import LatencyStats, Percentiles
+
+    def stats(ms, steps):
+        p = Percentiles(ms, ms, ms, ms, 3)
+        s = Percentiles(steps, steps, steps, steps, 3)
+        return LatencyStats((), p, p, s, s)
+
+    fig = viz.draw_latency({"a": [stats(0.010, 4.0), stats(0.030, 4.0), stats(0.020, 4.0)], "b": stats(0.005, 2.0)})
+    bars = {g: p for ax in fig.axes for g, p in by_gid(ax.patches, "").items()}
+    assert bars["ttft_s:a:p50"].get_height() == pytest.approx(20.0) and bars["ttft_steps:a:p50"].get_height() == 4
+    spreads = {a.get_gid() for ax in fig.axes for a in ax.collections if a.get_gid()}  # whiskers
+    assert "spread:ttft_s:a:p50" in spreads and not any(g.startswith("spread:ttft_steps") for g in spreads)
+    assert not any(":b:" in g for g in spreads) and "median of 1/3 runs" in fig._suptitle.get_text()
+
+
+def test_run_comparison_draws_each_configuration_at_its_best_run_with_the_range():
+    def run(name, wall, cpu):
+        return viz.RunRecord(name, wall, 100, [wall], 10, cpu)
+
+    runs = [run("x", 2.0, 1.8), run("y", 1.0, 0.9), run("x", 1.0, 1.2), run("y", 2.0, 1.5)]
+    assert {n: r.wall_s for n, r in viz.fastest_runs(runs).items()} == {"x": 1.0, "y": 1.0}
+    fig = viz.draw_run_comparison(runs)
+    assert len(fig.axes) == 4
+    assert by_gid(fig.axes[0].patches, "throughput:")["throughput:x"].get_height() == pytest.approx(100.0)
+    assert by_gid(fig.axes[1].patches, "cpu:")["cpu:y"].get_height() == pytest.approx(0.9)
+    ranges = {a.get_gid() for ax in fig.axes for a in ax.collections if a.get_gid()}  # whiskers
+    assert {"range:throughput:x", "range:cpu:x", "range:throughput:y", "range:cpu:y"} <= ranges
+
+
+def test_row_usage_names_each_request_where_it_enters_its_row(traces):
+    fig = viz.draw_row_usage(traces, 3)
+    entered = {t.get_gid() for t in fig.axes[0].texts if (t.get_gid() or "").startswith("enters:")}
+    assert entered == {"enters:a:0", "enters:b:0", "enters:c:1"}
+
+
+def test_shard_plan_labels_every_band_of_a_replicated_kv_head_and_the_mlp_columns():
+    from fleetlab.distributed import plan_shards
+    from fleetlab.viz import tp as tpviz
+
+    plan = plan_shards(num_heads=8, num_kv_heads=2, head_dim=16, intermediate_size=128, tp_size=4)
+    ax = tpviz.draw_shard_plan([plan]).axes[0]
+    labels = {t.get_gid(): t for t in ax.texts if t.get_gid()}
+    kv0 = [labels[f"label:KV heads (cached):0:{r}"] for r in (0, 1)]
+    assert [t.get_text() for t in kv0] == ["0", "0"] and kv0[0].get_position()[1] != kv0[1].get_position()[1]
+    assert labels["label:MLP columns (gate, up; down rows):7:3"].get_text() == "112-127"
+    assert [labels[f"label:QKV columns [q | k | v]:9:{r}"].get_text() for r in (2, 3)] == ["k1", "k1"]

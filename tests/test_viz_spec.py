@@ -4,6 +4,7 @@ figure, checked on hand-built traces and batches and on a real engine run."""
 import numpy as np
 import pytest
 from matplotlib.colors import to_hex
+from matplotlib.figure import Figure
 
 from fleetlab import LLM, InputBatch, SamplingParams, viz
 from fleetlab.engine.observe import RowTrace, StepTrace
@@ -217,3 +218,25 @@ def test_drawn_steps_of_a_real_ngram_run_add_up_to_its_outputs(fleet_model):
     costs = viz.request_forwards(llm.traces)
     assert sum(c.num_tokens for c in costs.values()) == sum(len(o.token_ids) for o in outs)
     assert len(viz.draw_spec_steps(llm.traces).axes) == 2
+
+
+def test_lockstep_rows_can_show_the_proposer_as_the_step_began():
+    """After a step the main batch holds its counts as the step began; the proposer's state
+    taken before the step puts its half of each row at the same moment, by request."""
+    batch, follower = lockstep_batches()
+    began = viz.draft_state(follower)
+    assert began == {"a": (8, [7, 7]), "b": (0, []), "d": (6, [7, 7])}
+    follower.set_drafts(0, [5, 5])  # what drafting in the step would write
+    follower.num_computed_tokens[0] = 11
+    batch.condense()
+    batch.reorder_split_prefill_and_decode(3)
+    now = {r.req_id: (r.draft_num_computed_tokens, r.draft_token_ids) for r in viz.lockstep_rows(batch, follower, 3)}
+    assert now["a"] == (11, [5, 5])
+    rows = viz.lockstep_rows(batch, follower, 3, proposer_state=began)
+    assert [(r.req_id, r.draft_num_computed_tokens, r.draft_token_ids) for r in rows] == [
+        ("a", 8, [7, 7]), ("d", 6, [7, 7]), ("b", 0, [])]
+    strip = Figure(figsize=(13, 4), layout="constrained")
+    panels = strip.subfigures(2, 1)
+    for panel in panels:
+        assert viz.draw_lockstep(None, rows, fig=panel, title="frame") is panel
+    assert len(strip.axes) == 4

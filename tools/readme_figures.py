@@ -77,7 +77,7 @@ def engine_block(r: dict | None) -> str:
 
     intro = fill(
         f"**Engine vs PaddleFormers `generate`** — `{command(r, 'python -m fleetlab bench engine')}` "
-        f"({r['elapsed_s']:.0f} s; writes `benchmarks/results/bench.json` and the PNGs `05_performance` draws), "
+        f"({r['elapsed_s']:.0f} s; writes `benchmarks/results/bench.json` and the PNGs `06_performance` draws), "
         f"best of {r['config']['repeats']} runs each side, taking turns. Measured on {describe(r['machine'])}:")
     return f"{intro}\n\n{headline_table(r)}"
 

@@ -20,7 +20,7 @@ Every figure is measured in one run, on one machine, with the same models and re
    forward, sample, update, other) in decode steps at a small and a large batch.
 
 Results go to ``<out>/bench.json`` and ``<out>/*.png`` (default ``benchmarks/results``),
-which the ``05_performance`` notebook reads; :mod:`fleetlab.bench.report` draws the
+which the ``06_performance`` notebook reads; :mod:`fleetlab.bench.report` draws the
 PNGs and the README table. ``--tiny`` runs a few-second version (tests). A progress bar per
 section goes to stderr (``-q``: none).
 

@@ -4,7 +4,7 @@ Started once per rank by ``paddle.distributed.launch`` (or alone, for the one-pr
 baseline), it serves a fixed greedy workload on tiny random models and writes what this
 rank saw to ``<out>/rank<r>.json``: each request's tokens, the pool's state afterwards,
 this rank's KV heads and bytes, its shard, step times, and its all-reduces (totals, and
-every call of one recorded step). Tests, the ``08_tensor_parallel`` notebook and
+every call of one recorded step). Tests, the ``09_tensor_parallel`` notebook and
 ``bench tp`` read those files. (The failure tests wrap :func:`main` with a ``before_step``
 hook that kills a rank, in ``tests/tp_faults.py``.)
 """

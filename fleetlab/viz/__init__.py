@@ -7,9 +7,12 @@ their latest figure in ``.figure``. A request has the same colour in every pictu
 (:func:`request_color`).
 
 Modules:
+  cost     -- why a KV cache: attention over a growing sequence, work and time per token, prefill vs decode
   blocks   -- the block pool as a grid, block tables, memory wasted by paging vs padding
   batch    -- InputBatch rows, condense and decode-first reorder swap by swap, gather maps
   timeline -- the decode loop from engine traces: who ran when, KV occupancy, tokens per step
+  replay   -- the block pool step by step: a light frame for a player, key steps as a static strip
+  waiting  -- who waited in the queue, when, and what kept them out (rows, budget, pool)
   parity   -- oracle vs patched logits
   latency  -- TTFT / TPOT percentiles of several runs (e.g. scheduling policies)
   layers   -- which attention layer writes which cache layer after patching
@@ -28,6 +31,7 @@ from fleetlab.viz.batch import (
     draw_gather_map,
     draw_reorder,
     draw_reorder_frame,
+    draw_reorder_strip,
     draw_token_axis,
     reorder_frames,
     token_split,
@@ -40,13 +44,17 @@ from fleetlab.viz.blocks import (
     draw_block_pool,
     draw_block_tables,
     draw_memory_waste,
+    eviction_ranks,
     memory_waste,
     pool_frame,
+    pool_legend,
 )
+from fleetlab.viz.cost import draw_attention_pattern, draw_cache_cost, draw_pass_cost
 from fleetlab.viz.latency import draw_latency
 from fleetlab.viz.layers import PatchedLayer, draw_layer_map, format_patch_table, patch_table
 from fleetlab.viz.parity import ParityReport, draw_logits_parity, greedy_table, logits_parity
-from fleetlab.viz.perf import RunRecord, draw_run_comparison, run_record
+from fleetlab.viz.perf import RunRecord, draw_run_comparison, fastest_runs, run_record
+from fleetlab.viz.replay import draw_pool_step, draw_pool_strip, step_story
 from fleetlab.viz.results import (
     draw_bench_summary,
     draw_decode_bandwidth,
@@ -56,12 +64,14 @@ from fleetlab.viz.results import (
     result_records,
     results_dir,
 )
+from fleetlab.viz.source import SourceExcerpt, show_source, source_excerpt
 from fleetlab.viz.spec import (
     TOKEN_KINDS,
     LockstepRow,
     RequestCost,
     TokenHistogram,
     VerifyRow,
+    draft_state,
     draw_lockstep,
     draw_spec_benchmark,
     draw_spec_steps,
@@ -91,7 +101,8 @@ from fleetlab.viz.timeline import (
     request_order,
     row_lanes,
 )
-from fleetlab.viz.widgets import LiveFigure, int_sliders, player
+from fleetlab.viz.waiting import WAIT_REASONS, Wait, blocked_by, queue_before, queue_waits
+from fleetlab.viz.widgets import LiveFigure, figure_png, int_sliders, player, time_frames
 
 __all__ = [
     "Admission",
@@ -168,4 +179,25 @@ __all__ = [
     "token_histogram",
     "token_label",
     "verify_rows",
+    "WAIT_REASONS",
+    "Wait",
+    "blocked_by",
+    "queue_before",
+    "queue_waits",
+    "figure_png",
+    "time_frames",
+    "draw_reorder_strip",
+    "draw_pool_step",
+    "draw_pool_strip",
+    "step_story",
+    "eviction_ranks",
+    "pool_legend",
+    "draft_state",
+    "fastest_runs",
+    "draw_attention_pattern",
+    "draw_cache_cost",
+    "draw_pass_cost",
+    "SourceExcerpt",
+    "show_source",
+    "source_excerpt",
 ]

@@ -13,11 +13,12 @@ from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-# Twelve saturated request colours, distinct on white; the phase colours below are pastel
-# so the two never clash.
+# Sixteen saturated request colours, distinct on white; the phase colours below are pastel
+# so the two never clash. Drawings with more requests also write the ids.
 PALETTE = (
     "#4e79a7", "#59a14f", "#e15759", "#b07aa1", "#edc948", "#76b7b2",
     "#9c755f", "#ff9da7", "#17becf", "#bcbd22", "#1f4e79", "#d37295",
+    "#f28e2b", "#6b4c9a", "#8c2d04", "#00798c",
 )
 PHASE_COLORS = {"decode": "#a6c8e8", "prefill": "#f9c38f", "empty": "#eeeeee"}
 FREE_COLOR = "#ffffff"

@@ -9,7 +9,8 @@ request id, phase, token counts, block table). A row's box is coloured by its ph
 - :func:`draw_reorder`: two snapshots side by side, with an arrow for every request that
   changed rows.
 - :func:`reorder_frames` + :func:`draw_reorder_frame`: condense and the two-pointer reorder
-  one swap at a time, for a slider (see :func:`fleetlab.viz.widgets.player`).
+  one swap at a time, for a slider (see :func:`fleetlab.viz.widgets.player`);
+  :func:`draw_reorder_strip`: the same frames side by side, small, for a static page.
 - :func:`draw_gather_map`: the rows stay put; the step reads them through an index map.
 - :func:`token_split` / :func:`draw_token_axis`: the step's packed token axis, and which
   part of it a decode kernel and a prefill kernel would each take, before and after the
@@ -168,18 +169,69 @@ def reorder_frames(batch, decode_threshold: int = 1) -> list[ReorderFrame]:
 def draw_reorder_frame(frames: Sequence[ReorderFrame], index: int):
     """Frame ``index`` of :func:`reorder_frames` next to frame 0, with the frame's moves in red.
 
-    Left: the batch as the step began; right: the batch at this frame. Returns the Figure.
+    Left: the batch as the step began; right: the batch at this frame. Drawn without a layout
+    engine, so a player can show it quickly. Returns the Figure.
     """
     if not 0 <= index < len(frames):
         raise ValueError(f"frame index {index} out of range [0, {len(frames)})")
     frame = frames[index]
-    fig = _rows_figure(max(len(frames[0].records), len(frame.records)), ncols=2)
+    num_rows = max(len(frames[0].records), len(frame.records))
+    # A fixed layout: a player draws many frames, and a layout engine would draw each twice.
+    fig = Figure(figsize=(11.2, 0.42 * max(num_rows, 1) + 0.9))
     ax_left, ax_right = fig.subplots(1, 2)
+    fig.subplots_adjust(left=0.06, right=0.94, wspace=0.08, top=1 - 0.45 / fig.get_figheight(),
+                        bottom=0.1 / fig.get_figheight())
     _draw_rows(ax_left, frames[0].records)
     _draw_rows(ax_right, frame.records, highlight=frame.moved, num_decodes=frame.num_decodes, labels_right=True)
     ax_left.set_title("as the step began", fontsize=9)
     ax_right.set_title(f"frame {index}: {frame.label}", fontsize=9)
     return fig
+
+
+def draw_reorder_strip(frames: Sequence[ReorderFrame], indices: Sequence[int] | None = None):
+    """Frames of :func:`reorder_frames` side by side, small: what the player shows, on one page.
+
+    Each frame is a column of rows, each row a cell naming its request and what it runs this
+    step (``d1``: a one-token decode, ``p9``: a 9-token prefill chunk), coloured by phase; the
+    rows the frame moved are outlined in red; a dashed line closes the decode rows. Cells have
+    gid ``"strip:<frame>:<row>"``. ``indices``: the frames to draw (default: all). Returns the Figure.
+    """
+    indices = list(range(len(frames))) if indices is None else [int(i) for i in indices]
+    if not indices or not all(0 <= i < len(frames) for i in indices):
+        raise ValueError(f"draw_reorder_strip: frame indices {indices} outside [0, {len(frames)})")
+    num_rows = max(len(frames[i].records) for i in indices)
+    fig = Figure(figsize=(1.55 * len(indices) + 0.6, 0.3 * num_rows + 1.3), layout="constrained")
+    axes = fig.subplots(1, len(indices), squeeze=False)[0]
+    for ax, index in zip(axes, indices):
+        frame = frames[index]
+        moved = set(frame.moved)
+        for y, rec in enumerate(frame.records):
+            edge = ALERT_COLOR if y in moved else EDGE_COLOR
+            ax.add_patch(Rectangle((0, -y), 1.0, 0.82, facecolor=phase_color(rec.phase), edgecolor=edge,
+                                   linewidth=2.2 if y in moved else 0.6, gid=f"strip:{index}:{y}"))
+            if rec.phase != "empty":
+                ax.add_patch(Rectangle((0.06, -y + 0.16), 0.16, 0.5, facecolor=request_color(rec.req_id),
+                                       edgecolor="none"))
+                ax.text(0.6, -y + 0.41, f"{rec.req_id} {rec.phase[0]}{rec.num_scheduled_tokens}", ha="center",
+                        va="center", fontsize=7.5)
+        if frame.num_decodes is not None and 0 < frame.num_decodes < len(frame.records):
+            ax.axhline(-frame.num_decodes + 0.91, color="#222222", linestyle="--", linewidth=1)
+        ax.set_xlim(-0.05, 1.05)
+        ax.set_ylim(-num_rows + 0.85, 0.9)
+        ax.axis("off")
+        ax.set_title(f"{index}: " + _short_label(frame.label), fontsize=7)
+    return fig
+
+
+def _short_label(label: str) -> str:
+    """A frame's label for a narrow panel: ``"swap 2/3: prefill row 4 <-> decode row 7"`` -> ``"swap 2/3\n4 <-> 7"``."""
+    if label.startswith("swap"):
+        head, rest = label.split(": ", 1)
+        left, right = rest.split(" <-> ")
+        return f"{head}\nrows {left.split()[-1]} <-> {right.split()[-1]}"
+    if label.startswith("condense"):
+        return "condense\n" + label.split(": ", 1)[1].replace(" slide up into the holes", " slide up")
+    return "as the step\nbegins" if label.startswith("as the step") else label
 
 
 def draw_gather_map(records: Sequence, order: Sequence[int], num_decodes: int):

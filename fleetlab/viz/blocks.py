@@ -2,7 +2,7 @@
 
 - :func:`draw_block_pool`: every physical block as a square, coloured by the request that
   owns it; shared blocks are hatched and show their reference count; free blocks that
-  still hold a cached prefix are grey and show their place in the eviction queue.
+  still hold a cached prefix are grey and numbered in the order they will be evicted.
 - :func:`draw_block_tables`: each request's block table (logical block -> physical id),
   with how full each block is.
 - :func:`draw_block_mapping`: the indirection itself: each request's logical blocks with an
@@ -50,19 +50,28 @@ def block_owners(block_tables: Mapping[object, Sequence[int]]) -> dict[int, list
     return owners
 
 
-def block_face(info, owners: Sequence) -> tuple[str, str | None, str]:
+def eviction_ranks(infos) -> dict[int, int]:
+    """``{block id: n}`` for every free block that still holds a cached prefix: it is the n-th
+    of them the pool will overwrite (1 = first). The free queue hands out blocks from its head,
+    empty or cached alike, so the empty blocks ahead of a cached one go first."""
+    cached = sorted((i for i in infos if i.ref_count == 0 and i.is_cached), key=lambda i: i.lru_position)
+    return {info.block_id: n for n, info in enumerate(cached, start=1)}
+
+
+def block_face(info, owners: Sequence, eviction_rank: int | None = None) -> tuple[str, str | None, str]:
     """``(face colour, hatch, label)`` of one block of the grid (see :func:`draw_block_pool`)."""
     if info.ref_count > 0:
         color = request_color(owners[0]) if owners else UNKNOWN_OWNER_COLOR
         shared = info.ref_count > 1
         return color, ("xx" if shared else None), (f"x{info.ref_count}" if shared else "")
     if info.is_cached:
-        return CACHED_FREE_COLOR, "..", str(info.lru_position)
+        return CACHED_FREE_COLOR, "..", str(eviction_rank) if eviction_rank is not None else ""
     return FREE_COLOR, None, ""
 
 
 def draw_block_pool(pool, block_tables: Mapping[object, Sequence[int]] | None = None, *, ncols: int = 8,
-                    ax=None, title: str | None = None, revived: Iterable[int] = ()):
+                    ax=None, title: str | None = None, revived: Iterable[int] = (), legend: bool = True,
+                    fill: Mapping[int, float] | None = None):
     """Draw a block pool as a grid of squares, one per physical block, in block-id order.
 
     Args:
@@ -74,10 +83,14 @@ def draw_block_pool(pool, block_tables: Mapping[object, Sequence[int]] | None = 
       ax: draw into these axes; default a new figure.
       revived: block ids to outline in green: blocks a request just took from the prefix
         cache instead of computing them (gid ``"revived:<id>"``).
+      legend: draw the legend (:func:`pool_legend`) right of the grid.
+      fill: ``{block id: share of its slots holding a token}``: the empty part of each of
+        these blocks is drawn white and hatched (gid ``"empty:<id>"``), so a request's
+        half-full last block shows what paging wastes.
     Colours: a request's colour for its blocks (hatched ``xx`` and labelled ``xN`` when N
     requests share it); grey dotted for a free block that still holds a cached prefix
-    (labelled with its place in the free queue, 0 = evicted next); white for a free block.
-    Each square shows its block id in the corner.
+    (labelled n: the n-th such block to be evicted, :func:`eviction_ranks`); white for a free
+    block. Each square shows its block id in the corner.
     Returns the ``matplotlib.figure.Figure``.
     """
     if isinstance(pool, PoolFrame):
@@ -86,13 +99,18 @@ def draw_block_pool(pool, block_tables: Mapping[object, Sequence[int]] | None = 
     infos = _block_infos(pool)
     owners = block_owners(block_tables or {})
     revived = {int(b) for b in revived}
+    ranks = eviction_ranks(infos)
     nrows = max(1, -(-len(infos) // ncols))
     fig, ax = new_axes(ax, figsize=(0.6 * ncols + 1.8, 0.6 * nrows + 0.8))
     for info in infos:
         row, col = divmod(info.block_id, ncols)
-        color, hatch, label = block_face(info, owners.get(info.block_id, []))
+        color, hatch, label = block_face(info, owners.get(info.block_id, []), ranks.get(info.block_id))
         ax.add_patch(Rectangle((col, -row), 0.92, 0.92, facecolor=color, edgecolor=EDGE_COLOR, hatch=hatch,
                                linewidth=1.0, gid=f"block:{info.block_id}"))
+        share = (fill or {}).get(info.block_id)
+        if share is not None and share < 1:
+            ax.add_patch(Rectangle((col + 0.92 * share, -row), 0.92 * (1 - share), 0.92, facecolor="white",
+                                   edgecolor=EDGE_COLOR, hatch="///", linewidth=0.6, gid=f"empty:{info.block_id}"))
         if info.block_id in revived:
             ax.add_patch(Rectangle((col - 0.04, -row - 0.04), 1.0, 1.0, facecolor="none", edgecolor=REVIVED_COLOR,
                                    linewidth=2.5, gid=f"revived:{info.block_id}"))
@@ -104,19 +122,31 @@ def draw_block_pool(pool, block_tables: Mapping[object, Sequence[int]] | None = 
     ax.set_ylim(-nrows + 0.9, 1.0)
     ax.set_aspect("equal")
     ax.axis("off")
-    legend = [Patch(facecolor=request_color(r), edgecolor=EDGE_COLOR, label=f"req {r}") for r in (block_tables or {})]
-    if any(info.ref_count > 1 for info in infos):
-        legend.append(Patch(facecolor="white", hatch="xx", edgecolor=EDGE_COLOR, label="shared (xN: N owners)"))
-    if revived:
-        legend.append(Patch(facecolor="white", edgecolor=REVIVED_COLOR, linewidth=2.5,
-                            label="just taken from\nthe prefix cache"))
-    legend += [Patch(facecolor=CACHED_FREE_COLOR, hatch="..", edgecolor=EDGE_COLOR,
-                     label="free, still cached\n(number: place in the\neviction queue, 0 = next)"),
-               Patch(facecolor=FREE_COLOR, edgecolor=EDGE_COLOR, label="free")]
-    ax.legend(handles=legend, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
+    if legend:
+        handles = pool_legend(block_tables or {}, shared=any(i.ref_count > 1 for i in infos), revived=bool(revived),
+                              cached=any(i.ref_count == 0 and i.is_cached for i in infos))
+        if fill and any(v < 1 for v in fill.values()):
+            handles.append(Patch(facecolor="white", hatch="///", edgecolor=EDGE_COLOR, label="slots holding no token"))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7, frameon=False)
     ax.set_title(title or f"block pool: {sum(i.ref_count > 0 for i in infos)}/{len(infos)} blocks in use",
                  fontsize=9)
     return fig
+
+
+def pool_legend(requests: Iterable = (), *, shared: bool = True, revived: bool = True, cached: bool = True) -> list:
+    """Legend handles of :func:`draw_block_pool`: the requests, then the block states (shared,
+    revived and free-but-cached only when asked for)."""
+    handles = [Patch(facecolor=request_color(r), edgecolor=EDGE_COLOR, label=f"req {r}") for r in requests]
+    if shared:
+        handles.append(Patch(facecolor="white", hatch="xx", edgecolor=EDGE_COLOR, label="shared (xN: N owners)"))
+    if revived:
+        handles.append(Patch(facecolor="white", edgecolor=REVIVED_COLOR, linewidth=2.5,
+                             label="just taken from\nthe prefix cache"))
+    if cached:
+        handles.append(Patch(facecolor=CACHED_FREE_COLOR, hatch="..", edgecolor=EDGE_COLOR,
+                             label="free, still cached\n(n: n-th to be evicted)"))
+    handles.append(Patch(facecolor=FREE_COLOR, edgecolor=EDGE_COLOR, label="free"))
+    return handles
 
 
 def draw_block_tables(block_tables: Mapping[object, Sequence[int]], num_tokens: Mapping[object, int] | None = None,

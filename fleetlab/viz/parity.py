@@ -18,9 +18,6 @@ from matplotlib.figure import Figure
 
 from fleetlab.viz._style import request_color
 
-# Differences of exactly zero cannot sit on a log axis; draw them at this floor.
-_LOG_FLOOR = 1e-9
-
 
 def _as_requests(logits) -> list[np.ndarray]:
     if isinstance(logits, np.ndarray) and logits.ndim == 2:
@@ -67,9 +64,11 @@ def draw_logits_parity(reference, paged, *, max_points: int = 4000, seed: int = 
       reference, paged: per-request ``[steps, vocab]`` logits (see the module docstring).
       max_points: scatter at most this many (request, step, token) points, sampled with ``seed``.
     Left: each point is one logit, x from the oracle, y from the patched model; on the
-    diagonal means equal. Right: one bar per (request, step), height = max |difference|
-    over the vocabulary on a log axis (gid ``"diff:<request>:<step>"``; exact zeros are drawn
-    at 1e-9). Returns the Figure.
+    diagonal means equal. Right: one point per (request, step) at the max |difference| over
+    the vocabulary, on a log axis (a ``Line2D`` with gid ``"diff:<request>:<step>"``), beside a
+    dashed line at float32's rounding step for logits of this size (machine epsilon x the
+    largest |logit|): points near it differ by rounding alone. Exact zeros, which a log axis
+    cannot show, are hollow markers on the bottom edge. Returns the Figure.
     """
     ref, new = _as_requests(reference), _as_requests(paged)
     report = logits_parity(ref, new)
@@ -86,16 +85,25 @@ def draw_logits_parity(reference, paged, *, max_points: int = 4000, seed: int = 
     ax_scatter.set_xlabel("oracle logit (unpatched full forward)")
     ax_scatter.set_ylabel("paged logit (patched model)")
     ax_scatter.set_title(f"{x.size} logits", fontsize=9)
+    rounding = float(np.finfo(np.float32).eps) * max(abs(lo), abs(hi), 1e-30)
+    nonzero = [float(d) for diffs in report.per_step for d in diffs if d > 0]
+    floor = min([rounding, *nonzero]) / 10
     pos = 0
     for i, diffs in enumerate(report.per_step):
         for s, d in enumerate(diffs):
-            bar = ax_bars.bar(pos, max(float(d), _LOG_FLOOR), color=request_color(i), width=0.85)[0]
-            bar.set_gid(f"diff:{i}:{s}")
+            zero = float(d) == 0.0
+            ax_bars.plot([pos], [floor if zero else float(d)], marker="o", markersize=5, linestyle="none",
+                         color=request_color(i), markerfacecolor="none" if zero else request_color(i),
+                         clip_on=False, gid=f"diff:{i}:{s}")
             pos += 1
         pos += 1  # a gap between requests
+    ax_bars.axhline(rounding, color="#555555", linestyle="--", linewidth=1,
+                    label=f"float32 rounding at |logit| {max(abs(lo), abs(hi)):.2g} ({rounding:.0e})")
     ax_bars.set_yscale("log")
+    ax_bars.set_ylim(floor, max([rounding, *nonzero]) * 10)
+    ax_bars.legend(fontsize=7, loc="upper right", frameon=False)
     ax_bars.set_xticks([])
-    ax_bars.set_xlabel("generation steps, grouped by request (one colour each)")
+    ax_bars.set_xlabel("generation steps, request by request (hollow: exactly 0)")
     ax_bars.set_ylabel("max |oracle - paged|")
     ax_bars.set_title(f"worst difference {report.max_abs_diff:.1e}; greedy tokens agree "
                       f"{100 * report.argmax_agreement:.0f}%", fontsize=9)

@@ -245,19 +245,35 @@ class LockstepRow:
         return self.req_id == self.proposer_req_id
 
 
-def lockstep_rows(batch, proposer_batch, decode_threshold: int = 1) -> list[LockstepRow]:
-    """The :class:`LockstepRow` s of rows ``[0, batch.num_rows)`` (holes included)."""
+def draft_state(proposer_batch) -> dict:
+    """``{request id: (draft num_computed_tokens, drafts)}`` of every row of a proposer batch,
+    as it stands now: take it before a step to show the step's rows as they began
+    (``lockstep_rows(..., draft_state=...)``)."""
+    p_req, p_computed = proposer_batch.np("req_id"), proposer_batch.np("num_computed_tokens")
+    p_drafts, p_num = proposer_batch.np("draft_token_ids"), proposer_batch.np("num_draft_tokens")
+    return {p_req[r]: (int(p_computed[r]), p_drafts[r, : int(p_num[r])].tolist())
+            for r in range(len(p_req)) if p_req[r] is not None}
+
+
+def lockstep_rows(batch, proposer_batch, decode_threshold: int = 1, proposer_state: dict | None = None
+                  ) -> list[LockstepRow]:
+    """The :class:`LockstepRow` s of rows ``[0, batch.num_rows)`` (holes included).
+
+    After a step the main batch still holds each row's counts as the step began (the next
+    step's message updates them), while the proposer's already hold what it drafted in the
+    step. ``proposer_state`` (from :func:`draft_state`, taken before the step) puts the
+    proposer's counts and drafts back to the step's start, keyed by request, so both halves
+    of a row show the same moment; the row order stays the proposer batch's own."""
     spec = batch.np("num_spec_tokens")
     p_req = proposer_batch.np("req_id")
-    p_computed = proposer_batch.np("num_computed_tokens")
-    p_drafts, p_num = proposer_batch.np("draft_token_ids"), proposer_batch.np("num_draft_tokens")
+    state = draft_state(proposer_batch) if proposer_state is None else proposer_state
     rows = []
     for rec in batch.snapshot(decode_threshold):
         r = rec.row
         live = rec.phase != "empty"
+        computed, drafts = state.get(p_req[r], (0, []))
         rows.append(LockstepRow(r, rec.req_id, rec.phase, rec.num_scheduled_tokens, int(spec[r]) if live else 0,
-                                rec.num_computed_tokens, p_req[r], int(p_computed[r]),
-                                p_drafts[r, : int(p_num[r])].tolist()))
+                                rec.num_computed_tokens, p_req[r], computed, drafts))
     return rows
 
 
@@ -309,7 +325,7 @@ def _draw_lockstep_panel(ax, rows, texts, phases, *, highlight=(), num_decodes=N
 
 
 def draw_lockstep(before: Sequence[LockstepRow] | None, after: Sequence[LockstepRow], *, tokenizer=None,
-                  num_decodes: int | None = None, titles=("before", "after"), title: str | None = None):
+                  num_decodes: int | None = None, titles=("before", "after"), title: str | None = None, fig=None):
     """The main batch and the proposer's batch, row for row.
 
     With ``before``: the main batch (top) and the proposer's batch (bottom), before (left)
@@ -320,14 +336,17 @@ def draw_lockstep(before: Sequence[LockstepRow] | None, after: Sequence[Lockstep
     Row boxes are coloured by phase (the proposer's by the main row's phase), with the
     request's colour on the left; a row whose two batches hold different requests is
     outlined in red and named in its panel's title (lockstep broken). ``num_decodes``: the
-    decode | prefill boundary to dash in ``after``. Returns the Figure; row boxes have gid
+    decode | prefill boundary to dash in ``after``. ``fig``: draw into this figure or subfigure
+    (``before=None`` only; e.g. one ``fig.subfigures`` panel per frame of a strip). Returns the
+    Figure (or the given subfigure); row boxes have gid
     ``"main-<before|after>:<row>"`` / ``"proposer-<before|after>:<row>"``, arrows (in
     ``fig.artists``) ``"move:<main|proposer>:<request id>"``.
     """
     texts = {"main": _main_text, "proposer": lambda r: _proposer_text(r, tokenizer)}
     names = {"main": "main InputBatch", "proposer": "ProposerInputBatch"}
     if before is None:
-        fig = Figure(figsize=(13.0, 0.42 * max(len(after), 1) + 1.0), layout="constrained")
+        fig = fig if fig is not None else Figure(figsize=(13.0, 0.42 * max(len(after), 1) + 1.0),
+                                                 layout="constrained")
         for ax, which in zip(fig.subplots(1, 2), ("main", "proposer")):
             _draw_lockstep_panel(ax, after, [texts[which](r) for r in after], [r.phase for r in after],
                                  num_decodes=num_decodes, labels_right=which == "proposer",

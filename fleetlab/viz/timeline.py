@@ -4,7 +4,8 @@ Inputs are ``fleetlab.LLM`` traces (``LLM(..., record_traces=True).traces``, or 
 a ``fleetlab.StepRecorder``): one ``StepTrace`` per step with its rows (request, phase, tokens
 run, blocks held), preemptions, finished requests and free blocks.
 
-- :func:`draw_timeline`: which request ran prefill or decode in which step.
+- :func:`draw_timeline`: which request ran prefill or decode in which step (and, given the
+  waits of :func:`fleetlab.viz.queue_waits`, when each arrived and what kept it waiting).
 - :func:`admissions`: when each request was admitted (or re-admitted after a preemption) and
   how many of its tokens it found already in the prefix cache.
 - :func:`draw_kv_occupancy`: KV blocks held per request, step by step, against capacity.
@@ -39,6 +40,8 @@ from fleetlab.viz._style import (
     phase_color,
     request_color,
 )
+from fleetlab.viz.blocks import draw_block_pool
+from fleetlab.viz.waiting import WAIT_REASONS
 
 
 def request_order(traces: Sequence) -> list[str]:
@@ -130,36 +133,45 @@ def admissions(traces: Sequence, block_size: int | None = None) -> list[Admissio
     return out
 
 
-def draw_timeline(traces: Sequence, *, upto: int | None = None, ax=None, title: str | None = None):
+# Waiting bars, by what kept the request out (keys of fleetlab.viz.waiting.WAIT_REASONS).
+WAIT_COLORS = {"rows": "#bdbdbd", "budget": "#d5bdf0", "pool": "#f1a1a1", "pool or budget": "#f1a1a1",
+               "preemption": "#f1a1a1"}
+WAIT_HATCHES = {"preemption": "////"}
+WAIT_LABELS = {"rows": "all rows taken", "budget": "token budget spent", "pool": "KV pool full",
+               "pool or budget": "pool full or prompt\nover the budget left",
+               "preemption": "a preemption\nin this step"}
+
+
+def draw_timeline(traces: Sequence, *, upto: int | None = None, ax=None, title: str | None = None,
+                  waits: Sequence | None = None):
     """Draw one lane per request and one box per (request, step) it ran in.
 
     Boxes are orange for prefill (labelled with the tokens run, so chunked prefill shows as
     several boxes) and blue for decode. A red ``x`` marks a preemption (the request lost its
     blocks and waits to be recomputed); a black ``|`` marks the step a request finished; a
-    green number left of a box counts the tokens a request found in the prefix cache when it
-    was admitted (after a preemption: its own earlier blocks, so it recomputes only the rest).
+    green number in a box counts the tokens a request found in the prefix cache when it was
+    admitted (after a preemption: its own earlier blocks, so it recomputes only the rest).
+
+    ``waits`` (from :func:`fleetlab.viz.queue_waits`): also mark each request's arrival (a
+    black triangle) and draw a thin bar through every step it waited, coloured by what kept it
+    out (``WAIT_COLORS``: rows taken, budget spent, pool full, a preemption).
+
     Returns the Figure. Boxes have gid ``"<phase>:<request id>:<step>"``; markers
-    ``"preempted:<id>:<step>"``, ``"finished:<id>:<step>"`` and ``"cached:<id>:<step>"``.
+    ``"preempted:<id>:<step>"``, ``"finished:<id>:<step>"``, ``"arrived:<id>:<step>"``; texts
+    ``"cached:<id>:<step>"``; waiting bars ``"wait:<id>:<step>:<reason>"``.
     """
     req_ids = request_order(traces)
+    req_ids += list(dict.fromkeys(w.request_id for w in waits or () if w.request_id not in req_ids))
     lane = {req_id: y for y, req_id in enumerate(req_ids)}
     fig, ax = new_axes(ax, figsize=(max(5.0, 0.28 * len(traces) + 2.5), 0.35 * len(req_ids) + 1.2))
     visible = _visible(traces, upto)
     hits = {(a.request_id, a.step): a.num_cached_tokens for a in admissions(visible) if a.num_cached_tokens}
+    shown_reasons = _draw_waits(ax, waits or (), lane, upto)
     for trace in visible:
         for row in trace.rows:
-            y = lane[row.request_id]
-            ax.add_patch(Rectangle((trace.step - 0.45, y - 0.38), 0.9, 0.76, facecolor=phase_color(row.phase),
-                                   edgecolor=request_color(row.request_id), linewidth=1.2,
-                                   gid=f"{row.phase}:{row.request_id}:{trace.step}"))
-            if row.phase == "prefill":
-                ax.text(trace.step, y, str(row.num_scheduled_tokens), ha="center", va="center", fontsize=6)
-            cached = hits.get((row.request_id, trace.step))
-            if cached:
-                ax.text(trace.step - 0.5, y, f"{cached}", ha="right", va="center", fontsize=6.5,
-                        color=REVIVED_COLOR, fontweight="bold", gid=f"cached:{row.request_id}:{trace.step}")
+            _draw_box(ax, trace.step, lane[row.request_id], row, hits.get((row.request_id, trace.step)))
         for req_id in trace.preempted:
-            ax.plot([trace.step], [lane[req_id]], marker="x", color=ALERT_COLOR, markersize=9, markeredgewidth=2,
+            ax.plot([trace.step], [lane[req_id]], marker="x", color=ALERT_COLOR, markersize=8, markeredgewidth=2,
                     linestyle="none", gid=f"preempted:{req_id}:{trace.step}")
         for req_id in trace.finished:
             ax.plot([trace.step + 0.5], [lane[req_id]], marker="|", color="black", markersize=12,
@@ -168,17 +180,58 @@ def draw_timeline(traces: Sequence, *, upto: int | None = None, ax=None, title: 
     ax.set_ylim(len(req_ids) - 0.5, -0.5)
     ax.set_yticks(range(len(req_ids)), [f"req {r}" for r in req_ids], fontsize=8)
     ax.set_xlabel("engine step")
+    ax.legend(handles=_timeline_legend(bool(hits), waits is not None, shown_reasons), fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.set_title(title or "who ran what in each step", fontsize=9)
+    return fig
+
+
+def _draw_box(ax, step: int, y: int, row, cached: int | None) -> None:
+    """One (request, step) box; the tokens it ran below, the tokens it found cached above (green)."""
+    ax.add_patch(Rectangle((step - 0.45, y - 0.38), 0.9, 0.76, facecolor=phase_color(row.phase),
+                           edgecolor=request_color(row.request_id), linewidth=1.2,
+                           gid=f"{row.phase}:{row.request_id}:{step}"))
+    if cached:
+        ax.text(step, y - 0.2 if row.phase == "prefill" else y, str(cached), ha="center", va="center", fontsize=5.5,
+                color=REVIVED_COLOR, fontweight="bold", gid=f"cached:{row.request_id}:{step}")
+    if row.phase == "prefill":
+        ax.text(step, y + 0.14 if cached else y, str(row.num_scheduled_tokens), ha="center", va="center",
+                fontsize=6)
+
+
+def _draw_waits(ax, waits: Sequence, lane: Mapping[str, int], upto: int | None) -> list[str]:
+    """Arrival triangles and waiting bars; returns the reasons drawn, in first-seen order."""
+    reasons: dict[str, None] = {}
+    for w in waits:
+        y = lane[w.request_id]
+        if not w.after_preemption and (upto is None or w.start <= upto):
+            ax.plot([w.start - 0.5], [y], marker=">", color="black", markersize=4.5, linestyle="none",
+                    gid=f"arrived:{w.request_id}:{w.start}")
+        for step, reason in sorted(w.reasons.items()):
+            if upto is not None and step > upto:
+                break
+            ax.add_patch(Rectangle((step - 0.5, y - 0.12), 1.0, 0.24, facecolor=WAIT_COLORS[reason], linewidth=0,
+                                   hatch=WAIT_HATCHES.get(reason), edgecolor="white",
+                                   gid=f"wait:{w.request_id}:{step}:{reason}"))
+            reasons.setdefault(reason, None)
+    return list(reasons)
+
+
+def _timeline_legend(cached: bool, arrivals: bool, reasons: Sequence[str]) -> list:
     legend = [Patch(facecolor=phase_color("prefill"), edgecolor=EDGE_COLOR, label="prefill (n: tokens run)"),
               Patch(facecolor=phase_color("decode"), edgecolor=EDGE_COLOR, label="decode (1 token)"),
               Line2D([], [], marker="x", color=ALERT_COLOR, linestyle="none", markeredgewidth=2,
                      label="preempted"),
               Line2D([], [], marker="|", color="black", linestyle="none", markersize=10, label="finished")]
-    if hits:
+    if cached:
         legend.append(Line2D([], [], marker="$n$", color=REVIVED_COLOR, linestyle="none",
                              label="admitted with n tokens\nfrom the prefix cache"))
-    ax.legend(handles=legend, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    ax.set_title(title or "who ran what in each step", fontsize=9)
-    return fig
+    if arrivals:
+        legend.append(Line2D([], [], marker=">", color="black", linestyle="none", markersize=5, label="arrived"))
+    for reason in reasons:
+        legend.append(Patch(facecolor=WAIT_COLORS[reason], hatch=WAIT_HATCHES.get(reason), edgecolor="white",
+                            label=f"waiting: {WAIT_LABELS[reason]}"))
+    return legend
 
 
 def blocks_by_request(trace) -> dict[str, int]:
@@ -326,17 +379,15 @@ def describe_pool_change(traces: Sequence, step: int, block_size: int | None = N
 
 
 def draw_engine_step(traces: Sequence, step: int, *, budget: int | None = None, pool_frames=None,
-                     ncols: int = 16):
+                     ncols: int = 16, waits: Sequence | None = None):
     """The run up to ``step``: timeline on top, KV occupancy and tokens per step below, and,
     given ``pool_frames`` (one :class:`fleetlab.viz.PoolFrame` per step, from
     :func:`fleetlab.viz.pool_frame`), the block pool as it stood after the step.
 
     The current step is shaded in every panel and described in the title
-    (:func:`describe_step`). In the pool, blocks a request took from the prefix cache in
-    this step are outlined in green. Returns the Figure.
+    (:func:`describe_step`, and with ``waits`` who waited in it and why). In the pool, blocks a
+    request took from the prefix cache in this step are outlined in green. Returns the Figure.
     """
-    from fleetlab.viz.blocks import draw_block_pool
-
     current = [t for t in traces if t.step == step]
     if not current:
         raise ValueError(f"no trace for step {step} (steps {traces[0].step}..{traces[-1].step})" if traces
@@ -352,12 +403,16 @@ def draw_engine_step(traces: Sequence, step: int, *, budget: int | None = None, 
     fig = Figure(figsize=(max(9.0, 0.3 * len(traces) + 3.5), sum(heights) + 0.8), layout="constrained")
     grid = fig.add_gridspec(len(heights), 2, height_ratios=heights)
     ax_time, ax_kv, ax_tok = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
-    draw_timeline(traces, upto=step, ax=ax_time)
+    draw_timeline(traces, upto=step, ax=ax_time, waits=waits)
     draw_kv_occupancy(traces, upto=step, ax=ax_kv, max_legend=8)
     draw_step_tokens(traces, budget=budget, upto=step, ax=ax_tok)
     for ax in (ax_time, ax_kv, ax_tok):
         ax.axvspan(step - 0.5, step + 0.5, color="#ffe08a", alpha=0.35, zorder=0)
     title = describe_step(current[0])
+    waiting = [w.request_id for w in waits or () if step in w.reasons]
+    if waiting:
+        reason = next(w.reasons[step] for w in waits if step in w.reasons)
+        title += f"\nwaiting: {', '.join(waiting)} ({WAIT_REASONS[reason]})"
     if frame is not None:
         ax_pool = fig.add_subplot(grid[2, :])
         revived = [b for a in admissions([t for t in traces if t.step <= step], frame.block_size)
@@ -395,7 +450,8 @@ def idle_row_steps(traces: Sequence, num_rows: int) -> int:
 
 def draw_row_usage(traces: Sequence, num_rows: int, *, ax=None, title: str | None = None, xmax: int | None = None):
     """The batch's ``num_rows`` rows over the steps: a box in the request's colour where a
-    row ran a request (darker edge for prefill), hatched grey where it sat idle.
+    row ran a request (darker for prefill), hatched grey where it sat idle. The request's id
+    is written where it enters its row (texts with gid ``"enters:<request id>:<step>"``).
 
     A request keeps its row while it runs (:func:`row_lanes`). Boxes have gid
     ``"busy:<row>:<step>"`` and ``"idle:<row>:<step>"``. ``xmax``: draw the x axis up to this
@@ -404,9 +460,14 @@ def draw_row_usage(traces: Sequence, num_rows: int, *, ax=None, title: str | Non
     fig, ax = new_axes(ax, figsize=(max(6.0, 0.12 * len(traces) + 2.5), 0.4 * num_rows + 1.2))
     lanes = row_lanes(traces, num_rows)
     phase = {(t.step, r.request_id): r.phase for t in traces for r in t.rows}
+    previous: dict[int, str] = {}
     for trace in traces:
         for row in range(num_rows):
             req_id = lanes[trace.step].get(row)
+            if req_id is not None and previous.get(row) != req_id:
+                ax.text(trace.step - 0.4, row, req_id, ha="left", va="center", fontsize=6, color="black",
+                        gid=f"enters:{req_id}:{trace.step}")
+            previous[row] = req_id
             x = trace.step - 0.5
             if req_id is None:
                 ax.add_patch(Rectangle((x, row - 0.4), 1.0, 0.8, facecolor="#f2f2f2", edgecolor="#bbbbbb",

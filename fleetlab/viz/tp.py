@@ -44,28 +44,38 @@ def _owners(plan) -> dict[str, list[list[int]]]:
             "MLP columns (gate, up; down rows)": f}
 
 
+def _cell_labels(plan, rows) -> dict[str, list[str]]:
+    """The text of each cell: head ids (``q0``, ``k1``...) and MLP column ranges."""
+    q = [f"q{h}" for h in range(plan.num_heads)]
+    kv = [str(h) for h in range(plan.num_kv_heads)]
+    blocks = len(rows["MLP columns (gate, up; down rows)"])
+    per_block = plan.intermediate_size // blocks
+    return {"query heads": [str(h) for h in range(plan.num_heads)], "KV heads (cached)": kv,
+            "QKV columns [q | k | v]": q + [f"k{h}" for h in kv] + [f"v{h}" for h in kv],
+            "MLP columns (gate, up; down rows)": [f"{b * per_block}-{(b + 1) * per_block - 1}" for b in range(blocks)]}
+
+
 def draw_shard_plan(plans: Sequence, titles: Sequence[str] | None = None):
     """One panel per :class:`ShardPlan`: which rank holds each query head, KV head, QKV
-    projection column block and MLP column block. A KV head held by several ranks
-    (replicated) is drawn split in their colours. Cells have gid ``"<row>:<item>"``."""
+    projection column block and MLP column block (labelled with its columns). A KV head held
+    by several ranks (replicated) is drawn as one band per rank, in their colours, each band
+    labelled. Cells have gid ``"<row>:<item>"``, labels ``"label:<row>:<item>:<rank>"``."""
     plans = list(plans)
     fig = Figure(figsize=(10.0, 1.9 * len(plans) + 0.4), layout="constrained")
     axes = np.atleast_1d(fig.subplots(len(plans), 1))
     for ax, plan, title in zip(axes, plans, titles or [None] * len(plans)):
         rows = _owners(plan)
         width = max(len(v) for v in rows.values())
+        labels = _cell_labels(plan, rows)
         for y, (row, items) in enumerate(rows.items()):
             cell = width / len(items)
             for i, owners in enumerate(items):
-                for k, r in enumerate(owners):
-                    h = 0.8 / len(owners)
+                h = 0.8 / max(len(owners), 1)
+                for k, r in enumerate(owners):  # a replicated item: one band per rank, each labelled
                     ax.add_patch(Rectangle((i * cell, y + 0.1 + k * h), cell, h, facecolor=rank_color(r),
                                            edgecolor=EDGE_COLOR, linewidth=0.6, gid=f"{row}:{i}"))
-                if row != "MLP columns (gate, up; down rows)" and cell >= 0.6:
-                    label = i if row != "QKV columns [q | k | v]" else ("q", "k", "v")[
-                        0 if i < plan.num_heads else 1 if i < plan.num_heads + plan.num_kv_heads else 2]
-                    ax.text(i * cell + cell / 2, y + 0.5, str(label), ha="center", va="center", fontsize=7,
-                            color="white")
+                    ax.text(i * cell + cell / 2, y + 0.1 + (k + 0.5) * h, labels[row][i], ha="center", va="center",
+                            fontsize=7 if len(owners) == 1 else 6, color="white", gid=f"label:{row}:{i}:{r}")
         ax.set_xlim(0, width)
         ax.set_ylim(len(rows), 0)
         ax.set_yticks([y + 0.5 for y in range(len(rows))], list(rows), fontsize=8)

@@ -12,13 +12,22 @@ by setting its ``value`` and inspect what was drawn, with or without a notebook.
 A widget never fails silently: when the drawing function raises, the widget shows a figure
 with the error's message in place of the stale picture, and keeps the exception in
 ``.error`` (None after a good draw).
+
+In a notebook a widget shows each figure as a PNG it renders itself (:func:`figure_png`), so
+the time a frame takes is the drawing plus that one rendering: ``.last_frame_s``, and
+:func:`time_frames` measures a player's frames against its play interval.
 """
 
 from __future__ import annotations
 
+import io
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 import ipywidgets as widgets
+
+# Pixels per inch of the PNGs widgets show (Jupyter's inline figures use the same).
+FRAME_DPI = 100
 
 
 def _in_ipython() -> bool:
@@ -38,8 +47,8 @@ class LiveFigure(widgets.VBox):
       children: widgets to show above the figure instead of the controls themselves
         (e.g. the controls laid out in an ``HBox``).
     Attributes: ``controls``, ``output`` (the ``ipywidgets.Output`` holding the figure),
-    ``figure`` (the latest Figure), ``error`` (the exception the last draw raised, or None)
-    and ``num_draws``.
+    ``figure`` (the latest Figure), ``error`` (the exception the last draw raised, or None),
+    ``num_draws`` and ``last_frame_s`` (seconds the last redraw took, PNG included in a notebook).
     """
 
     def __init__(self, draw: Callable[..., object], controls: Mapping[str, widgets.Widget],
@@ -52,6 +61,7 @@ class LiveFigure(widgets.VBox):
         self.figure = None
         self.error = None
         self.num_draws = 0
+        self.last_frame_s = 0.0
         shown = list(children) if children is not None else list(self.controls.values())
         super().__init__(children=[*shown, self.output])
         for control in self.controls.values():
@@ -65,6 +75,7 @@ class LiveFigure(widgets.VBox):
     def redraw(self):
         """Draw with the current values, show the figure, and return it. If drawing raises,
         show (and return) a figure that says what went wrong instead."""
+        start = time.perf_counter()
         values = self.values()
         try:
             self.figure, self.error = self.draw(**values), None
@@ -72,15 +83,43 @@ class LiveFigure(widgets.VBox):
             self.figure, self.error = error_figure(error, values), error
         self.num_draws += 1
         if _in_ipython():  # outside IPython there is nowhere to show it; .figure still holds it
-            from IPython.display import display
+            from IPython.display import Image, display
 
             with self.output:
                 self.output.clear_output(wait=True)
-                display(self.figure)
+                display(Image(data=figure_png(self.figure), format="png"))
+        self.last_frame_s = time.perf_counter() - start
         return self.figure
 
     def _on_change(self, change) -> None:
         self.redraw()
+
+
+def figure_png(fig) -> bytes:
+    """``fig`` rendered once as PNG bytes, at ``FRAME_DPI``: what a widget shows."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=FRAME_DPI)
+    return buffer.getvalue()
+
+
+def time_frames(live: LiveFigure, indices: Sequence[int]) -> list[float]:
+    """Seconds each of a player's frames ``indices`` takes to draw and render as PNG, on this
+    machine: set the slider to each index in turn (as play does), then back where it was.
+    Compare them with ``live.play.interval`` (milliseconds): a frame slower than the interval
+    makes play stutter."""
+    slider = live.controls["index"]
+    start, seconds = slider.value, []
+    for index in indices:
+        began = time.perf_counter()
+        if slider.value == index:
+            live.redraw()
+        else:
+            slider.value = int(index)  # redraws, as play does
+        if not _in_ipython():  # in a notebook, redraw rendered the PNG already
+            figure_png(live.figure)
+        seconds.append(time.perf_counter() - began)
+    slider.value = start
+    return seconds
 
 
 def error_figure(error: BaseException, values: Mapping | None = None):

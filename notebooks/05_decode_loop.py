@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 04 · The decode loop: continuous batching step by step
+# # 05 · The decode loop: continuous batching step by step
 #
 # **You will learn** what the scheduler decides every step, and watch it happen:
 #
@@ -7,10 +7,13 @@
 # - a token budget shared by prefills and decodes, and long prompts split across steps
 #   (**chunked prefill**);
 # - what happens when the KV cache runs out: **preemption** and recomputation;
-# - a play button that replays the run step by step.
+# - who waits in the queue, and what keeps each request out (rows, budget, memory);
+# - the block pool step by step: key steps side by side, and a play button for all of them.
 
 # %%
 # %matplotlib inline
+import numpy as np
+
 import fleetlab
 from fleetlab import viz
 
@@ -24,9 +27,11 @@ from fleetlab import viz
 # it writes noise. So the texts below start with the answer (`'19'` for `12+7=`) and then
 # ramble; this notebook is about the schedule, not the answers.
 #
-# `serve` adds each request at its arrival step and, after every step, keeps a picture of
-# the block pool (`viz.pool_frame`: every block's state and each running request's block
-# table) for the replay in section 3.
+# `serve` adds each request at its arrival step (and notes that step), and after every step
+# keeps a picture of the block pool (`viz.pool_frame`: every block's state and each running
+# request's block table) for the replay in section 4. Before each step it also asks the
+# engine how many requests are waiting (`llm.stats()["num_requests_waiting"]`): the queue
+# drawn in section 2 must be that one.
 
 # %%
 model, tokenizer = fleetlab.models.load_tiny()
@@ -42,23 +47,24 @@ arrivals = {
 }
 
 def serve(llm, arrivals, pool_frames=None):
-    """Add each request at its arrival step and run until all are done. With a list as
-    pool_frames, append the block pool as it stands after every step."""
-    outputs, step = {}, 0
+    """Add each request at its arrival step and run until all are done. Returns the outputs
+    (by request id), each request's arrival step, and the engine's count of waiting requests
+    before each step. With a list as pool_frames, append the block pool after every step."""
+    outputs, arrival_steps, waiting_before, step = {}, {}, {}, 0
     while llm.has_unfinished_requests() or step <= max(arrivals):
         for prompt, max_tokens in arrivals.get(step, []):
-            llm.add_request(prompt, fleetlab.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-        for out in llm.step():  # every request that gained tokens; keep the finished ones
-            if out.finished:
-                outputs[out.request_id] = out
+            rid = llm.add_request(prompt, fleetlab.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+            arrival_steps[rid] = step
+        waiting_before[step] = llm.stats()["num_requests_waiting"]
+        outputs.update({out.request_id: out for out in llm.step() if out.finished})
         if pool_frames is not None:
             pool_frames.append(viz.pool_frame(llm))
         step += 1
-    return [outputs[k] for k in sorted(outputs, key=int)]
+    return [outputs[k] for k in sorted(outputs, key=int)], arrival_steps, waiting_before
 
 
 pool_frames = []
-outputs = serve(llm, arrivals, pool_frames)
+outputs, arrival_steps, waiting_before = serve(llm, arrivals, pool_frames)
 traces = llm.traces
 print(len(traces), "steps;", llm.stats())
 for out in outputs:
@@ -68,18 +74,37 @@ for out in outputs:
 # ## 2. The whole run
 #
 # Top: who ran in each step (orange prefill, with its token count; blue decode; a red `x`
-# where a request was preempted; `|` where it finished). Middle: KV blocks held per
-# request against the pool's 14. Bottom: tokens per step against the budget of 16.
-#
-# Things to find: the long prompt of request 1 split over steps 0-2 (chunked prefill);
-# steps that mix prefill and decode; the cache filling up until the scheduler preempts
-# the newest running request (request 2 in step 7, request 5 in step 16, request 6 in
-# steps 18 and 21). A preempted request loses its blocks and later comes back to rebuild
-# its prompt *and* the tokens it had already generated; a green number left of its box
-# counts the tokens it found still in the prefix cache (section 3 explains).
+# where a request was preempted; `|` where it finished), and who waited: a black triangle
+# where a request arrived, a thin bar through every step it waited, coloured by what kept it
+# out. `viz.queue_waits` reads that from each step's trace, in the order the scheduler gives
+# up admitting: a step that preempted admits nobody; then all `max_num_seqs` rows taken;
+# then the token budget spent; otherwise the next prompt's blocks did not fit the free pool.
+# Middle: KV blocks held per request against the pool's 14. Bottom: tokens per step against
+# the budget of 16.
 
 # %%
-viz.draw_timeline(traces)
+waits = viz.queue_waits(traces, arrival_steps, llm.config)
+timeline = viz.draw_timeline(traces, waits=waits)
+timeline
+
+# %%
+for wait in waits:
+    if wait.reasons:
+        print(wait.describe())
+
+# %% [markdown]
+# Things to find: the long prompt of request 1 split over steps 0-2 (chunked prefill),
+# which with request 0's prompt fills step 0's budget, so request 2 waits two steps for
+# tokens, not for memory. Requests 3 and 4 arrive in step 3 and wait seven steps: the first
+# three requests' growing caches have taken the pool (it stays full through step 9, and in
+# step 7 the scheduler even preempts request 2, the newest, to let the older ones grow).
+# Requests 5 and 6 arrive in step 6 into the same full pool; once there is room, request 5
+# waits one more step for the budget, and request 6, at the back of the queue, finds every
+# row taken (steps 11-15). Steps mix prefill and decode throughout, and the cache fills
+# until the scheduler preempts again (request 5 in step 16, request 6 in steps 18 and 21).
+# A preempted request loses its blocks and later comes back to rebuild its prompt *and* the
+# tokens it had already generated; a green number in its box counts the tokens it found
+# still in the prefix cache (section 3 explains).
 
 # %%
 viz.draw_kv_occupancy(traces)
@@ -113,20 +138,33 @@ for a in viz.admissions(traces, block_size=engine_config["block_size"]):
 #
 # ## 4. Replay it
 #
-# Press play (or drag the slider) to see the run build up one step at a time. The title
-# describes the current step: its rows in batch order (`d` decode, `p` prefill, then the
-# tokens run), any reorder, preemptions and finishes. The block pool at the bottom shows
-# the cache after the step: blocks coloured by the request holding them (hatched `x2`
-# when shared), grey dotted when free but still cached, white when free. Watch it grow
-# block by block, empty on a preemption (the freed blocks turn grey, still cached), and
-# the blocks a returning request takes back from the cache outlined in green (steps 10,
-# 17, 20 and 23).
+# The block pool after key steps, side by side: after step 6 the pool is full; in step 7
+# request 2 is preempted (its blocks turn grey: free, still cached); in step 10 it comes
+# back and takes its first block from the cache (outlined in green); in step 16 request 5
+# is preempted and in step 17 takes its block back; in step 23 request 6 takes back five
+# blocks of its own. Blocks are coloured by the request holding them, grey dotted when free
+# but still cached (numbered in the order they would be overwritten), white when free.
 
 # %%
-replay = viz.player(lambda i: viz.draw_engine_step(traces, traces[i].step, pool_frames=pool_frames,
-                                                   budget=engine_config["max_num_batched_tokens"]),
-                    len(traces), interval_ms=700)
+pool_strip = viz.draw_pool_strip(traces, [6, 7, 10, 16, 17, 23], pool_frames, waits=waits)
+pool_strip
+
+# %% [markdown]
+# Every step in a player: press play (or drag the slider) to watch the pool grow block by
+# block, empty on a preemption, and refill from the cache. The text above the pool tells
+# the step: its rows in batch order (`d` decode, `p` prefill, then the tokens run), any
+# reorder, preemptions and finishes, who waited and why, and what the prefix cache gave
+# back (the outlined blocks).
+
+# %%
+replay = viz.player(lambda i: viz.draw_pool_step(traces, traces[i].step, pool_frames, waits=waits), len(traces),
+                    interval_ms=1000)
 replay
+
+# %%
+frame_s = viz.time_frames(replay, range(len(traces)))
+print(f"a frame takes {np.median(frame_s):.2f} s to draw and render here (the median of {len(frame_s)}; "
+      f"the slowest {max(frame_s):.2f} s); play shows one every {replay.play.interval / 1000:.1f} s")
 
 # %% [markdown]
 # ## 5. Preemption costs time, never correctness
@@ -138,7 +176,7 @@ replay
 
 # %%
 roomy = fleetlab.LLM(llm.handle, tokenizer, **{**engine_config, "num_blocks": 140})
-roomy_outputs = serve(roomy, arrivals)
+roomy_outputs, _, _ = serve(roomy, arrivals)
 for tight, free in zip(outputs, roomy_outputs):
     print(f"req {tight.request_id}: preempted {tight.metrics['num_preemptions']}x  "
           f"{tight.text!r:<16} same as roomy: {tight.text == free.text}")
@@ -168,4 +206,4 @@ print("steps: tight", len(traces), "| roomy", len(roomy.traces), "| roomy preemp
 #   (then `max_num_batched_tokens` must be at least `max_model_len`).
 # - `num_blocks=20`: fewer preemptions, fewer steps? (Below 14 the longest request would
 #   not fit even alone, and `add_request` refuses it.)
-# - Next notebook: **05_performance**, what continuous batching buys.
+# - Next notebook: **06_performance**, what continuous batching buys.

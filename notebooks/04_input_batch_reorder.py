@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 03 · The InputBatch and decode-first reordering
+# # 04 · The InputBatch and decode-first reordering
 #
 # **You will learn** how an engine keeps the state of its running requests between
 # steps, and why it rearranges that state every step:
@@ -93,14 +93,31 @@ for name, rows in (("before", rows_before), ("after", rows_after)):
 # `reorder_frames` runs exactly what the engine runs each step: `condense()` (live rows
 # slide up into the holes, keeping their order), then the two-pointer scan: a left pointer
 # finds the next prefill row in the decode region, a right pointer the last decode row in
-# the prefill region, and they swap. Press play, or drag the slider. Rows that just moved
-# are outlined in red; the dashed line separates decodes from prefills.
+# the prefill region, and they swap. Below, every frame side by side: the rows each frame
+# moved are outlined in red, and the dashed line separates decodes from prefills (`d1`: a
+# one-token decode, `p9`: a 9-token prefill chunk).
 
 # %%
 frames = viz.reorder_frames(make_batch())
 for i, frame in enumerate(frames):
     print(i, frame.label)
-viz.player(lambda i: viz.draw_reorder_frame(frames, i), len(frames), description="frame", interval_ms=1200)
+reorder_strip = viz.draw_reorder_strip(frames)
+reorder_strip
+
+# %% [markdown]
+# The same frames in a player, each beside the batch as the step began: press play, or drag
+# the slider. Each frame is drawn when it is shown; the cell after it times them on this
+# machine against the play interval.
+
+# %%
+reorder_player = viz.player(lambda i: viz.draw_reorder_frame(frames, i), len(frames), description="frame",
+                            interval_ms=1200)
+reorder_player
+
+# %%
+frame_s = viz.time_frames(reorder_player, range(len(frames)))
+print(f"a frame takes {np.median(frame_s):.2f} s to draw and render here (the median of {len(frame_s)}; "
+      f"the slowest {max(frame_s):.2f} s); play shows one every {reorder_player.play.interval / 1000:.1f} s")
 
 # %% [markdown]
 # The whole move at once: an arrow for each request that changed rows.
@@ -203,4 +220,4 @@ step0_axis
 # - In `make_batch`, make every request a decode: how many swaps now?
 # - Use `decode_threshold=4` in `reorder_frames`: rows running up to 4 tokens (say,
 #   speculative decoding) count as decodes.
-# - Next notebook: **04_decode_loop**, the scheduler that fills these rows.
+# - Next notebook: **05_decode_loop**, the scheduler that fills these rows.

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 08 · Tensor parallelism: one model, two processes
+# # 09 · Tensor parallelism: one model, two processes
 #
 # A model too big (or too slow) for one device is split across several: every rank holds a
 # slice of each layer's attention heads and MLP columns, and the ranks add up their partial
@@ -39,7 +39,8 @@ from fleetlab.viz import tp as tpviz
 #
 # With 4 ranks and only 2 KV heads, each rank keeps one query-head pair's worth of work but
 # still needs a whole KV head: KV head 0 is **replicated** on ranks 0 and 1, KV head 1 on
-# ranks 2 and 3 (the lower panel).
+# ranks 2 and 3 (the lower panel: a replicated head is drawn as one band per rank holding
+# it, each labelled). The MLP boxes name the columns each rank holds.
 
 # %%
 model = tiny("fleet", seed=0)
@@ -48,7 +49,8 @@ plan2 = fleetlab.distributed.plan_for(model, 2)
 plan4 = plan_shards(num_heads=8, num_kv_heads=2, head_dim=16, intermediate_size=128, tp_size=4)
 for row in plan2.table():
     print(row)
-tpviz.draw_shard_plan([plan2, plan4])
+shard_figure = tpviz.draw_shard_plan([plan2, plan4])
+shard_figure
 
 # %% [markdown]
 # Every projection of a decoder layer, whole and on one rank. *Column*-parallel layers
@@ -163,7 +165,9 @@ tpviz.draw_rank_steps(rep)
 # > **In vLLM / FastDeploy** the split layers are `QKVParallelLinear` / `MergedColumnParallelLinear`
 # > (column-parallel) and `RowParallelLinear` (row-parallel, ending in the all-reduce) in
 # > `vllm/model_executor/layers/linear.py`, with `tensor_model_parallel_all_reduce` from
-# > `vllm/distributed/parallel_state.py`; FastDeploy's `fastdeploy/model_executor/layers/linear.py`
+# > `vllm/distributed/communication_op.py` (it calls the tensor-parallel group's
+# > `GroupCoordinator.all_reduce`, set up in `vllm/distributed/parallel_state.py`);
+# > FastDeploy's `fastdeploy/model_executor/layers/linear.py`
 # > has the same classes on Paddle's collectives, and both take `tensor_parallel_size`. Unlike
 # > fleetlab, both run the scheduler once (vLLM's engine core) and send each step's
 # > `SchedulerOutput` to every worker.

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 01 · Attention patching
+# # 03 · Attention patching
 #
 # **You will learn** how fleetlab runs a model library's *own* model on its paged
 # attention without editing the model's code:
@@ -77,7 +77,9 @@ except RuntimeError as err:
 # %% [markdown]
 # What the context holds for one step that prefills our three prompts together, packed
 # into one sequence of 24 tokens: each token's position *within its own request*, where
-# its K/V go (`slot_mapping`), and where each request's tokens start (`cu_seqlens_q`).
+# its K/V go (`slot_mapping`, one slot per token, from the block tables of notebook 02),
+# and where each request's tokens start (`cu_seqlens_q`: cumulative query lengths, so
+# request `i`'s tokens are `[cu_seqlens_q[i], cu_seqlens_q[i + 1])` of the packed sequence).
 # The three requests' blocks are scattered over a cache of 8 blocks, as they are in a
 # pool that has been serving for a while: request 0 holds blocks 7 and 2, request 1
 # blocks 4, 0 and 5, request 2 blocks 6 and 1.
@@ -118,7 +120,10 @@ print(kernel_source("naive_paged_attention", module="fleetlab.attention.naive"))
 # `paged_greedy` decodes the same prompts through the patched model: one packed prefill
 # step, then one packed decode step per token, on a fresh paged cache whose block ids are
 # shuffled (so a layout bug cannot hide behind contiguous blocks). Every logit should sit
-# on the diagonal, and the worst difference per step should be float rounding (~1e-6).
+# on the diagonal, and the worst difference per step should stay within a few float32
+# rounding steps (the dashed line: float32's epsilon times the largest logit; the two sides
+# add the same numbers in different orders, so they differ by rounding, and a layout bug
+# would show as a difference of the logits' own size).
 
 # %%
 paged_tokens, paged_logits = paged_greedy(handle, prompts, max_new_tokens=8, block_size=4)
@@ -200,4 +205,4 @@ viz.draw_logits_parity(fleet_ref_logits, fleet_logits)
 #   and full layers (see `handle.sliding_windows`); GPT-OSS adds attention sinks.
 # - Re-run `paged_greedy` with `block_size=1` or `16`: the paged layout changes completely,
 #   the logits must not.
-# - Next notebook: **02_paged_kv_cache**, where those block tables come from.
+# - Next notebook: **04_input_batch_reorder**, the table of running requests whose tokens each step packs.

@@ -1,7 +1,7 @@
 # %% [markdown]
-# # 09 · Serving: the engine behind an OpenAI-compatible server
+# # 10 · Serving: the engine behind an OpenAI-compatible server
 #
-# **You will learn** what a serving engine adds around the decode loop of `04_decode_loop`:
+# **You will learn** what a serving engine adds around the decode loop of `05_decode_loop`:
 #
 # 1. an **async engine loop**: one background thread steps the `LLM` while the web server
 #    answers many clients on an asyncio event loop; each request gets its own output stream;
@@ -22,6 +22,7 @@ import httpx
 from openai import OpenAI
 
 import fleetlab  # first: it keeps Paddle's import-time notices quiet
+from fleetlab import viz
 from fleetlab.bench import serving as serving_bench
 
 # %% [markdown]
@@ -60,18 +61,27 @@ print(repr(chat.choices[0].message.content), chat.choices[0].finish_reason)
 #
 # ## 3. Stream a completion into this cell
 #
-# With `stream=True` the server sends one chunk per engine step that made tokens (a `|` marks each
-# chunk below). `stream_options={"include_usage": True}` adds a last chunk with the token counts.
+# With `stream=True` the server writes a chunk as soon as the engine has new tokens for the
+# request (a `|` marks the end of each chunk below): usually one chunk per engine step, one
+# token each here. When the engine runs ahead of the connection, the tokens of the steps
+# that piled up go out together in one chunk, so a chunk may carry several tokens; the
+# text is the same either way. The EOS token is not text: the chunk it ends carries only
+# the `finish_reason`. `stream_options={"include_usage": True}` adds a last chunk with the
+# token counts.
 
 # %%
 stream = client.completions.create(model="tiny", prompt="count 3 ", max_tokens=24, temperature=0, stream=True,
                                    stream_options={"include_usage": True})
+chunk_texts = []
 for chunk in stream:
     if chunk.choices:
+        chunk_texts.append(chunk.choices[0].text)
         print(chunk.choices[0].text, end="|", flush=True)
         finish = chunk.choices[0].finish_reason
     else:
-        print(f"\nfinish_reason={finish!r}, usage: {chunk.usage}")
+        usage = chunk.usage
+        print(f"\nfinish_reason={finish!r}, usage: {usage}")
+print(f"{len(chunk_texts)} chunks for {usage.completion_tokens} tokens")
 
 # %% [markdown]
 # A `stop` string ends the answer where it appears, and is not part of the text. The server holds
@@ -155,21 +165,37 @@ print(serving_bench.table(result))
 serving_bench.draw(result)
 
 # %% [markdown]
-# How to read it (the numbers move from run to run on a shared CPU; the shapes are what matter):
+# How to read it. Twenty requests per rate on a shared two-core CPU is a small sample: the
+# numbers move from run to run, by more than some of the effects below. So next to this run,
+# the cell after it prints the stored full run (`python -m fleetlab bench serve`: 64 requests
+# per rate, `benchmarks/results/serving.json`), where they stand out.
 #
-# - **Throughput** (bottom right) follows the offered load while the server keeps up. Where the
-#   bars stop growing, the server is saturated: it cannot finish more requests per second, and
-#   sending faster only makes requests wait. On a busy two-core machine that happens within these
-#   rates; on an idle one the bars may keep growing up to "all at once".
-# - **TTFT** jumps at "all at once": the 20 prompts arrive together, so most of them wait for the
-#   steps that serve the others' prefills (and for a free row, once `--max-num-seqs` are running).
-# - **TPOT and ITL** rise with the rate, gently or steeply: more requests in every step make each
-#   step longer, and every running request waits for the whole step. That is the trade of
-#   continuous batching: more tokens per second for everyone, each a little slower. On the tiny
-#   model a step's fixed overhead dominates, so on an idle machine the rise is small; the full
-#   run behind `benchmarks/results/serving.png` (64 requests per rate) shows it more clearly.
-# - **p99** sits above the median: a few requests arrive behind a burst, or share their steps
-#   with several prefills.
+# - **Throughput** (bottom right) follows the offered load while the server keeps up. Where
+#   the bars stop growing, the server is saturated: it cannot finish more requests per
+#   second, and sending faster only makes requests wait.
+# - **TTFT** grows once requests arrive faster than the server clears them: they wait for the
+#   steps that serve the others' prefills (and for a free row, once `--max-num-seqs` run).
+# - **TPOT and ITL** grow with the number of requests running together: more requests in
+#   every step make each step longer, and every running request waits for the whole step.
+#   That is the trade of continuous batching: more tokens per second for everyone, each a
+#   little slower. In a 20-request run on a shared machine the wobble can hide it; the cell
+#   below says whether this run shows it.
+# - **p99** sits above the median: a few requests arrive behind a burst, or share their
+#   steps with several prefills.
+
+# %%
+def by_rate(runs, value):
+    return ", ".join(f"{run['rate']}: {value(run):.1f}" for run in runs)
+
+
+stored = viz.load_results().get("serving")
+for name, runs in (("this run", result["runs"]), ("stored run", stored["runs"] if stored else [])):
+    if runs:
+        tpot = [run["tpot_ms"]["median"] for run in runs]
+        print(f"{name}, by rate -- req/s {by_rate(runs, lambda run: run['request_throughput'])}")
+        print(f"    median TTFT ms {by_rate(runs, lambda run: run['ttft_ms']['median'])}")
+        print(f"    median TPOT ms {by_rate(runs, lambda run: run['tpot_ms']['median'])} "
+              f"(rising from each rate to the next: {all(b >= a for a, b in zip(tpot, tpot[1:]))})")
 #
 # ## 6. Stop the server
 #

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 00 · A tour of fleetlab
+# # 01 · A tour of fleetlab
 #
 # **You will learn** how an inference engine serves many requests at once, by following a
 # handful of prompts through fleetlab on a tiny model trained for this project:
@@ -10,7 +10,9 @@
 # 4. two requests that share a prompt prefix, and the pieces you can open next.
 #
 # Everything runs on a CPU in seconds. The cells only *use* fleetlab: the engine's code
-# lives in the `fleetlab` package, one small file per idea.
+# lives in the `fleetlab` package, one small file per idea. Notebook 00 showed why an engine
+# keeps a KV cache and what prefill and decode are; here they are at work, many requests at
+# once.
 
 # %%
 # %matplotlib inline
@@ -68,20 +70,23 @@ for out, want in zip(outputs, expected):
 
 # %% [markdown]
 # Same answers. The engine changed *how* the work was scheduled, not what the model
-# computes. (Notebook 01 checks this down to the logits.)
+# computes. (Notebook 03 checks this down to the logits.)
 #
 # ## 3. What happened inside
 #
 # `llm.traces` holds one record per step. In the timeline below each lane is a request
 # and each box a step it ran in. **Orange boxes are prefill**: prompt tokens go through
-# the model (the number is how many). **Blue boxes are decode**: one new token. In step 0
-# the four rows (`max_num_seqs=4`) are taken, so requests 4 and 5 wait. Request 4 joins
-# in step 2, right after request 2 finishes, and request 5 in step 3: a request takes a
-# row the step after one frees, and steps 2 and 3 run prefill and decode side by side.
+# the model (the number is how many). **Blue boxes are decode**: one new token. All six
+# requests arrive before step 0 (the black triangles), but the four rows
+# (`max_num_seqs=4`) are taken, so requests 4 and 5 wait: the thin grey bars, which
+# `viz.queue_waits` reads from each step's trace (here: every row was taken). Request 4
+# joins in step 2, right after request 2 finishes, and request 5 in step 3: a request takes
+# a row the step after one frees, and steps 2 and 3 run prefill and decode side by side.
 # That is **continuous batching**.
 
 # %%
-timeline = viz.draw_timeline(llm.traces)
+waits = viz.queue_waits(llm.traces, {out.request_id: 0 for out in outputs}, llm.config)
+timeline = viz.draw_timeline(llm.traces, waits=waits)
 timeline
 
 # %%
@@ -117,7 +122,7 @@ for a in viz.admissions(llm.traces, block_size=4)[-2:]:
           f"(blocks {a.cached_block_ids})")
 
 # %% [markdown]
-# Request 6 (37 tokens: `<bos>` and 36 characters) runs its prompt in two chunks, 24
+# Request 6 (36 tokens: `<bos>` and 35 characters) runs its prompt in two chunks, 24
 # tokens then the last 8 after the 4 it found cached (`<bos>the` is also how request 5,
 # `"the dog"`, began). Request 7 joins in the second step. Its first 29 tokens are the same
 # as request 6's, and 7 blocks of 4 of them (28 tokens) are already full and computed,
@@ -127,8 +132,8 @@ for a in viz.admissions(llm.traces, block_size=4)[-2:]:
 # The **block pool** after those two steps: one square per block of the cache, coloured by
 # the request holding it. The 7 blocks both requests hold are hatched and marked `x2`
 # (two owners). Grey dotted squares are free, but still remember the tokens of a finished
-# request, in case a later prompt starts the same way; their number is their turn to be
-# recycled.
+# request, in case a later prompt starts the same way; their number is the order in which
+# the pool would overwrite them (1 first; the white, empty blocks go before any of them).
 
 # %%
 frame = viz.pool_frame(llm)
@@ -149,8 +154,9 @@ viz.draw_batch(batch_rows)
 
 # %%
 while llm.has_unfinished_requests():
-    for out in [o for o in llm.step() if o.finished]:
-        print(f"req {out.request_id} finished: {out.text!r} ({out.finish_reason})")
+    for out in llm.step():
+        if out.finished:
+            print(f"req {out.request_id} finished: {out.text!r} ({out.finish_reason})")
 print(f"prefix cache hit rate: {llm.stats()['prefix_cache_hit_rate']:.0%}")
 
 # %% [markdown]
@@ -168,12 +174,12 @@ print(f"prefix cache hit rate: {llm.stats()['prefix_cache_hit_rate']:.0%}")
 # %% [markdown]
 # ## Try next
 #
-# - **01_attention_patching**: how `LLM` took over the model's attention without editing its code.
 # - **02_paged_kv_cache**: blocks, block tables, prefix sharing and eviction, with sliders.
-# - **03_input_batch_reorder**: why and how the batch puts decode rows first.
-# - **04_decode_loop**: the scheduler step by step, with preemption and a play button.
-# - **05_performance**: continuous batching against static batches, measured.
-# - **06_prototyping**: your own attention backend and scheduling policy.
+# - **03_attention_patching**: how `LLM` took over the model's attention without editing its code.
+# - **04_input_batch_reorder**: why and how the batch puts decode rows first.
+# - **05_decode_loop**: the scheduler step by step, with preemption and a play button.
+# - **06_performance**: continuous batching against static batches, measured.
+# - **07_prototyping**: your own attention backend and scheduling policy.
 #
 # Or change the engine above: `max_num_seqs=1` (one request at a time: watch the timeline
 # stretch), `block_size=16`, or `max_num_batched_tokens=8` (long prompts get split over

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 06 · Prototyping: your own attention backend and scheduling policy
+# # 07 · Prototyping: your own attention backend and scheduling policy
 #
 # **You will learn** how to try an idea on the engine without touching its code:
 #
@@ -22,7 +22,7 @@ import fleetlab
 from fleetlab import viz
 from fleetlab.attention.backend import AttentionBackend
 from fleetlab.attention.tiled import paged_attention
-from fleetlab.bench.latency import latency_stats, latency_table
+from fleetlab.bench.latency import latency_stats
 from fleetlab.engine.policies import SchedulingPolicy, register_policy
 
 # %% [markdown]
@@ -56,9 +56,7 @@ def serve(llm, arrivals):
             params = fleetlab.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
             rid = llm.add_request(prompt, params, request_id=request_id[0] if request_id else None)
             arrival_steps[rid] = step
-        for out in llm.step():  # every request that gained tokens; keep the finished ones
-            if out.finished:
-                outputs[out.request_id] = out
+        outputs.update({out.request_id: out for out in llm.step() if out.finished})
         step += 1
     return [outputs[rid] for rid in arrival_steps], arrival_steps
 
@@ -201,43 +199,69 @@ for layer_id, values in sorted(split_llm.handle.backend.entropy.items()):
 # CPU is, so they show exactly what the policy changed. **Milliseconds** come from
 # `time.perf_counter` (in `RequestOutput.metrics`): what a user feels, but noisy on a
 # shared machine, and a step that batches a long prefill takes longer than a decode-only
-# one. The table gives p50 / p90 / p99 over the 11 requests.
+# one. So after a warm-up run (the first steps of a process pay one-off costs), each policy
+# runs three times, taking turns, and every figure below in milliseconds keeps all three.
 
 # %%
 handle = fleetlab.patch_model(model)  # one patched model for every run below
-policy_runs, stats = {}, {}
-for policy in ["fcfs", "spf"]:
-    llm = fleetlab.LLM(handle, tokenizer, scheduling_policy=policy, **engine_config)
-    outputs, arrival_steps = serve(llm, arrivals)
-    policy_runs[policy] = llm
-    prompt_lens = {o.request_id: len(o.prompt_token_ids) for o in outputs}  # the same in both runs
-    stats[policy] = latency_stats(outputs, llm.traces, arrival_steps)
-    print(f"{policy}: {len(llm.traces)} steps, {llm.stats()['num_preemptions']} preemptions")
-print(latency_table(stats))
+with fleetlab.LLM(handle, tokenizer, **engine_config) as warm_up:
+    serve(warm_up, arrivals)
+policy_runs, stats = {}, {"fcfs": [], "spf": []}
+for _ in range(3):
+    for policy in ["fcfs", "spf"]:
+        llm = fleetlab.LLM(handle, tokenizer, scheduling_policy=policy, **engine_config)
+        outputs, arrival_steps = serve(llm, arrivals)
+        policy_runs[policy] = llm
+        stats[policy].append(latency_stats(outputs, llm.traces, arrival_steps))
+prompt_lens = {o.request_id: len(o.prompt_token_ids) for o in outputs}  # the same in every run
+for policy, runs in stats.items():
+    steps = {(s.ttft_steps.p50, s.tpot_steps.p50) for s in runs}
+    ttft_ms = [1e3 * s.ttft_s.p50 for s in runs]
+    tpot_ms = [1e3 * s.tpot_s.p50 for s in runs]
+    print(f"{policy}: {len(policy_runs[policy].traces)} steps, {policy_runs[policy].stats()['num_preemptions']} "
+          f"preemptions; p50 TTFT {runs[0].ttft_steps.p50:g} steps, p50 TPOT {runs[0].tpot_steps.p50:g} steps "
+          f"(the same in all {len(runs)} runs: {len(steps) == 1}); in ms, p50 TTFT {min(ttft_ms):.0f}-"
+          f"{max(ttft_ms):.0f}, p50 TPOT {min(tpot_ms):.1f}-{max(tpot_ms):.1f}")
 
 # %% [markdown]
-# The two timelines, one above the other (a red `x` is a preemption: the cache holds 16
-# blocks of 4 tokens, not enough for two long sentences at once; a green number counts
-# the tokens a request found in the prefix cache when it was admitted).
-#
-# Under `fcfs` request 0's long prompt runs first. Request 1, the other long sentence,
-# starts beside it in step 2, but as both grow the cache runs out, and in step 4 the
-# scheduler preempts request 1, the newest. Request 1 then waits at the head of the
-# queue, too big to fit beside request 0, and `fcfs` lets nobody pass it: the short sums
-# queue behind both until request 0 finishes. That is **head-of-line blocking**. Under
-# `spf` the short sums go first and the long sentences wait.
+# The two timelines (the last run of each), one above the other: a black triangle where a
+# request arrived, a thin bar through every step it waited, coloured by what kept it out
+# (read from each step's trace, as in notebook 05); a red `x` is a preemption (the cache
+# holds 16 blocks of 4 tokens, not enough for two long sentences at once); a green number
+# in a box counts the tokens a request found in the prefix cache when it was admitted.
 
 # %%
-policy_figure = Figure(figsize=(12, 8), layout="constrained")
+waits = {policy: viz.queue_waits(llm.traces, arrival_steps, llm.config) for policy, llm in policy_runs.items()}
+policy_figure = Figure(figsize=(12, 8.5), layout="constrained")
 axes = policy_figure.subplots(2, 1, sharex=True)
 for ax, (policy, llm) in zip(axes, policy_runs.items()):
-    viz.draw_timeline(llm.traces, ax=ax, title=f"scheduling_policy={policy!r}")
+    viz.draw_timeline(llm.traces, ax=ax, title=f"scheduling_policy={policy!r}", waits=waits[policy])
 axes[0].set_xlim(-0.6, max(llm.traces[-1].step for llm in policy_runs.values()) + 0.6)  # the longer run
 policy_figure
 
+# %%
+for policy in waits:
+    for wait in waits[policy]:
+        if wait.request_id in ("0", "1", "2", "7") and wait.reasons:
+            print(f"{policy:>4}: {wait.describe()}")
+
+# %% [markdown]
+# Under `fcfs` request 0's long prompt runs first and fills the first steps' budget, so
+# request 1, the other long sentence, waits two steps for tokens and starts beside it in
+# step 2. As both grow the cache runs dry, and in step 4 the scheduler preempts request 1,
+# the newest. Request 1 then waits at the head of the queue while the pool stays full
+# (steps 5-9), and `fcfs` lets nobody pass it: the short sums that arrived in steps 0 and
+# 1 queue behind both until request 0 finishes. That is **head-of-line blocking**.
+#
+# Under `spf` the sum `12+7=` (request 2) goes first in step 0, and request 1, at 36 tokens
+# shorter than request 0's 47, takes the rest of the budget. Request 0 waits: for the
+# budget, then for room in the pool, then for a row, while every short sum that arrives
+# passes it; it starts in step 16. Request 7, the longest sentence (49 tokens), waits
+# longer still.
+
 # %% [markdown]
 # A preempted request does not always start from scratch: its full blocks stay in the
-# prefix cache until someone needs the space (notebooks 02 and 04), so when it comes back
+# prefix cache until someone needs the space (notebooks 02 and 05), so when it comes back
 # it takes back what is left and computes only the rest. Its chunks after a preemption
 # therefore add up to less than its length. Under `fcfs`, request 1 (36 tokens) comes back
 # in step 10 with 12 of them cached and runs chunks of 16 and 8; a request preempted while
@@ -255,7 +279,7 @@ for policy, llm in policy_runs.items():
 
 # %%
 print("req  prompt tokens  TTFT steps: fcfs -> spf")
-for fcfs, spf in zip(stats["fcfs"].requests, stats["spf"].requests):
+for fcfs, spf in zip(stats["fcfs"][0].requests, stats["spf"][0].requests):
     print(f"{fcfs.request_id:>3}  {prompt_lens[fcfs.request_id]:>13}  {fcfs.ttft_steps:>17} -> {spf.ttft_steps}")
 
 # %%
@@ -263,13 +287,17 @@ viz.draw_latency(stats)
 
 
 # %% [markdown]
-# Reading the bars: `spf` cuts the median TTFT (most requests are short and no longer
-# wait behind long prompts), but the long sentences (requests 0 and 7 above) wait longer
-# than under `fcfs`: a policy moves latency between requests. With 11 requests, p99 is
-# essentially the slowest one. TPOT in steps is 1.0 for a request that decoded in every
-# step after its first token; above 1 it lost steps, here to preemption (its tokens had to
-# be recomputed). In milliseconds TPOT also reflects what shared the steps: a decode that
-# rides along with a big prefill chunk waits for it.
+# Reading the bars (each the median of the three runs, with a whisker from the fastest to
+# the slowest): `spf` cuts the median TTFT (most requests are short and no longer wait
+# behind long prompts), but the long sentences (requests 0 and 7 above) wait longer than
+# under `fcfs`: a policy moves latency between requests. The step panels have no whiskers:
+# steps are the same in every run. In milliseconds TTFT follows the steps: every `spf` run's
+# median is below every `fcfs` run's. TPOT's median is 1.0 step under both policies (a
+# request decodes in every step after its first token, unless it loses steps to a
+# preemption), so the policies do not differ there; in milliseconds TPOT moves with what
+# shared the steps (a decode that rides along with a big prefill chunk waits for it) and
+# with the machine, as the whiskers show. With 11 requests, p99 is essentially the slowest
+# one.
 #
 # ## 5. A policy of your own
 #
@@ -329,7 +357,12 @@ handle.unpatch()
 # >   ranges. FastDeploy's backends (`AppendAttentionBackend` and others) subclass its own
 # >   `AttentionBackend` and read the step's `ForwardMeta`.
 # > - Scheduling: vLLM's scheduler takes `--scheduling-policy fcfs` or `priority` (with a
-# >   `priority` per request); another policy means changing the scheduler itself.
+# >   `priority` per request). Another policy plugs in as a scheduler class:
+# >   `SchedulerConfig.scheduler_cls` (`--scheduler-cls mod.MyScheduler`, or the class
+# >   itself) replaces `vllm.v1.core.sched.scheduler.Scheduler`, typically by subclassing it
+# >   and overriding what it needs, such as the order of its `waiting` queue; vLLM warns
+# >   that this interface is not public and may change between versions. fleetlab's
+# >   `SchedulingPolicy` is the smaller seam: two methods, and the scheduler stays as it is.
 # >   FastDeploy's `ResourceManagerV1` decides admission and preemption order in its own
 # >   code.
 

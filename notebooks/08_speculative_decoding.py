@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 07 · Speculative decoding: draft cheaply, verify in one forward
+# # 08 · Speculative decoding: draft cheaply, verify in one forward
 #
 # **You will learn** how an engine gets several tokens out of one forward pass of a big
 # model, without changing what it writes:
@@ -18,6 +18,7 @@
 # %%
 # %matplotlib inline
 import numpy as np
+from matplotlib.figure import Figure
 
 import fleetlab
 from fleetlab import viz
@@ -125,10 +126,11 @@ viz.draw_spec_steps(loop_llm.traces, max_previous=12, title="ngram on a looping 
 # 32. The drafts grow with the loop: prompt lookup proposes what followed an earlier
 # occurrence of the text's last tokens, and early in a run of one repeated token no earlier
 # occurrence is followed by four more tokens yet, so it proposes the one or two there are;
-# from step 7 the run is long enough and each step carries all four drafts plus a bonus.
+# in steps 7 and 8 the run is long enough and each carries all four drafts plus a bonus.
 # (fleetlab takes the most recent match that is followed by `k` tokens, else the earliest;
-# vLLM takes the earliest occurrence of the longest match.) When the loop moves on (`62`
-# in step 9), the first step has nothing to copy.
+# vLLM takes the earliest occurrence of the longest match.) Step 8's bonus token is `62`,
+# new to the text: the loop has moved on, so step 9 has nothing to copy (it samples one
+# plain token), and the drafts grow again with the new run.
 #
 # ## 3. The proposer's batch follows the main batch, row for row
 #
@@ -182,17 +184,21 @@ lockstep_figure
 # decode kernel gets tokens 0-11. The proposer's batch made the same four moves (same
 # arrows, same rows outlined): each request's draft-model state moved with it. Its
 # numbers differ from the main batch's on purpose: the draft model's cache is ahead of
-# the target's (request `a`: 14 against 11), because it wrote the K/V of its first
-# `k - 1` drafts while proposing them. After the target verifies, the draft's count rolls
+# the target's (request `a`: 14 against 11, `k` = 3 ahead), because while proposing it ran
+# the newest token and wrote the K/V of its first `k - 1` drafts, which the target computes
+# only in this step. After the target verifies, the draft's count rolls
 # back to what the target kept (`ProposerInputBatch.num_computed_tokens`), as the
 # target's own `num_computed_tokens` rolls back past rejected drafts.
 #
 # The same holds in the running engine. Below, six requests share a budget of 16 tokens
 # with `reorder=True`, so verify rows and prompt chunks meet in one step and the reorder
 # has work to do. After every step we check both batches row by row
-# (`llm.proposer.batch.check_lockstep(llm.runner.batch)`) and keep their rows; the player
-# shows them step after step, as each step left them (the main batch's token counts as
-# the step began, the proposer's after it drafted).
+# (`llm.proposer.batch.check_lockstep(llm.runner.batch)`) and keep their rows in the order
+# the step ran them. Both halves of a row show the same moment, the step's start: the main
+# batch still holds its counts as the step began (the next step's message updates them),
+# and for the proposer we take its counts and drafts just before the step
+# (`viz.draft_state`), so its column shows the drafts this step verifies, as in the
+# picture above (request `a`: 14 against 11).
 
 # %%
 live_prompts = ["count 3", "the big dog ran to the old red house and sat down by the road.", "12+7=",
@@ -204,9 +210,11 @@ with fleetlab.LLM(model, tokenizer, block_size=4, max_num_batched_tokens=16, max
         live.add_request(p, fleetlab.SamplingParams(max_tokens=16))
     live_frames = []
     while live.has_unfinished_requests():
+        as_began = viz.draft_state(live.proposer.batch)  # the draft model's counts and drafts before the step
         live.step()
         live.proposer.batch.check_lockstep(live.runner.batch)  # raises if any row differs
-        live_frames.append(viz.lockstep_rows(live.runner.batch, live.proposer.batch, decode_threshold=K + 1))
+        live_frames.append(viz.lockstep_rows(live.runner.batch, live.proposer.batch, decode_threshold=K + 1,
+                                             proposer_state=as_began))
     live_traces = live.traces
 moves = [t.step for t in live_traces if t.order_before != t.order_after]
 print(f"{len(live_traces)} steps, in lockstep after every one; the reorder moved rows in steps {moves}")
@@ -215,22 +223,37 @@ for t in live_traces:
         print(f"  step {t.step}: rows before the reorder {t.order_before} -> after {t.order_after}")
 
 
-def live_frame(i):
+def live_frame(i, fig=None):
     t = live_traces[i]
-    return viz.draw_lockstep(None, live_frames[i], tokenizer=tokenizer, num_decodes=t.num_decodes,
-                             title=f"after step {t.step}: rows before the reorder {t.order_before}, "
-                                   f"after {t.order_after}")
+    return viz.draw_lockstep(None, live_frames[i], tokenizer=tokenizer, num_decodes=t.num_decodes, fig=fig,
+                             title=f"step {t.step} as it began, rows as it ran them: before the reorder "
+                                   f"{t.order_before}, after {t.order_after}")
 
 
-live_player = viz.player(live_frame, len(live_frames), start=7)
-live_player
+live_strip = Figure(figsize=(13, 5.2), layout="constrained")
+for panel, i in zip(live_strip.subfigures(2, 1), (5, 7)):
+    live_frame(i, fig=panel)
+live_strip
 
 # %% [markdown]
-# The player starts at step 7: requests 2 and 3 each verify three drafts (4 tokens) and
+# Above, steps 5 and 7. In step 7 requests 2 and 3 each verify three drafts (4 tokens) and
 # request 4 runs an 8-token chunk of its long prompt; the reorder swapped rows 1 and 2 so
-# both verify rows lead, and the proposer's rows went with them. (In step 5 a 4-token
-# chunk of a prompt counts as a decode: to the kernels a row of at most `k + 1` query
-# tokens is one, whatever its history, as notebook 03 showed for 1-token chunks.)
+# both verify rows lead, and the proposer's rows went with them. Each verify row's draft
+# model is `k` = 3 tokens ahead of the target, as request `a` was above. (In step 5 a 4-token chunk of
+# a prompt counts as a decode: to the kernels a row of at most `k + 1` query tokens is one,
+# whatever its history, as notebook 04 showed for 1-token chunks.)
+#
+# Every step in a player (it starts at step 7; press play or drag the slider), its frames
+# timed on this machine against the play interval:
+
+# %%
+live_player = viz.player(live_frame, len(live_frames), start=7, interval_ms=1000)
+live_player
+
+# %%
+frame_s = viz.time_frames(live_player, range(len(live_frames)))
+print(f"a frame takes {np.median(frame_s):.2f} s to draw and render here (the median of {len(frame_s)}; "
+      f"the slowest {max(frame_s):.2f} s); play shows one every {live_player.play.interval / 1000:.1f} s")
 #
 # ## 4. How many drafts? Acceptance and forwards against `k`
 #
@@ -388,4 +411,4 @@ histogram
 #   a one-token suffix matches far more often. Do more drafts get accepted, or fewer?
 # - Register your own proposer (`fleetlab.spec_decode.proposer.register_proposer`), say one that
 #   always proposes a space: what acceptance does it get on sentences?
-# - Next notebook: **08_tensor_parallel**.
+# - Next notebook: **09_tensor_parallel**.
