@@ -110,9 +110,9 @@ viz.draw_block_mapping(tables, 8, num_tokens={0: 5, 1: 11, 2: 8}, block_size=4)
 # the same numbers.
 
 # %%
-from fleetlab.attention.source import kernel_source
+from fleetlab.attention.naive import naive_paged_attention
 
-print(kernel_source("naive_paged_attention", module="fleetlab.attention.naive"))
+viz.show_source(naive_paged_attention)  # read from the installed package, numbered as in its file
 
 # %% [markdown]
 # ## 3. Parity: oracle against paged

@@ -291,8 +291,9 @@ viz.draw_latency(stats)
 # the slowest): `spf` cuts the median TTFT (most requests are short and no longer wait
 # behind long prompts), but the long sentences (requests 0 and 7 above) wait longer than
 # under `fcfs`: a policy moves latency between requests. The step panels have no whiskers:
-# steps are the same in every run. In milliseconds TTFT follows the steps: every `spf` run's
-# median is below every `fcfs` run's. TPOT's median is 1.0 step under both policies (a
+# steps are the same in every run. In milliseconds TTFT follows the steps: the middle of the
+# three `spf` runs' medians is below the middle of the `fcfs` runs' (a single run on a busy
+# machine can land anywhere in its whisker). TPOT's median is 1.0 step under both policies (a
 # request decodes in every step after its first token, unless it loses steps to a
 # preemption), so the policies do not differ there; in milliseconds TPOT moves with what
 # shared the steps (a decode that rides along with a big prefill chunk waits for it) and

@@ -302,9 +302,9 @@ for runs in stats.values():
     assert len(runs) == 3 and all([r.ttft_steps for r in s.requests] == [r.ttft_steps for r in runs[0].requests]
                                   and [r.tpot_steps for r in s.requests] == [r.tpot_steps for r in runs[0].requests]
                                   for s in runs)
-# "In milliseconds TTFT follows the steps: every spf run's median is below every fcfs run's"; "TPOT's median is 1.0
-# step under both policies"
-assert max(s.ttft_s.p50 for s in stats["spf"]) < min(s.ttft_s.p50 for s in stats["fcfs"])
+# "In milliseconds TTFT follows the steps: the middle of the three spf runs' medians is below the middle of the fcfs
+# runs'"; "TPOT's median is 1.0 step under both policies"
+assert np.median([s.ttft_s.p50 for s in stats["spf"]]) < np.median([s.ttft_s.p50 for s in stats["fcfs"]])
 assert all(s.tpot_steps.p50 == 1.0 for runs in stats.values() for s in runs)
 # the timelines' waits: fcfs "request 1 ... waits two steps for tokens"; "preempts request 1 ... the pool stays full
 # (steps 5-9)"; "the short sums that arrived in steps 0 and 1 queue behind both until request 0 finishes"

@@ -378,16 +378,12 @@ class InputBatch:
     def append_tokens(self, row: int, tokens: Iterable[int]) -> None:
         """Append output tokens to the row's ``token_ids`` (drafts written after the old end
         are overwritten: a row's tokens past ``num_tokens`` are scratch)."""
-        req_id = self._live_req(row)
-        tokens = np.asarray(list(tokens), dtype=np.int64)
-        n = int(self._np["num_tokens"][row])
-        if n + len(tokens) > self.sizes["max_model_len"]:
+        req_id, tokens = self._live_req(row), list(tokens)
+        if int(self._np["num_tokens"][row]) + len(tokens) > self.sizes["max_model_len"]:
             raise ValueError(
                 f"request {req_id!r}: field 'token_ids' is full (max_model_len={self.sizes['max_model_len']})"
             )
-        self._np["token_ids"][row, n : n + len(tokens)] = tokens
-        self._np["num_tokens"][row] = n + len(tokens)
-        self._np["num_output_tokens"][row] += len(tokens)
+        self._np["num_output_tokens"][row] += self._append(np.array([row]), [tokens], "token_ids", "num_tokens")[0]
         self._np["num_spec_tokens"][row] = 0
         self._synced_rows = None
 
@@ -437,16 +433,14 @@ class InputBatch:
 
     def append_block_ids(self, row: int, block_ids: Iterable[int]) -> None:
         """Append newly allocated block ids to the row's ``block_table``."""
-        req_id = self._live_req(row)
-        ids = np.asarray(list(block_ids), dtype=np.int64)
+        req_id, ids = self._live_req(row), list(block_ids)
         start = int(self._np["num_blocks"][row])
         if start + len(ids) > self.sizes["max_blocks_per_seq"]:
             raise ValueError(
                 f"request {req_id!r}: {start} + {len(ids)} block ids exceed field 'block_table' "
                 f"(max_blocks_per_seq={self.sizes['max_blocks_per_seq']})"
             )
-        self._np["block_table"][row, start : start + len(ids)] = ids
-        self._np["num_blocks"][row] = start + len(ids)
+        self._append(np.array([row]), [ids], "block_table", "num_blocks")
         self._synced_rows = None
 
     def set_num_scheduled(self, num_scheduled: Mapping[object, int]) -> None:
