@@ -3,7 +3,10 @@
 It copies notebooks/ to a temporary folder (the committed notebooks stay output-free), serves
 it with JupyterLab on a free localhost port, opens a notebook whose slider redraws a matplotlib
 plot, runs all cells, checks that the widgets rendered, moves the slider and checks that the
-plot changed; then runs every other notebook there too. Screenshots land in test-artifacts/browser/.
+plot changed; then runs there the notebooks that a browser shows differently (those with
+widgets: sliders, players) and the first one a newcomer opens. Every notebook also runs headless
+in ``test_notebooks.py``, so running the rest a second time here would prove nothing more.
+Screenshots land in test-artifacts/browser/.
 
 Skipped unless /usr/bin/chromium and the ``playwright`` and ``jupyterlab`` packages are present;
 the browser is never downloaded (``playwright install`` is not needed). Needs ipywidgets >= 8.
@@ -29,7 +32,15 @@ CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-q
 # cap of its own). With shutdown they keep the test under three minutes on a loaded machine.
 SERVER_START_S, SESSION_S = 45, 110
 STEP_CAPS_S = {"open": 50, "run": 70, "widgets": 25, "redraw": 25}
-OTHER_NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb") if p.name != NOTEBOOK)
+WIDGETS = ("viz.player(", "LiveFigure", "ipywidgets", "interact")  # what only a browser renders
+
+
+def _needs_a_browser(path: Path) -> bool:
+    return path.name.startswith("00_") or any(w in path.with_suffix(".py").read_text() for w in WIDGETS)
+
+
+OTHER_NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb") if p.name != NOTEBOOK
+                         and _needs_a_browser(p))
 
 
 def _missing() -> str | None:
@@ -126,7 +137,8 @@ def test_slider_redraws_plot_in_jupyterlab(lab, page):
 
 @pytest.mark.parametrize("name", OTHER_NOTEBOOKS)
 def test_every_other_notebook_runs_in_jupyterlab(lab, page, name):
-    """Run All in the browser: no cell left unrun, no widget placeholder left on the page."""
+    """Run All in the browser: no cell left unrun, no widget placeholder left on the page (the
+    on-ramp and every notebook with widgets)."""
     from browser import lab_page
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
