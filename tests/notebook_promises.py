@@ -492,3 +492,51 @@ assert marks == {"draft:0:allowed", "draft:1:allowed", "draft:2:allowed", "draft
 assert "unused:4" in {p.get_gid() for p in verify_figure.axes[0].patches}
 assert verify["in_matcher"] == verify["committed_before"] == 14
 '''
+
+PROMISES["12_read_the_engine"] = '''
+from pathlib import Path as _Path
+
+_eos = tokenizer.eos_token_id
+# Section 1: refused "with a ValueError naming the request and the field, before anything is queued"
+assert len(refusals) == 2 and all(r.startswith("request 'bad':") for r in refusals)
+assert "prompt_token_ids" in refusals[0] and "KV blocks" in refusals[1] and "bad" not in llm.scheduler.requests
+# "b: 12+7=, 6 tokens with <bos>"
+assert b.prompt_token_ids == tokenizer.encode("12+7=") and len(b.prompt_token_ids) == 6
+# Section 2: "a runs 1 token (a decode), and b its whole 6-token prompt: 7 tokens of the 16"; "b starts from 0"
+assert plan.num_scheduled_tokens == {"a": 1, "b": 6} and plan.total_num_scheduled_tokens == 7
+assert llm.scheduler.max_num_batched_tokens == 16 and new.num_computed_tokens == 0 and new.req_id == "b"
+# Section 3: "b's 6 tokens need 2 blocks (its second one 2/4 full)"; "not in id order"; "2 evictions"; one white block
+assert len(tables["b"]) == 2 and tokens_after["b"] == 6 and tables["b"] != sorted(tables["b"])
+assert tables["a"] != sorted(tables["a"]) and pool_stats.evictions == 2
+assert sum(1 for i in pool_now if i.ref_count == 0 and not i.is_cached) == 1
+# Section 4: a's diff carries its sampled token 8 and no new block
+cached = plan.scheduled_cached_reqs
+assert cached.req_ids == ["a"] and tokenizer.decode(cached.new_token_ids[0]) == "8" and cached.new_block_ids == [[]]
+# Section 5: "a in row 0, b in row 1", no reorder
+assert result.order_before == result.order_after == ["a", "b"] and [r.req_id for r in rows] == ["a", "b"]
+# Section 6: "a's one decode token at position 7 and b's prompt at positions 0-5, each with its slot"; two scored
+assert md.positions.numpy().tolist() == [7, 0, 1, 2, 3, 4, 5]
+for pos, slot, row in zip(md.positions.numpy(), md.slot_mapping.numpy(), row_of_token):
+    table = tables[rows[row].req_id]
+    assert slot == table[pos // 4] * 4 + pos % 4
+assert inputs.logits_indices.tolist() == [0, 6]
+# Section 7: "[2, 55]"; "sure of 3 after 45+38=8 and of 1 after 12+7="; every slot written
+assert list(logits.shape) == [2, tokenizer.vocab_size]
+assert [tokenizer.decode([int(t)]) for t in top[:, 0]] == ["3", "1"] and written.all()
+# Section 8: greedy: the sampled tokens are the argmax
+assert result.sampled_token_ids == {"a": [int(top[0, 0])], "b": [int(top[1, 0])]}
+# Section 9: "b has computed its 6 prompt tokens and holds its first output token, 1; a has its third"
+assert b.num_computed_tokens == 6 and tokenizer.decode(b.output_token_ids) == "1"
+assert {o.request_id: len(o.token_ids) for o in outputs} == {"a": 2, "b": 1}
+# "Both answers are right ... stop at the end-of-text token: a in the first step of the loop, b in the second"
+assert {rid: (o.text, o.finish_reason, o.token_ids[-1]) for rid, (o, _) in finished.items()} == {
+    "a": ("83", "stop", _eos), "b": ("19", "stop", _eos)} and _eos == 2
+assert {rid: s for rid, (_, s) in finished.items()} == {"a": 1, "b": 2}
+# Section 10: the table has every part, and its fleetlab column names a file of the package
+_root = _Path(fleetlab.__file__).resolve().parents[1]
+assert len(table) == len(PARTS) + 2 and all(row.count(" | ") == 3 for row in table)
+for _part, _obj, _vllm, _fd in PARTS:
+    _src = viz.show_source(_obj)
+    assert (_root / _src.path).is_file() and _src.path.startswith("fleetlab/")
+    assert _vllm and _fd and "fleetlab" not in _vllm + _fd
+'''
