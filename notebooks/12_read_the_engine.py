@@ -282,7 +282,8 @@ viz.show_source(fleetlab.Scheduler.update, start="for rid, n in", stop="outputs.
 outputs = llm.scheduler.update(plan, result)
 for out in outputs:
     print(out.request_id, "token_ids", out.token_ids, "new", out.new_token_ids, "finish_reason", out.finish_reason)
-print("b now:", {name: getattr(b, name) for name in ("num_computed_tokens", "output_token_ids", "status")})
+b_now = {name: getattr(b, name) for name in ("num_computed_tokens", "output_token_ids", "status")}
+print("b now:", b_now)
 
 # %% [markdown]
 # **b** has computed its 6 prompt tokens and holds its first output token, `1`; **a** has its

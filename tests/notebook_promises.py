@@ -526,7 +526,7 @@ assert [tokenizer.decode([int(t)]) for t in top[:, 0]] == ["3", "1"] and written
 # Section 8: greedy: the sampled tokens are the argmax
 assert result.sampled_token_ids == {"a": [int(top[0, 0])], "b": [int(top[1, 0])]}
 # Section 9: "b has computed its 6 prompt tokens and holds its first output token, 1; a has its third"
-assert b.num_computed_tokens == 6 and tokenizer.decode(b.output_token_ids) == "1"
+assert b_now["num_computed_tokens"] == 6 and tokenizer.decode(b_now["output_token_ids"]) == "1"
 assert {o.request_id: len(o.token_ids) for o in outputs} == {"a": 2, "b": 1}
 # "Both answers are right ... stop at the end-of-text token: a in the first step of the loop, b in the second"
 assert {rid: (o.text, o.finish_reason, o.token_ids[-1]) for rid, (o, _) in finished.items()} == {
