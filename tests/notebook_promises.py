@@ -130,6 +130,17 @@ report = viz.logits_parity(ref_logits, paged_logits)
 largest = max(float(abs(np.concatenate([a.ravel() for a in ref_logits])).max()), 1.0)
 assert report.max_abs_diff < 20 * np.finfo(np.float32).eps * largest and paged_tokens == ref_tokens
 assert again == ref_tokens and fleet_tokens == fleet_ref_tokens
+# the excerpts the prose reads: "slot_mapping is ... blocks * block_size + positions % block_size, with blocks looked
+# up ... at positions // block_size"; "write ... and only then attend"; the naive loop's gather and causal mask
+build_text = str(build_excerpt)
+assert "blocks.astype(np.int64) * block_size + positions % block_size" in build_text
+assert "positions // block_size" in build_text and "row_of_token = np.repeat" in build_text
+context_text, triton_text, forward_text = (str(e) for e in step_excerpts)
+assert "backend.build_metadata(self.metadata)" in context_text and "StepPlans" in triton_text
+assert forward_text.index("kv_cache.write(") < forward_text.index("self.attend(")
+naive_text = str(naive_excerpt)
+assert "paddle.gather(keys, slots)" in naive_text and "visible = pos.unsqueeze(0) <= q_pos" in naive_text
+assert "return common" in str(viz.show_source(fleetlab.AttentionBackend.build_metadata, body_only=True))
 '''
 
 PROMISES["04_input_batch_reorder"] = '''
