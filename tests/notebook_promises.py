@@ -76,6 +76,10 @@ assert pool_texts.count("x2") == 7
 # "requests 6 and 7 each ran a prefill chunk (8 and 6 tokens) on top of the 28 tokens ..."
 rows = [(r.req_id, r.phase, r.num_scheduled_tokens, r.num_computed_tokens) for r in batch_rows]
 assert rows == [("6", "prefill", 8, 28), ("7", "prefill", 6, 28)]
+# "the scheduler plans (schedule()), the model runner executes the plan (_execute ...), the scheduler commits (update)"
+step_text = chr(10).join(step_source.lines)
+assert step_text.index("self.scheduler.schedule()") < step_text.index("self._execute(sched)") < step_text.index(
+    "self.scheduler.update(sched, result)") < step_text.index("observer.on_step")
 '''
 
 PROMISES["02_paged_kv_cache"] = '''
@@ -230,6 +234,15 @@ assert _steps("5", "budget") == [10] and why["5", False].end == 11
 assert _steps("6", "rows") == [11, 12, 13, 14, 15]
 drawn = {p.get_gid() for p in timeline.axes[0].patches if (p.get_gid() or "").startswith("wait:")}
 assert drawn == {f"wait:{w.request_id}:{s}:{r}" for w in waits for s, r in w.reasons.items()}
+# the code beside the picture: "admits nobody after a preemption (if not out.preempted_req_ids)"; the while line
+# holds "budget > 0" and "len(self.running) < self.max_num_seqs"; "n = min(remaining, budget)"; allocate_slots ... break
+assert "if not out.preempted_req_ids:" in str(schedule_source)
+admission_text = chr(10).join(admission_source.lines)
+while_line = admission_source.lines[0]
+assert while_line.strip().startswith("while") and "budget > 0" in while_line
+assert "len(self.running) < self.max_num_seqs" in while_line and "n = min(remaining, budget)" in admission_text
+assert admission_text.index("self.kv.allocate_slots(") < admission_text.index("break", admission_text.index(
+    "self.kv.allocate_slots(")) < admission_text.index("self.running.append(req)")
 # Section 4: the strip's key steps, with what the prefix cache gave back outlined
 strip_steps = [ax.get_gid() for ax in pool_strip.axes if ax.get_visible()]
 assert strip_steps == [f"pool-step:{s}" for s in (6, 7, 10, 16, 17, 23)]
