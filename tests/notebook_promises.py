@@ -174,6 +174,15 @@ for i, frame in enumerate(frames):
     red = {int(p.get_gid().split(":")[2]) for p in reorder_strip.axes[i].patches
            if (p.get_gid() or "").startswith("strip:") and p.get_linewidth() > 2}
     assert red == set(frame.moved), (i, red, frame.moved)
+# the code beside the strip: condense moves the live rows with one _move_rows, which copies every registered field;
+# two_pointer_swaps pairs lefts with reversed rights: "frames 2 and 3 above"
+assert "self._move_rows(np.arange(n), live)" in str(condense_source)
+assert "for buf in self._np.values():" in str(move_source) and "buf[dst] = buf[src]" in str(move_source)
+assert "two_pointer_swaps(mask)" in str(reorder_source) and "self._move_rows(dst, src)" in str(reorder_source)
+_b = make_batch()
+_b.condense()
+_lefts, _rights = two_pointer_swaps(_b.is_decode())
+assert [set(f.moved) for f in frames[2:]] == [{int(lo), int(hi)} for lo, hi in zip(_lefts, _rights)]
 # "the cell after it times them on this machine against the play interval"
 assert len(frame_s) == len(frames) and np.median(frame_s) < reorder_player.play.interval / 1000, frame_s
 moved = {}
