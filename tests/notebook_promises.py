@@ -451,6 +451,12 @@ assert ms["propose"] >= 0.7 * ms["forward"], ms
 p_o = float(probs[tokenizer.encode("o", add_bos=False)[0]] / probs.sum())
 assert drafted["o"] == 1998 and round(p_o, 2) == 0.28 and abs(sampled_acceptance - p_o) < 0.03
 assert all(stat < crit / 2 for stat, _, crit in hist.chi_square.values()), hist.chi_square
+# the code beside the histogram: "u[:, 0] to draw a token, u[:, 1] to accept"; accept is "u < p(draft)"; residual is
+# "p with the draft's entry zeroed"
+draw_text = str(rejection_sources["draw"])
+assert "self.accept(p_draft, u[:, 1])" in draw_text and "self.residual(probs, is_draft), u[:, 0]" in draw_text
+assert "return u < p_draft" in str(rejection_sources["accept"])
+assert "paddle.where(is_draft, paddle.zeros_like(probs), probs)" in str(rejection_sources["residual"])
 '''
 
 PROMISES["09_tensor_parallel"] = '''
