@@ -99,7 +99,29 @@ assert len(arrows) == len(a_blocks) + len(b_blocks)
 assert c_blocks[:2] == a_blocks[:2]
 # the box: "b would share all 10 system-prompt tokens, not the 8 of two full blocks"
 assert len(system) == 10 and b[:10] == a[:10] and b[10] != a[10] and b_blocks[:2] == a_blocks[:2]
-# Section 5: "ceil(192 / block_size) blocks: 192 token slots when the block size divides 192, a few more otherwise"
+# the pool's code beside the pictures: allocate_slots touches the hits before it allocates, then registers; free walks
+# the table backwards; allocate pops the least recently freed block and evicts it only then
+slots_text = str(allocate_slots_source)
+assert slots_text.index("self.pool.touch(hits)") < slots_text.index("self.pool.allocate(num_new_blocks)") < \
+    slots_text.index("self._cache_known_blocks(") and "return None" in slots_text
+assert "for block_id in reversed(ids):" in str(free_source)
+_alloc = str(allocate_source)
+assert _alloc.index("self._free.popitem(last=False)") < _alloc.index("self._evict(block_id)")
+# Section 4, n = 3: "a red cat is 10 tokens: 2 full blocks of 4, and 2 more in a third, partial block"; "the first
+# child computed all 10 prompt tokens, the other two only the last 2"; blocks 0 and 1 held by all three, a third block
+# each of its own; "10 prompt tokens instead of 14"; copy-on-write's fork: all three point at the same three blocks
+first_child, *others = list(at_prompt)
+assert len(tokenizer.encode(prompt)) == 10 and computed == {first_child: 10, **{c: 2 for c in others}}
+assert len({tuple(t[:2]) for t in at_prompt.values()}) == 1 and len({t[2] for t in at_prompt.values()}) == 3
+assert at_prompt[first_child][:2] == [0, 1] and at_prompt[first_child][2] == 2 and sum(computed.values()) == 14
+assert all(t == at_prompt[first_child] for t in viz.fork_tables(at_prompt, 10, 4).values())
+assert all(now[c][:3] == at_prompt[c] and len(now[c]) == 4 for c in now) and set(kv_tokens.values()) == {15}
+marks = {p.get_gid() for ax in fork_figure.axes for p in ax.patches if (p.get_gid() or "").startswith("mark:")}
+assert marks == {f"mark:{panel}:{c}:2" for panel in ("prefix-prompt", "prefix-now", "cow-now") for c in others}
+cow_labels = [t.get_text() for t in fork_figure.axes[1].texts]
+assert cow_labels.count("2 x3") == 3 and cow_labels.count("0 x3") == 3
+assert len(set(answers.values())) == 3
+# Section 6: "ceil(192 / block_size) blocks: 192 token slots when the block size divides 192, a few more otherwise"
 # and "block size 25 with three 64-token prompts ... need 9 blocks (225 slots) and the pool has 8 (200); the
 # picture says so". The sliders never leave a stale or broken picture.
 sliders = explore.controls
