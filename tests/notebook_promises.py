@@ -306,6 +306,36 @@ if "h200_triton" in results:
     big = [r["triton_tbps"] for r in h200["decode_bandwidth"] if r["batch"] >= 64 and r["context"] >= 8192]
     assert big and all(v > ceiling for v in big)
     assert max(v for r in h200["decode_bandwidth"] for k, v in r.items() if k.endswith("_tbps")) < 4.8
+    # "as fast as SDPA ... from batch 16 up, far faster at batch 1 (3.35 TB/s at 32k against SDPA's 0.35), and at least
+    # 2.6 times as fast as gathering"; "an older copy of the same kernel ... lies on the red one"
+    _bw = h200["decode_bandwidth"]
+    assert all(abs(r["triton_tbps"] / r["sdpa_tbps"] - 1) < 0.1 for r in _bw if r["batch"] >= 16)
+    _one = next(r for r in _bw if (r["batch"], r["context"]) == (1, 32768))
+    assert (round(_one["triton_tbps"], 2), round(_one["sdpa_tbps"], 2)) == (3.35, 0.35)
+    assert min(r["triton_tbps"] / r["gather_sdpa_tbps"] for r in _bw) >= 2.6
+    assert all(abs(r["before_tbps"] / r["triton_tbps"] - 1) < 0.03 for r in _bw)
+# Launch costs: "One attention call costs the host 10-22 µs and a whole layer's call 32-49 µs, against 71-146 µs for
+# the older kernels ..., and 30-53 µs for one call of torch's SDPA"; "at 4 × 4k ... 1.45 ms ... 0.91 ms (1.6x); the
+# larger batches are within 5% of their graph, and a single row at 32k context within 14%"
+if "h200_triton" in results:
+    _span = {k: (min(v), max(v)) for k, v in host.items()}
+    assert 10 <= _span["triton_host_us"][0] and _span["triton_host_us"][1] < 22.5
+    assert 31.5 <= _span["layer_host_us"][0] and _span["layer_host_us"][1] < 49.5
+    assert 71 <= _span["before_host_us"][0] and _span["before_host_us"][1] < 146.5
+    assert 29.5 <= _span["sdpa_host_us"][0] and _span["sdpa_host_us"][1] < 53.5
+    _steps = {(r["batch"], r["context"], r["prefill_chunk"]): r for r in h200["decode_step"]}
+    _small = _steps[4, 4096, 0]
+    assert (round(_small["eager_step_ms"], 2), round(_small["graph_step_ms"], 2)) == (1.45, 0.91)
+    assert round(_small["graph_speedup"], 1) == 1.6 and _steps[1, 32768, 0]["graph_speedup"] < 1.14
+    assert all(r["graph_speedup"] < 1.05 for r in h200["decode_step"] if r["batch"] >= 32)
+    assert {p.get_gid() for ax in launch_figure.axes for p in ax.patches if (p.get_gid() or "").startswith("step:")}
+# the bandwidth panels draw the graph clock only, each line named in words
+_bandwidth = result_figures.get(("h200_triton", "bandwidth"))
+if _bandwidth is not None:
+    from fleetlab.viz.results import IMPLEMENTATION_NAMES as _NAMES
+    _labels = {t.get_text() for t in _bandwidth.legends[0].get_texts()}
+    assert {_NAMES[i] for i in ("triton", "sdpa", "gather_sdpa", "before")} <= _labels
+    assert not any("eager" in _label for _label in _labels)
 # Rows: "the rows of the short ones go idle"; continuous rows "stay busy until the queue runs dry at the end"
 static_idle = viz.idle_row_steps(static_llm.traces, 4)
 continuous_idle = viz.idle_row_steps(continuous_llm.traces, 4)
