@@ -30,6 +30,10 @@ CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-q
 SERVER_START_S, SESSION_S = 45, 110
 STEP_CAPS_S = {"open": 50, "run": 70, "widgets": 25, "redraw": 25}
 OTHER_NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb") if p.name != NOTEBOOK)
+# Outputs a page must render, beyond running: the engine's source shown as highlighted HTML (file
+# and lines, as viz.show_source writes them) and the table of names built in a cell.
+RENDERED = {"12_read_the_engine.ipynb": ["fleetlab/engine/scheduler.py, lines", "(in Scheduler.schedule)",
+                                         "fleetlab/attention/naive.py, lines", "vLLM v1\tFastDeploy"]}
 
 
 def _missing() -> str | None:
@@ -136,6 +140,9 @@ def test_every_other_notebook_runs_in_jupyterlab(lab, page, name):
         lab_page.run_all_cells(page, budget.ms("run"))
         page.wait_for_timeout(500)  # let widget views attach before looking for placeholders
         assert lab_page.placeholders_shown(page) == []
+        if name in RENDERED:
+            shown = lab_page.output_text(page)
+            assert [text for text in RENDERED[name] if text not in shown] == []
     except Exception:
         _shot(page, f"99_failure_{Path(name).stem}.png")
         print(f"JupyterLab log tail:\n{lab.log_tail()}")
