@@ -282,7 +282,7 @@ viz.show_source(fleetlab.Scheduler.update, start="for rid, n in", stop="outputs.
 outputs = llm.scheduler.update(plan, result)
 for out in outputs:
     print(out.request_id, "token_ids", out.token_ids, "new", out.new_token_ids, "finish_reason", out.finish_reason)
-b_now = {name: getattr(b, name) for name in ("num_computed_tokens", "output_token_ids", "status")}
+b_now = {"num_computed_tokens": b.num_computed_tokens, "output_token_ids": list(b.output_token_ids), "status": b.status}
 print("b now:", b_now)
 
 # %% [markdown]

@@ -608,8 +608,8 @@ assert result.order_before == result.order_after == ["a", "b"] and [r.req_id for
 # Section 6: "a's one decode token at position 7 and b's prompt at positions 0-5, each with its slot"; two scored
 assert md.positions.numpy().tolist() == [7, 0, 1, 2, 3, 4, 5]
 for pos, slot, row in zip(md.positions.numpy(), md.slot_mapping.numpy(), row_of_token):
-    table = tables[rows[row].req_id]
-    assert slot == table[pos // 4] * 4 + pos % 4
+    _blocks = tables[rows[row].req_id]
+    assert slot == _blocks[pos // 4] * 4 + pos % 4
 assert inputs.logits_indices.tolist() == [0, 6]
 # Section 7: "[2, 55]"; "sure of 3 after 45+38=8 and of 1 after 12+7="; every slot written
 assert list(logits.shape) == [2, tokenizer.vocab_size]
