@@ -203,9 +203,10 @@ print({i: prompt + answers[i] for i in sorted(answers)})
 #
 # Right, what the paged-attention paper (Kwon et al., 2023) does instead: it computes the
 # prompt once, then *forks* the block table, so after the prompt's step all three children
-# point at the same three blocks, the partial one included (`2 x3`). The first time a child
-# writes into a block it shares (its first output token goes into block 2), it gets a copy of
-# it first (dashed): copy-on-write. From then on the two layouts hold the same blocks.
+# point at the same three blocks, the partial one included (`2 x3`). When a child writes into
+# a block it shares (its first output token goes into block 2), it gets a copy of it first
+# (dashed), and the last child to write keeps the original: copy-on-write. From then on the
+# two layouts hold the same blocks.
 #
 # What each does better:
 #
@@ -215,8 +216,9 @@ print({i: prompt + answers[i] for i in sorted(answers)})
 #   generated so far;
 # - **the prefix cache** needs nothing new: no fork, no copy step before attention, no block
 #   ever written by two sequences, and every other feature (chunked prefill, preemption,
-#   speculative decoding) sees three ordinary requests. The price is at most `block_size - 1`
-#   tokens of prompt per extra child, computed again.
+#   speculative decoding) sees three ordinary requests. The price is at most `block_size`
+#   prompt tokens per extra child, computed again (a whole block when the prompt ends on a
+#   block boundary: a cache hit never covers a whole prompt).
 
 # %% [markdown]
 # ## 5. Memory: paging against padding
