@@ -337,7 +337,7 @@ PARTS = [
      "`LLMEngine.add_requests` (`fastdeploy/engine/engine.py`), under `LLM` (`fastdeploy/entrypoints/llm.py`)"),
     ("checks at the edge", InputProcessor.process,
      "`InputProcessor.process_inputs` (`vllm/v1/engine/input_processor.py`)",
-     "the length and stop checks of `LLMEngine.add_requests`, then `data_processor.process_request`"),
+     "`data_processor.process_request`, then the length and stop checks of `LLMEngine.add_requests`"),
     ("`n > 1`", ParentRequest, "`ParentRequest` (`vllm/v1/engine/parallel_sampling.py`)", "–"),
     ("the scheduler's record", Request, "`Request` (`vllm/v1/request.py`)",
      "`Request` (`fastdeploy/engine/request.py`)"),
