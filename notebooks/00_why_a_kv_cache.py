@@ -229,7 +229,10 @@ for n in (1, 64):
 # - `08_speculative_decoding`: a **draft** proposes, the **target** verifies: several tokens
 #   per pass;
 # - `09_tensor_parallel`: one model split over processes: **shards**, **all-reduce**;
-# - `10_serving`: the engine behind an OpenAI-compatible server: streaming, latency under load.
+# - `10_serving`: the engine behind an OpenAI-compatible server: streaming, latency under load;
+# - `11_structured_outputs`: output held to a JSON schema or a grammar: a **token mask** each step;
+# - `12_read_the_engine`: one request through the engine's own functions, called one at a time,
+#   and each part's name in vLLM and FastDeploy.
 
 # %% [markdown]
 # > **In vLLM / FastDeploy** the same two phases carry the same names. vLLM's v1 scheduler

@@ -95,6 +95,18 @@ for trace in llm.traces[:4]:
 print(llm.stats())
 
 # %% [markdown]
+# Every box of that timeline is one call of `LLM.step`, read here from the installed
+# package: the scheduler plans (`schedule()`: who runs, how many tokens each), the model
+# runner executes the plan (`_execute`, which calls `runner.execute` and undoes the plan if it
+# fails), and the scheduler commits what came back (`update`), the only place a request
+# advances. The observers after it are how `record_traces=True` got the traces drawn above.
+# Notebook 05 opens `schedule`, and notebook 12 follows one request through all three.
+
+# %%
+step_source = viz.show_source(fleetlab.LLM.step, body_only=True)
+step_source
+
+# %% [markdown]
 # Each request's keys and values live in fixed-size **blocks** of the KV cache (here 4
 # tokens each). The bars count the blocks each running request holds, in its colour: a
 # request's bar grows by one block every 4 tokens and is gone the step after it

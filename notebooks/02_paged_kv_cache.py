@@ -6,7 +6,10 @@
 #
 # - blocks, block tables, and the slot where each token's K/V live;
 # - prefix sharing: two requests holding the same blocks, counted by reference;
-# - free-but-cached blocks and eviction in least-recently-used order;
+# - free-but-cached blocks and eviction in least-recently-used order, and the pool's own code
+#   for each (`KVCacheManager.allocate_slots`, `BlockPool.allocate` and `free`);
+# - one prompt with three answers (`n = 3`): the children's block tables sharing the prompt,
+#   beside the paged-attention paper's copy-on-write fork;
 # - how much memory paging wastes compared with padding, with sliders to explore it.
 
 # %%
@@ -91,6 +94,21 @@ shared_mapping
 viz.draw_block_pool(pool, {"a": a_blocks, "b": b_blocks})
 
 # %% [markdown]
+# In the engine those calls are one method, `KVCacheManager.allocate_slots`, read here from
+# the installed package (the engine's `lookup` is `get_computed_blocks`, called just before
+# it). A hit on a free cached block costs a free block too (`revived`); if the pool cannot
+# supply everything it returns None and changes nothing; otherwise it takes a reference on the
+# hits (`self.pool.touch(hits)`, before allocating, so the allocation cannot evict them),
+# allocates the rest (`self.pool.allocate(num_new_blocks)`) and registers the blocks this step
+# fills with known tokens (`_cache_known_blocks`, which calls `cache_blocks`).
+
+# %%
+from fleetlab.kv.manager import KVCacheManager
+
+allocate_slots_source = viz.show_source(KVCacheManager.allocate_slots, start="revived =")
+allocate_slots_source
+
+# %% [markdown]
 # ## 3. Freeing, reviving, evicting
 #
 # When a request finishes its blocks go back to the free queue, but a full block **keeps
@@ -103,6 +121,21 @@ viz.draw_block_pool(pool, {"a": a_blocks, "b": b_blocks})
 pool.free(a_blocks)
 pool.free(b_blocks)
 viz.draw_block_pool(pool, title="a and b finished: free, but still cached")
+
+# %% [markdown]
+# The two methods behind that, from the pool's file: `free` drops one reference per block,
+# walking the table backwards (`reversed(ids)`), and a block whose count reaches 0 joins the
+# tail of the free queue, still holding its cached key. `allocate` pops blocks from the head of
+# the queue (`popitem(last=False)`: the least recently freed) and only then drops whatever
+# cached key a block still had (`_evict`): eviction is lazy, it happens when the block is
+# reused.
+
+# %%
+from IPython.display import display
+
+free_source = viz.show_source(fleetlab.BlockPool.free, start="for block_id in reversed(ids)")
+allocate_source = viz.show_source(fleetlab.BlockPool.allocate, start="for _ in range(n)", stop="blocks.append(")
+display(free_source, allocate_source)
 
 # %% [markdown]
 # Request **c** starts with the same system prompt, after a and b have left. Its lookup
@@ -123,7 +156,72 @@ viz.draw_block_pool(pool, {"c": c_blocks, "big": big}, revived=hits,
                           "a big request took every other block: cached ones evicted")
 
 # %% [markdown]
-# ## 4. Memory: paging against padding
+# ## 4. One prompt, three answers: parallel sampling (`n = 3`)
+#
+# `SamplingParams(n=3)` asks for three sampled continuations of one prompt. fleetlab does it
+# vLLM v1's way: the front door fans the request out into three child requests (`0_<id>`,
+# `1_<id>`, `2_<id>`, each with its own seed) that are queued together and admitted in the
+# same step. The first child computes the whole prompt and, as its blocks fill with known
+# tokens, registers them in the prefix cache at once; the next children find the prompt's
+# full blocks there. Here the prompt `a red cat` is 10 tokens: 2 full blocks of 4, and 2 more
+# in a third, partial block.
+
+# %%
+model, tokenizer = fleetlab.models.load_tiny()
+llm = fleetlab.LLM(model, tokenizer, block_size=4, num_blocks=24, record_traces=True)
+prompt = "a red cat"
+llm.add_request(prompt, fleetlab.SamplingParams(n=3, temperature=1.0, seed=0, max_tokens=12))
+llm.step()
+at_prompt = llm.block_tables()
+first_step = llm.traces[-1]
+computed = {row.request_id: row.num_scheduled_tokens for row in first_step.rows}
+print("prompt tokens:", len(tokenizer.encode(prompt)), "| computed in the first step:", computed)
+print("block tables:", at_prompt)
+for _ in range(5):
+    llm.step()
+now = llm.block_tables()
+kv_tokens = {child: llm.scheduler.requests[child].num_computed_tokens for child in now}
+print("5 steps later:", now, "| tokens in the cache:", kv_tokens)
+fork_figure = viz.draw_parallel_sampling(at_prompt, now, len(tokenizer.encode(prompt)), kv_tokens, 4, computed)
+fork_figure
+
+# %%
+answers = {}
+while llm.has_unfinished_requests():
+    for out in llm.step():
+        if out.finished:
+            answers[out.index] = out.text
+print({i: prompt + answers[i] for i in sorted(answers)})
+
+# %% [markdown]
+# Left, fleetlab's tables. After the prompt's step the three children hold blocks 0 and 1
+# together (`x3`: one copy in memory, three references), and each holds a third block of its
+# own (outlined in green for the two later children): the first child computed all 10 prompt
+# tokens, the other two only the last 2, the part of the prompt no full block holds. Five
+# tokens later each child's own blocks have grown; the shared ones are full and will never be
+# written again, so nothing a child writes can reach another.
+#
+# Right, what the paged-attention paper (Kwon et al., 2023) does instead: it computes the
+# prompt once, then *forks* the block table, so after the prompt's step all three children
+# point at the same three blocks, the partial one included (`2 x3`). When a child writes into
+# a block it shares (its first output token goes into block 2), it gets a copy of it first
+# (dashed), and the last child to write keeps the original: copy-on-write. From then on the
+# two layouts hold the same blocks.
+#
+# What each does better:
+#
+# - **copy-on-write** computes the prompt's last, partial block once instead of once per child
+#   (here 10 prompt tokens instead of 14), and it can fork at any point, not only after the
+#   prompt: beam search forks sequences in the middle of their output, sharing what they
+#   generated so far;
+# - **the prefix cache** needs nothing new: no fork, no copy step before attention, no block
+#   ever written by two sequences, and every other feature (chunked prefill, preemption,
+#   speculative decoding) sees three ordinary requests. The price is at most `block_size`
+#   prompt tokens per extra child, computed again (a whole block when the prompt ends on a
+#   block boundary: a cache hit never covers a whole prompt).
+
+# %% [markdown]
+# ## 5. Memory: paging against padding
 #
 # Without paging, an engine either pads every request of a batch to the longest one or
 # reserves `max_model_len` slots per request up front. Paging rounds each request up to
@@ -145,7 +243,7 @@ for name, (layers, kv_heads, head_dim, dtype) in {
 
 
 # %% [markdown]
-# ## 5. Explore
+# ## 6. Explore
 #
 # Move the sliders: block size and three prompt lengths. The pool gets
 # `ceil(192 / block_size)` blocks: 192 token slots when the block size divides 192, a few

@@ -103,16 +103,55 @@ tables = {req: [b for b in row if b >= 0] for req, row in enumerate(block_tables
 viz.draw_block_mapping(tables, 8, num_tokens={0: 5, 1: 11, 2: 8}, block_size=4)
 
 # %% [markdown]
-# And what the patched attention computes with that metadata, in the plainest form fleetlab
-# has (`backend="naive"`): for each request, positions become slots through its block table,
-# the keys and values are gathered from those slots, and a causal softmax mixes them. The
-# default backend (`"tiled"`) does the same in batched tiles; the tests hold the two to
-# the same numbers.
+# Those numbers come from a few numpy lines of `AttentionMetadata.build`, read here from the
+# installed file: `row_of_token` repeats each row's index once per query token, `positions`
+# adds each token's offset in its row to the tokens the row already has in the cache, and
+# `slot_mapping` is the formula above, `blocks * block_size + positions % block_size`, with
+# `blocks` looked up in the row's block table at `positions // block_size`.
+
+# %%
+build_excerpt = viz.show_source(fleetlab.AttentionMetadata.build, start="row_of_token =", stop="slot_mapping =")
+build_excerpt
+
+# %% [markdown]
+# That is the metadata every backend shares. A backend can add a plan of its own, once per
+# step: the first attention layer of a step asks the forward context for the backend's
+# metadata (`attn_metadata` below), which calls the backend's `build_metadata` on the shared
+# metadata and keeps the result, so every later layer of the step gets the same object. The
+# base class's `build_metadata` returns the shared metadata as it is (`return common`); the
+# Triton backend (second excerpt, read from its file without importing Triton) plans its
+# kernels there, once per step: `StepPlans` holds the kernel settings, grids and scratch
+# buffers every layer then only launches with. Then each layer
+# calls `forward`: **write** the step's K/V into their slots (`kv_cache.write(...,
+# metadata.slot_mapping)`), and only then **attend** (`self.attend(...)`), so a row can read
+# a block that another row of the same step has just filled.
+
+# %%
+from IPython.display import display
+
+from fleetlab.context import ForwardContext
+
+step_excerpts = [viz.show_source(ForwardContext.attn_metadata, body_only=True),
+                 viz.source_excerpt("TritonBackend.build_metadata", "fleetlab.attention.triton_backend",
+                                    body_only=True),
+                 viz.show_source(fleetlab.AttentionBackend.forward, body_only=True, stop="sinks=sinks)")]
+for excerpt in step_excerpts:
+    display(excerpt)
+
+# %% [markdown]
+# And what `attend` computes with that metadata, in the plainest form fleetlab has
+# (`backend="naive"`, `naive_paged_attention`), the loop over the rows: a row's query tokens
+# are `query[cu[row]:cu[row + 1]]`; every position of its context becomes a slot through its
+# block table (the same formula as `slot_mapping`); the keys and values are gathered from
+# those slots (`paddle.gather`); the causal mask (`visible = pos <= q_pos`) hides the
+# positions after each query token; a softmax mixes the values. The default backend
+# (`"tiled"`) does the same in batched tiles; the tests hold the two to the same numbers.
 
 # %%
 from fleetlab.attention.naive import naive_paged_attention
 
-viz.show_source(naive_paged_attention)  # read from the installed package, numbered as in its file
+naive_excerpt = viz.show_source(naive_paged_attention, start="for row in range", stop="outputs.append(")
+naive_excerpt
 
 # %% [markdown]
 # ## 3. Parity: oracle against paged

@@ -93,6 +93,29 @@ for wait in waits:
         print(wait.describe())
 
 # %% [markdown]
+# Those reasons are the exits of the scheduler's own code, read here from the installed
+# package. `schedule` serves the running requests first (`_schedule_running`, which preempts
+# when the pool runs dry) and admits nobody after a preemption (`if not
+# out.preempted_req_ids`): the hatched red bars ("a preemption in this step").
+
+# %%
+schedule_source = viz.show_source(fleetlab.Scheduler.schedule, body_only=True)
+schedule_source
+
+# %% [markdown]
+# Then the admission loop, `_schedule_waiting`. Its `while` line holds two of the reasons: it
+# stops when the budget is spent (`budget > 0`) or every row is taken (`len(self.running) <
+# self.max_num_seqs`). Inside, the policy picks the next request, the prefix cache says how
+# many of its tokens are already cached, the chunk is cut to the budget (`n = min(remaining,
+# budget)`: chunked prefill), and when `allocate_slots` cannot find the blocks the loop
+# breaks: the pool reason. Only then is the request moved from `waiting` to `running`.
+
+# %%
+admission_source = viz.show_source(fleetlab.Scheduler._schedule_waiting, body_only=True,
+                                   stop="self._schedule(req, n, out)")
+admission_source
+
+# %% [markdown]
 # Things to find: the long prompt of request 1 split over steps 0-2 (chunked prefill),
 # which with request 0's prompt fills step 0's budget, so request 2 waits two steps for
 # tokens, not for memory. Requests 3 and 4 arrive in step 3 and wait seven steps: the first

@@ -367,6 +367,24 @@ histogram
 # time, and redrawing from `p` itself after a rejection gives `o` too often
 # (`tests/test_spec_decoding.py` checks that its chi-square test catches both).
 #
+# The rule is three small functions of `RejectionSampler`, read from the installed package.
+# `draw` takes two uniforms per sampled position (`u[:, 0]` to draw a token, `u[:, 1]` to
+# accept), reads `p(draft)` from the probabilities, and returns both the redrawn token and
+# the accept bit; `accept` is the whole acceptance test for a point-mass draft, `u < p(draft)`;
+# `residual` is `max(0, p - q)` for that `q`: `p` with the draft's entry zeroed
+# (`inverse_cdf` renormalizes as it draws).
+
+# %%
+from IPython.display import display
+
+from fleetlab.spec_decode.rejection import RejectionSampler
+
+rejection_sources = {name: viz.show_source(getattr(RejectionSampler, name), body_only=True)
+                     for name in ("draw", "accept", "residual")}
+for excerpt in rejection_sources.values():
+    display(excerpt)
+
+# %% [markdown]
 # > **In vLLM / FastDeploy**
 # >
 # > - **Configuration**: fleetlab's `speculative_config` names follow both engines.
@@ -390,7 +408,7 @@ histogram
 # > - **Verify rows are decodes**: fleetlab's `decode_threshold = k + 1`; vLLM's attention
 # >   metadata builders set `reorder_batch_threshold = 1 + num_speculative_tokens`;
 # >   FastDeploy's reorder counts a row as a decode when its `seq_lens_encoder` is 0.
-# > - **Verification**: fleetlab's `Sampler.sample` (`accept`, `residual`); vLLM's
+# > - **Verification**: fleetlab's `RejectionSampler` (`draw`, `accept`, `residual`); vLLM's
 # >   `RejectionSampler` (`vllm/v1/sample/rejection_sampler.py`: bonus tokens, recovered
 # >   tokens drawn from `max(0, p - q)`); FastDeploy's `speculate_verify` op.
 # > - **Scheduling**: fleetlab uses vLLM's names: `SchedulerOutput.scheduled_spec_decode_tokens`,

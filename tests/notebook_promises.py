@@ -76,6 +76,10 @@ assert pool_texts.count("x2") == 7
 # "requests 6 and 7 each ran a prefill chunk (8 and 6 tokens) on top of the 28 tokens ..."
 rows = [(r.req_id, r.phase, r.num_scheduled_tokens, r.num_computed_tokens) for r in batch_rows]
 assert rows == [("6", "prefill", 8, 28), ("7", "prefill", 6, 28)]
+# "the scheduler plans (schedule()), the model runner executes the plan (_execute ...), the scheduler commits (update)"
+step_text = chr(10).join(step_source.lines)
+assert step_text.index("self.scheduler.schedule()") < step_text.index("self._execute(sched)") < step_text.index(
+    "self.scheduler.update(sched, result)") < step_text.index("observer.on_step")
 '''
 
 PROMISES["02_paged_kv_cache"] = '''
@@ -95,7 +99,29 @@ assert len(arrows) == len(a_blocks) + len(b_blocks)
 assert c_blocks[:2] == a_blocks[:2]
 # the box: "b would share all 10 system-prompt tokens, not the 8 of two full blocks"
 assert len(system) == 10 and b[:10] == a[:10] and b[10] != a[10] and b_blocks[:2] == a_blocks[:2]
-# Section 5: "ceil(192 / block_size) blocks: 192 token slots when the block size divides 192, a few more otherwise"
+# the pool's code beside the pictures: allocate_slots touches the hits before it allocates, then registers; free walks
+# the table backwards; allocate pops the least recently freed block and evicts it only then
+slots_text = str(allocate_slots_source)
+assert slots_text.index("self.pool.touch(hits)") < slots_text.index("self.pool.allocate(num_new_blocks)") < \
+    slots_text.index("self._cache_known_blocks(") and "return None" in slots_text
+assert "for block_id in reversed(ids):" in str(free_source)
+_alloc = str(allocate_source)
+assert _alloc.index("self._free.popitem(last=False)") < _alloc.index("self._evict(block_id)")
+# Section 4, n = 3: "a red cat is 10 tokens: 2 full blocks of 4, and 2 more in a third, partial block"; "the first
+# child computed all 10 prompt tokens, the other two only the last 2"; blocks 0 and 1 held by all three, a third block
+# each of its own; "10 prompt tokens instead of 14"; copy-on-write's fork: all three point at the same three blocks
+first_child, *others = list(at_prompt)
+assert len(tokenizer.encode(prompt)) == 10 and computed == {first_child: 10, **{c: 2 for c in others}}
+assert len({tuple(t[:2]) for t in at_prompt.values()}) == 1 and len({t[2] for t in at_prompt.values()}) == 3
+assert at_prompt[first_child][:2] == [0, 1] and at_prompt[first_child][2] == 2 and sum(computed.values()) == 14
+assert all(t == at_prompt[first_child] for t in viz.fork_tables(at_prompt, 10, 4).values())
+assert all(now[c][:3] == at_prompt[c] and len(now[c]) == 4 for c in now) and set(kv_tokens.values()) == {15}
+marks = {p.get_gid() for ax in fork_figure.axes for p in ax.patches if (p.get_gid() or "").startswith("mark:")}
+assert marks == {f"mark:{panel}:{c}:2" for panel in ("prefix-prompt", "prefix-now", "cow-now") for c in others}
+cow_labels = [t.get_text() for t in fork_figure.axes[1].texts]
+assert cow_labels.count("2 x3") == 3 and cow_labels.count("0 x3") == 3
+assert len(set(answers.values())) == 3
+# Section 6: "ceil(192 / block_size) blocks: 192 token slots when the block size divides 192, a few more otherwise"
 # and "block size 25 with three 64-token prompts ... need 9 blocks (225 slots) and the pool has 8 (200); the
 # picture says so". The sliders never leave a stale or broken picture.
 sliders = explore.controls
@@ -130,6 +156,17 @@ report = viz.logits_parity(ref_logits, paged_logits)
 largest = max(float(abs(np.concatenate([a.ravel() for a in ref_logits])).max()), 1.0)
 assert report.max_abs_diff < 20 * np.finfo(np.float32).eps * largest and paged_tokens == ref_tokens
 assert again == ref_tokens and fleet_tokens == fleet_ref_tokens
+# the excerpts the prose reads: "slot_mapping is ... blocks * block_size + positions % block_size, with blocks looked
+# up ... at positions // block_size"; "write ... and only then attend"; the naive loop's gather and causal mask
+build_text = str(build_excerpt)
+assert "blocks.astype(np.int64) * block_size + positions % block_size" in build_text
+assert "positions // block_size" in build_text and "row_of_token = np.repeat" in build_text
+context_text, triton_text, forward_text = (str(e) for e in step_excerpts)
+assert "backend.build_metadata(self.metadata)" in context_text and "StepPlans" in triton_text
+assert forward_text.index("kv_cache.write(") < forward_text.index("self.attend(")
+naive_text = str(naive_excerpt)
+assert "paddle.gather(keys, slots)" in naive_text and "visible = pos.unsqueeze(0) <= q_pos" in naive_text
+assert "return common" in str(viz.show_source(fleetlab.AttentionBackend.build_metadata, body_only=True))
 '''
 
 PROMISES["04_input_batch_reorder"] = '''
@@ -159,6 +196,15 @@ for i, frame in enumerate(frames):
     red = {int(p.get_gid().split(":")[2]) for p in reorder_strip.axes[i].patches
            if (p.get_gid() or "").startswith("strip:") and p.get_linewidth() > 2}
     assert red == set(frame.moved), (i, red, frame.moved)
+# the code beside the strip: condense moves the live rows with one _move_rows, which copies every registered field;
+# two_pointer_swaps pairs lefts with reversed rights: "frames 2 and 3 above"
+assert "self._move_rows(np.arange(n), live)" in str(condense_source)
+assert "for buf in self._np.values():" in str(move_source) and "buf[dst] = buf[src]" in str(move_source)
+assert "two_pointer_swaps(mask)" in str(reorder_source) and "self._move_rows(dst, src)" in str(reorder_source)
+_b = make_batch()
+_b.condense()
+_lefts, _rights = two_pointer_swaps(_b.is_decode())
+assert [set(f.moved) for f in frames[2:]] == [{int(lo), int(hi)} for lo, hi in zip(_lefts, _rights)]
 # "the cell after it times them on this machine against the play interval"
 assert len(frame_s) == len(frames) and np.median(frame_s) < reorder_player.play.interval / 1000, frame_s
 moved = {}
@@ -219,6 +265,15 @@ assert _steps("5", "budget") == [10] and why["5", False].end == 11
 assert _steps("6", "rows") == [11, 12, 13, 14, 15]
 drawn = {p.get_gid() for p in timeline.axes[0].patches if (p.get_gid() or "").startswith("wait:")}
 assert drawn == {f"wait:{w.request_id}:{s}:{r}" for w in waits for s, r in w.reasons.items()}
+# the code beside the picture: "admits nobody after a preemption (if not out.preempted_req_ids)"; the while line
+# holds "budget > 0" and "len(self.running) < self.max_num_seqs"; "n = min(remaining, budget)"; allocate_slots ... break
+assert "if not out.preempted_req_ids:" in str(schedule_source)
+admission_text = chr(10).join(admission_source.lines)
+while_line = admission_source.lines[0]
+assert while_line.strip().startswith("while") and "budget > 0" in while_line
+assert "len(self.running) < self.max_num_seqs" in while_line and "n = min(remaining, budget)" in admission_text
+assert admission_text.index("self.kv.allocate_slots(") < admission_text.index("break", admission_text.index(
+    "self.kv.allocate_slots(")) < admission_text.index("self.running.append(req)")
 # Section 4: the strip's key steps, with what the prefix cache gave back outlined
 strip_steps = [ax.get_gid() for ax in pool_strip.axes if ax.get_visible()]
 assert strip_steps == [f"pool-step:{s}" for s in (6, 7, 10, 16, 17, 23)]
@@ -251,6 +306,36 @@ if "h200_triton" in results:
     big = [r["triton_tbps"] for r in h200["decode_bandwidth"] if r["batch"] >= 64 and r["context"] >= 8192]
     assert big and all(v > ceiling for v in big)
     assert max(v for r in h200["decode_bandwidth"] for k, v in r.items() if k.endswith("_tbps")) < 4.8
+    # "as fast as SDPA ... from batch 16 up, far faster at batch 1 (3.35 TB/s at 32k against SDPA's 0.35), and at least
+    # 2.6 times as fast as gathering"; "an older copy of the same kernel ... lies on the red one"
+    _bw = h200["decode_bandwidth"]
+    assert all(abs(r["triton_tbps"] / r["sdpa_tbps"] - 1) < 0.1 for r in _bw if r["batch"] >= 16)
+    _one = next(r for r in _bw if (r["batch"], r["context"]) == (1, 32768))
+    assert (round(_one["triton_tbps"], 2), round(_one["sdpa_tbps"], 2)) == (3.35, 0.35)
+    assert min(r["triton_tbps"] / r["gather_sdpa_tbps"] for r in _bw) >= 2.6
+    assert all(abs(r["before_tbps"] / r["triton_tbps"] - 1) < 0.03 for r in _bw)
+# Launch costs: "One attention call costs the host 10-22 µs and a whole layer's call 32-49 µs, against 71-146 µs for
+# the older kernels ..., and 30-53 µs for one call of torch's SDPA"; "at 4 × 4k ... 1.45 ms ... 0.91 ms (1.6x); the
+# larger batches are within 5% of their graph, and a single row at 32k context within 14%"
+if "h200_triton" in results:
+    _span = {k: (min(v), max(v)) for k, v in host.items()}
+    assert 10 <= _span["triton_host_us"][0] and _span["triton_host_us"][1] < 22.5
+    assert 31.5 <= _span["layer_host_us"][0] and _span["layer_host_us"][1] < 49.5
+    assert 71 <= _span["before_host_us"][0] and _span["before_host_us"][1] < 146.5
+    assert 29.5 <= _span["sdpa_host_us"][0] and _span["sdpa_host_us"][1] < 53.5
+    _steps = {(r["batch"], r["context"], r["prefill_chunk"]): r for r in h200["decode_step"]}
+    _small = _steps[4, 4096, 0]
+    assert (round(_small["eager_step_ms"], 2), round(_small["graph_step_ms"], 2)) == (1.45, 0.91)
+    assert round(_small["graph_speedup"], 1) == 1.6 and _steps[1, 32768, 0]["graph_speedup"] < 1.14
+    assert all(r["graph_speedup"] < 1.05 for r in h200["decode_step"] if r["batch"] >= 32)
+    assert {p.get_gid() for ax in launch_figure.axes for p in ax.patches if (p.get_gid() or "").startswith("step:")}
+# the bandwidth panels draw the graph clock only, each line named in words
+_bandwidth = result_figures.get(("h200_triton", "bandwidth"))
+if _bandwidth is not None:
+    from fleetlab.viz.results import IMPLEMENTATION_NAMES as _NAMES
+    _labels = {t.get_text() for t in _bandwidth.legends[0].get_texts()}
+    assert {_NAMES[i] for i in ("triton", "sdpa", "gather_sdpa", "before")} <= _labels
+    assert not any("eager" in _label for _label in _labels)
 # Rows: "the rows of the short ones go idle"; continuous rows "stay busy until the queue runs dry at the end"
 static_idle = viz.idle_row_steps(static_llm.traces, 4)
 continuous_idle = viz.idle_row_steps(continuous_llm.traces, 4)
@@ -418,6 +503,12 @@ assert ms["propose"] >= 0.7 * ms["forward"], ms
 p_o = float(probs[tokenizer.encode("o", add_bos=False)[0]] / probs.sum())
 assert drafted["o"] == 1998 and round(p_o, 2) == 0.28 and abs(sampled_acceptance - p_o) < 0.03
 assert all(stat < crit / 2 for stat, _, crit in hist.chi_square.values()), hist.chi_square
+# the code beside the histogram: "u[:, 0] to draw a token, u[:, 1] to accept"; accept is "u < p(draft)"; residual is
+# "p with the draft's entry zeroed"
+draw_text = str(rejection_sources["draw"])
+assert "self.accept(p_draft, u[:, 1])" in draw_text and "self.residual(probs, is_draft), u[:, 0]" in draw_text
+assert "return u < p_draft" in str(rejection_sources["accept"])
+assert "paddle.where(is_draft, paddle.zeros_like(probs), probs)" in str(rejection_sources["residual"])
 '''
 
 PROMISES["09_tensor_parallel"] = '''
@@ -491,4 +582,52 @@ marks = {ln.get_gid() for ln in verify_figure.axes[0].lines}
 assert marks == {"draft:0:allowed", "draft:1:allowed", "draft:2:allowed", "draft:3:refused"}
 assert "unused:4" in {p.get_gid() for p in verify_figure.axes[0].patches}
 assert verify["in_matcher"] == verify["committed_before"] == 14
+'''
+
+PROMISES["12_read_the_engine"] = '''
+from pathlib import Path as _Path
+
+_eos = tokenizer.eos_token_id
+# Section 1: refused "with a ValueError naming the request and the field, before anything is queued"
+assert len(refusals) == 2 and all(r.startswith("request 'bad':") for r in refusals)
+assert "prompt_token_ids" in refusals[0] and "KV blocks" in refusals[1] and "bad" not in llm.scheduler.requests
+# "b: 12+7=, 6 tokens with <bos>"
+assert b.prompt_token_ids == tokenizer.encode("12+7=") and len(b.prompt_token_ids) == 6
+# Section 2: "a runs 1 token (a decode), and b its whole 6-token prompt: 7 tokens of the 16"; "b starts from 0"
+assert plan.num_scheduled_tokens == {"a": 1, "b": 6} and plan.total_num_scheduled_tokens == 7
+assert llm.scheduler.max_num_batched_tokens == 16 and new.num_computed_tokens == 0 and new.req_id == "b"
+# Section 3: "b's 6 tokens need 2 blocks (its second one 2/4 full)"; "not in id order"; "2 evictions"; one white block
+assert len(tables["b"]) == 2 and tokens_after["b"] == 6 and tables["b"] != sorted(tables["b"])
+assert tables["a"] != sorted(tables["a"]) and pool_stats.evictions == 2
+assert sum(1 for i in pool_now if i.ref_count == 0 and not i.is_cached) == 1
+# Section 4: a's diff carries its sampled token 8 and no new block
+cached = plan.scheduled_cached_reqs
+assert cached.req_ids == ["a"] and tokenizer.decode(cached.new_token_ids[0]) == "8" and cached.new_block_ids == [[]]
+# Section 5: "a in row 0, b in row 1", no reorder
+assert result.order_before == result.order_after == ["a", "b"] and [r.req_id for r in rows] == ["a", "b"]
+# Section 6: "a's one decode token at position 7 and b's prompt at positions 0-5, each with its slot"; two scored
+assert md.positions.numpy().tolist() == [7, 0, 1, 2, 3, 4, 5]
+for pos, slot, row in zip(md.positions.numpy(), md.slot_mapping.numpy(), row_of_token):
+    _blocks = tables[rows[row].req_id]
+    assert slot == _blocks[pos // 4] * 4 + pos % 4
+assert inputs.logits_indices.tolist() == [0, 6]
+# Section 7: "[2, 55]"; "sure of 3 after 45+38=8 and of 1 after 12+7="; every slot written
+assert list(logits.shape) == [2, tokenizer.vocab_size]
+assert [tokenizer.decode([int(t)]) for t in top[:, 0]] == ["3", "1"] and written.all()
+# Section 8: greedy: the sampled tokens are the argmax
+assert result.sampled_token_ids == {"a": [int(top[0, 0])], "b": [int(top[1, 0])]}
+# Section 9: "b has computed its 6 prompt tokens and holds its first output token, 1; a has its third"
+assert b_now["num_computed_tokens"] == 6 and tokenizer.decode(b_now["output_token_ids"]) == "1"
+assert {o.request_id: len(o.token_ids) for o in outputs} == {"a": 2, "b": 1}
+# "Both answers are right ... stop at the end-of-text token: a in the first step of the loop, b in the second"
+assert {rid: (o.text, o.finish_reason, o.token_ids[-1]) for rid, (o, _) in finished.items()} == {
+    "a": ("83", "stop", _eos), "b": ("19", "stop", _eos)} and _eos == 2
+assert {rid: s for rid, (_, s) in finished.items()} == {"a": 1, "b": 2}
+# Section 10: the table has every part, and its fleetlab column names a file of the package
+_root = _Path(fleetlab.__file__).resolve().parents[1]
+assert len(table) == len(PARTS) + 2 and all(row.count(" | ") == 3 for row in table)
+for _part, _obj, _vllm, _fd in PARTS:
+    _src = viz.show_source(_obj)
+    assert (_root / _src.path).is_file() and _src.path.startswith("fleetlab/")
+    assert _vllm and _fd and "fleetlab" not in _vllm + _fd
 '''

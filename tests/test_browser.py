@@ -153,3 +153,29 @@ def test_every_other_notebook_runs_in_jupyterlab(lab, page, name):
         print(f"JupyterLab log tail:\n{lab.log_tail()}")
         raise
     _shot(page, f"run_all_{Path(name).stem}.png")
+
+
+# Outputs a page must render, beyond running: the engine's source shown as highlighted HTML (file and
+# lines, as viz.show_source writes them) and the table of names a cell builds.
+RENDERED = {"12_read_the_engine.ipynb": ["fleetlab/engine/scheduler.py, lines", "(in Scheduler.schedule)",
+                                         "fleetlab/attention/naive.py, lines", "vLLM v1\tFastDeploy"]}
+
+
+@pytest.mark.parametrize("name", sorted(RENDERED))
+def test_source_excerpts_and_tables_render_in_jupyterlab(lab, page, name):
+    """Run All in the browser, then read every output, the notebook scrolled through: the
+    excerpts and the table the notebook builds are on the page."""
+    from browser import lab_page
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    budget = _Budget(SESSION_S)
+    try:
+        lab_page.open_notebook(page, lab.url, name, budget.ms("open"))
+        lab_page.run_all_cells(page, budget.ms("run"))
+        shown = lab_page.output_text(page)
+    except Exception:
+        _shot(page, f"99_failure_{Path(name).stem}.png")
+        print(f"JupyterLab log tail:\n{lab.log_tail()}")
+        raise
+    _shot(page, f"rendered_{Path(name).stem}.png")
+    assert [text for text in RENDERED[name] if text not in shown] == []

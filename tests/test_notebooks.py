@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 COURSE = ["00_why_a_kv_cache", "01_tour", "02_paged_kv_cache", "03_attention_patching", "04_input_batch_reorder",
-          "05_decode_loop", "06_performance", "07_prototyping"]
+          "05_decode_loop", "06_performance", "07_prototyping", "12_read_the_engine"]
 CELL_TIMEOUT_S = 180
 # A line a library prints as a notice: a Python warning, a logging record, a colour code.
 NOISE = re.compile(r"warning:|\[\s*warning|\bINFO\b|\x1b\[|PyTorch was not found|ccache|distutils|OMP_NUM_THREADS",

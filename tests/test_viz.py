@@ -466,6 +466,28 @@ def test_decode_bandwidth_colours_follow_the_implementation_not_the_file():
     assert {k: v for k, v in colours(["triton", "sdpa", "gather_sdpa", "before"]).items() if k != "before"} == alone
 
 
+def test_decode_bandwidth_draws_one_clock_and_names_every_line():
+    """The eager columns of the kernel benchmark (``<impl>_eager_tbps``) are a clock, not more
+    implementations: the graph figure leaves them out, the eager one draws them under the same names."""
+    from fleetlab.viz.results import IMPLEMENTATION_NAMES
+
+    rows = [{"batch": 1, "context": c, "triton_tbps": 3.0, "triton_eager_tbps": 1.0, "sdpa_tbps": 2.0,
+             "sdpa_eager_tbps": 0.5, "before_eager_tbps": 0.2} for c in (512, 2048)]
+    graph = viz.draw_decode_bandwidth({"decode_bandwidth": rows})
+    assert set(by_gid(graph.axes[0].lines, "bandwidth:")) == {"bandwidth:1:triton", "bandwidth:1:sdpa"}
+    eager = viz.draw_decode_bandwidth({"decode_bandwidth": rows}, clock="eager")
+    lines = by_gid(eager.axes[0].lines, "bandwidth:")
+    assert set(lines) == {"bandwidth:1:triton", "bandwidth:1:sdpa", "bandwidth:1:before"}
+    assert list(lines["bandwidth:1:sdpa"].get_ydata()) == [0.5, 0.5]
+    labels = {t.get_text() for t in eager.legends[0].get_texts()}
+    assert {IMPLEMENTATION_NAMES[i] for i in ("triton", "sdpa", "before")} <= labels
+    assert not any("eager" in label for label in labels)
+    assert "graph replay" in graph._suptitle.get_text() and "from Python" in eager._suptitle.get_text()
+    assert viz.draw_decode_bandwidth({"decode_bandwidth": [{"batch": 1, "context": 8, "x_eager_tbps": 1.0}]}) is None
+    with pytest.raises(ValueError, match="clock"):
+        viz.draw_decode_bandwidth({"decode_bandwidth": rows}, clock="wall")
+
+
 # ----------------------------------------------------------------- the pictures issue #18 asked for
 def test_block_mapping_draws_one_arrow_per_table_entry_and_hatches_shared_blocks(shared_pool):
     pool, tables, freed = shared_pool

@@ -9,6 +9,7 @@ their latest figure in ``.figure``. A request has the same colour in every pictu
 Modules:
   cost     -- why a KV cache: attention over a growing sequence, work and time per token, prefill vs decode
   blocks   -- the block pool as a grid, block tables, memory wasted by paging vs padding
+  forks    -- parallel sampling: children sharing a prompt's blocks, beside copy-on-write forks
   batch    -- InputBatch rows, condense and decode-first reorder swap by swap, gather maps
   timeline -- the decode loop from engine traces: who ran when, KV occupancy, tokens per step
   replay   -- the block pool step by step: a light frame for a player, key steps as a static strip
@@ -50,6 +51,7 @@ from fleetlab.viz.blocks import (
     pool_legend,
 )
 from fleetlab.viz.cost import draw_attention_pattern, draw_cache_cost, draw_pass_cost
+from fleetlab.viz.forks import draw_parallel_sampling, fork_tables
 from fleetlab.viz.latency import draw_latency
 from fleetlab.viz.layers import PatchedLayer, draw_layer_map, format_patch_table, patch_table
 from fleetlab.viz.parity import ParityReport, draw_logits_parity, greedy_table, logits_parity
@@ -200,4 +202,6 @@ __all__ = [
     "SourceExcerpt",
     "show_source",
     "source_excerpt",
+    "draw_parallel_sampling",
+    "fork_tables",
 ]

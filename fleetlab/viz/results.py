@@ -281,21 +281,35 @@ def _draw_stacked(ax, data: Mapping[str, Mapping[str, float]], gid: str) -> None
 # What each implementation of the decode-bandwidth benchmark is, in words (legend labels).
 IMPLEMENTATION_NAMES = {
     "triton": "paged Triton kernel: reads K/V through the block table",
-    "triton_eager": "the same kernel launched eagerly (no CUDA graph): launch cost shows",
     "sdpa": "SDPA on contiguous K/V (no paging: the target)",
     "gather_sdpa": "gather the blocks into a contiguous copy, then SDPA",
     "before": "an older copy of the paged Triton kernel, timed in the same run",
 }
 # One colour per implementation, whatever else a results file holds (notebook prose names them).
-IMPLEMENTATION_COLORS = {"triton": PALETTE[2], "sdpa": PALETTE[1], "gather_sdpa": PALETTE[0], "before": "#9a9a9a",
-                         "triton_eager": PALETTE[4]}
+IMPLEMENTATION_COLORS = {"triton": PALETTE[2], "sdpa": PALETTE[1], "gather_sdpa": PALETTE[0], "before": "#9a9a9a"}
+# The benchmark's clocks (its "clocks" entry): a bandwidth key is <impl>_tbps under CUDA-graph replay,
+# <impl>_eager_tbps for calls issued back to back from Python.
+CLOCK_SUFFIXES = {"graph": "_tbps", "eager": "_eager_tbps"}
+CLOCK_TITLES = {"graph": "CUDA-graph replay, GPU time alone", "eager": "calls issued back to back from Python"}
 # Peak memory bandwidth on the vendor's spec sheet, by device name (TB/s).
 SPEC_BANDWIDTH_TBPS = {"NVIDIA H200": 4.8}
 
 
-def draw_decode_bandwidth(kernel_results: Mapping, *, ncols: int = 3):
+def _impl_series(rows, clock: str) -> list[str]:
+    """The implementations ``rows`` time under ``clock`` (a key of :data:`CLOCK_SUFFIXES`)."""
+    suffix = CLOCK_SUFFIXES[clock]
+    other = tuple(s for s in CLOCK_SUFFIXES.values() if s != suffix and s.endswith(suffix))
+    return sorted({k[: -len(suffix)] for r in rows for k in r
+                   if k.endswith(suffix) and not k.endswith(other) and _is_number(r[k])})
+
+
+def draw_decode_bandwidth(kernel_results: Mapping, *, ncols: int = 3, clock: str = "graph"):
     """Decode-attention bandwidth against context length, from a kernel benchmark's
     ``decode_bandwidth`` list (entries with ``batch``, ``context`` and ``<impl>_tbps``).
+
+    ``clock``: ``"graph"`` draws the ``<impl>_tbps`` keys (CUDA-graph replay: the GPU's time
+    alone), ``"eager"`` the ``<impl>_eager_tbps`` keys (calls issued from Python, as an engine
+    issues them), each implementation under its own name either way; the title says which.
 
     One panel per batch size (``ncols`` to a row), one line per implementation named in
     words (:data:`IMPLEMENTATION_NAMES`) in its own colour (:data:`IMPLEMENTATION_COLORS`;
@@ -308,10 +322,13 @@ def draw_decode_bandwidth(kernel_results: Mapping, *, ncols: int = 3):
     """
     rows = [r for r in kernel_results.get("decode_bandwidth") or [] if isinstance(r, Mapping)
             and _is_number(r.get("batch")) and _is_number(r.get("context"))]
-    if not rows:
+    if clock not in CLOCK_SUFFIXES:
+        raise ValueError(f"draw_decode_bandwidth: clock must be one of {sorted(CLOCK_SUFFIXES)}; got {clock!r}")
+    impls = _impl_series(rows, clock)
+    if not rows or not impls:
         return None
+    suffix = CLOCK_SUFFIXES[clock]
     batches = sorted({int(r["batch"]) for r in rows})
-    impls = sorted({k[: -len("_tbps")] for r in rows for k in r if k.endswith("_tbps") and _is_number(r[k])})
     measured = _num((kernel_results.get("ceilings") or {}).get("read_sum_tbps"))
     device = str((kernel_results.get("environment") or {}).get("device", ""))
     spec = SPEC_BANDWIDTH_TBPS.get(device)
@@ -322,7 +339,7 @@ def draw_decode_bandwidth(kernel_results: Mapping, *, ncols: int = 3):
     for ax, batch in zip(axes, batches):
         mine = sorted((r for r in rows if int(r["batch"]) == batch), key=lambda r: r["context"])
         for j, impl in enumerate(impls):
-            points = [(r["context"], r[f"{impl}_tbps"]) for r in mine if _is_number(r.get(f"{impl}_tbps"))]
+            points = [(r["context"], r[f"{impl}{suffix}"]) for r in mine if _is_number(r.get(f"{impl}{suffix}"))]
             if points:
                 xs, ys = zip(*points)
                 color = IMPLEMENTATION_COLORS.get(impl, PALETTE[(j + 5) % len(PALETTE)])
@@ -340,7 +357,8 @@ def draw_decode_bandwidth(kernel_results: Mapping, *, ncols: int = 3):
         ax.minorticks_off()
         ax.set_xlabel("context length (tokens)", fontsize=8)
         ax.set_title(f"batch {batch}", fontsize=9)
-        ax.set_ylim(0, max(spec or 0, measured or 0, max(r.get(f"{i}_tbps") or 0 for r in rows for i in impls)) * 1.1)
+        top = max(r.get(f"{i}{suffix}") or 0 for r in rows for i in impls)
+        ax.set_ylim(0, max(spec or 0, measured or 0, top) * 1.1)
     for ax in axes[len(batches):]:
         ax.set_visible(False)
     for ax in axes[::ncols]:
@@ -348,5 +366,6 @@ def draw_decode_bandwidth(kernel_results: Mapping, *, ncols: int = 3):
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize=7.5, frameon=False)
     where = f" on {device}" if device else ""
-    fig.suptitle(f"decode attention: how fast each implementation reads the KV cache{where}", fontsize=9)
+    fig.suptitle(f"decode attention: how fast each implementation reads the KV cache{where} "
+                 f"({CLOCK_TITLES[clock]})", fontsize=9)
     return fig

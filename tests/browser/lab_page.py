@@ -132,6 +132,26 @@ def tag_live_plot(page, timeout_ms: int):
     return page.locator(f"[{LIVE_ATTR}='plot']"), page.locator(f"[{LIVE_ATTR}='handle']")
 
 
+# Every output's text, scrolling the notebook top to bottom (JupyterLab may detach cells far
+# from the viewport, so a single read would miss them).
+_OUTPUT_TEXT_JS = """async () => {
+  const scroller = document.querySelector('.jp-NotebookPanel .jp-WindowedPanel-outer')
+      || document.querySelector('.jp-NotebookPanel .jp-Notebook');
+  const seen = new Set();
+  for (let top = 0; top <= scroller.scrollHeight; top += Math.max(200, scroller.clientHeight / 2)) {
+    scroller.scrollTop = top;
+    await new Promise(done => setTimeout(done, 120));
+    document.querySelectorAll('.jp-Notebook .jp-OutputArea-output').forEach(e => seen.add(e.innerText));
+  }
+  return [...seen].join('\\n');
+}"""
+
+
+def output_text(page) -> str:
+    """The text of every cell output, the notebook scrolled through from top to bottom."""
+    return page.evaluate(_OUTPUT_TEXT_JS)
+
+
 def placeholders_shown(page) -> list[str]:
     """Which of :data:`WIDGET_PLACEHOLDERS` the notebook shows now."""
     return page.evaluate(_PLACEHOLDERS_JS, list(WIDGET_PLACEHOLDERS))
