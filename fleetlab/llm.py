@@ -21,6 +21,7 @@ are a logits processor the engine always installs (:mod:`fleetlab.engine.penalti
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import logging
 import time
 import weakref
@@ -102,6 +103,11 @@ class LLM:
         except Exception:
             self.close()  # a failed construction leaves the models as they were
             raise
+        # What exists now (the model, its cache, the engine) lives as long as the engine: move it out of
+        # the garbage collector's sight, so that a full collection during a step walks only what steps
+        # made (vLLM's engine core freezes its startup heap for the same reason: pause times).
+        gc.collect()
+        gc.freeze()
 
     def _build(self, cfg, batch_fields: list, processors: list) -> None:
         check_model_dtype_runs(self.handle.dtype)
