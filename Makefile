@@ -23,9 +23,11 @@ $(VENV)/.stamp-lab: pyproject.toml | $(VENV)/.stamp-dev
 venv: $(VENV)/.stamp-dev
 
 # Two worker processes, each taking whole test files (a file's fixtures are built once): most tests
-# keep one core busy, so two of them halve the time on a 2-core machine.
+# keep one core busy, so two of them halve the time on a 2-core machine. One OpenMP thread each (and
+# in the kernels and ranks they start): threads that outnumber the cores spin against each other,
+# which made the suite a third slower.
 test: $(VENV)/.stamp-dev
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile tests
 
 # The Triton kernel tests under Triton's CPU interpreter, in a venv of their own (torch's CPU
 # wheel + Triton 3.6, whose interpreter needs numpy < 2.3; about 1 GB; not in `make test`).

@@ -25,6 +25,49 @@ def upload(array, dtype=None) -> paddle.Tensor:
     return tensor
 
 
+class StagingBuffer:
+    """The step's small integer arrays (positions, ``slot_mapping``, input ids, ...) sent to the
+    device through one persistent buffer: each :meth:`upload` is one host-to-device copy, and
+    what it returns are slices of the device buffer.
+
+    Half a dozen separate uploads a step cost half a dozen allocations and copies, more than
+    the arrays' contents; vLLM's model runner keeps persistent ``CpuGpuBuffer`` s for the same
+    reason (their fixed addresses are also what a captured CUDA graph replays). Arrays go in
+    at a cursor that :meth:`reset` rewinds once per step: the step's one device-to-host read
+    has finished every kernel of the previous step before its slices are overwritten.
+    """
+
+    def __init__(self, capacity: int = 4096):
+        self.host = np.zeros(capacity, dtype=np.int64)
+        self.device = upload(self.host)
+        self.cursor = 0
+
+    def reset(self) -> None:
+        self.cursor = 0
+
+    def upload(self, *arrays: np.ndarray) -> list[paddle.Tensor]:
+        """Each integer array (any shape) as a device tensor of its own dtype and shape."""
+        arrays = [np.asarray(a) for a in arrays]
+        assert all(a.dtype.kind in "iu" for a in arrays), "only integer arrays travel as int64"
+        sizes = [a.size for a in arrays]
+        end = self.cursor + sum(sizes)
+        if end > len(self.host):  # grow; tensors handed out before keep the old buffer alive
+            self.host = np.concatenate([self.host, np.zeros(max(end, 2 * len(self.host)), np.int64)])
+            self.device = upload(self.host)
+        start = self.cursor
+        for a, n in zip(arrays, sizes):
+            self.host[start: start + n] = a.reshape(-1)
+            start += n
+        self.device.set_value(self.host)  # in place: one copy for all of them
+        tensors = []
+        for a, n in zip(arrays, sizes):
+            t = self.device[self.cursor: self.cursor + n] if n else paddle.empty([0], dtype="int64")
+            t = t if a.dtype == np.int64 else t.astype(str(a.dtype))
+            tensors.append(t if a.ndim == 1 else t.reshape(list(a.shape)))
+            self.cursor += n
+        return tensors
+
+
 # What Paddle 3.3's CPU build has no matmul/softmax kernels for (measured: a bf16 or fp16
 # ``linear`` raises "kernel ... (CPU, ..., bfloat16) of kernel `matmul` is not registered").
 CPU_UNSUPPORTED_DTYPES = ("bfloat16", "float16")

@@ -22,9 +22,10 @@ drawn = {ln.get_gid(): ln for ax in cache_figure.axes for ln in ax.lines if ln.g
 assert list(drawn["work:no-cache"].get_ydata()) == no_cache_work
 assert list(drawn["work:cached"].get_ydata()) == cached_tokens
 # "a decode step stays nearly flat as the sequence grows ... a pass over the whole sequence grows with its length:
-# by 128 tokens it costs more than a decode step"
-assert decode_ms.max() < 1.5 * decode_ms.min(), decode_ms
-assert pass_ms[128] > 1.5 * pass_ms[8] and pass_ms[128] > decode_ms.max(), (pass_ms, decode_ms)
+# by 128 tokens it costs more than a decode step" (medians over stretches: a burst of load on a shared machine
+# can slow a few stretches in every run, and the claim is about growth, not about a burst)
+assert np.median(decode_ms[-3:]) < 1.5 * np.median(decode_ms[:3]), decode_ms
+assert pass_ms[128] > 1.5 * pass_ms[8] and pass_ms[128] > np.median(decode_ms), (pass_ms, decode_ms)
 # Section 4: "A pass of 64 tokens costs a few times a pass of one token, not 64 times: per token, prefill is more
 # than ten times cheaper"; "a pass of 8 tokens ... costs less than two passes of 1"; "half an operation per byte"
 assert pass_ms[64] < 8 * pass_ms[1] and per_token[1] / per_token[64] > 10, pass_ms

@@ -3,9 +3,9 @@
 It copies notebooks/ to a temporary folder (the committed notebooks stay output-free), serves
 it with JupyterLab on a free localhost port, opens a notebook whose slider redraws a matplotlib
 plot, runs all cells, checks that the widgets rendered, moves the slider and checks that the
-plot changed; then runs there the notebooks that a browser shows differently (those with
-widgets: sliders, players) and the first one a newcomer opens. Every notebook also runs headless
-in ``test_notebooks.py``, so running the rest a second time here would prove nothing more.
+plot changed; then runs there the first notebook a newcomer opens and one notebook of each other
+kind of widget (a player). Every notebook also runs headless in ``test_notebooks.py``, so running
+the rest a second time here would prove nothing more.
 Screenshots land in test-artifacts/browser/.
 
 Skipped unless /usr/bin/chromium and the ``playwright`` and ``jupyterlab`` packages are present;
@@ -35,12 +35,19 @@ STEP_CAPS_S = {"open": 50, "run": 70, "widgets": 25, "redraw": 25}
 WIDGETS = ("viz.player(", "LiveFigure", "ipywidgets", "interact")  # what only a browser renders
 
 
-def _needs_a_browser(path: Path) -> bool:
-    return path.name.startswith("00_") or any(w in path.with_suffix(".py").read_text() for w in WIDGETS)
+def _browser_runs() -> list[str]:
+    """The on-ramp, and for each kind of widget the slider's notebook lacks, the first notebook of
+    the course that has one: every kind renders once in a real browser (every notebook also runs
+    headless, with its promises, in ``test_notebooks.py``)."""
+    paths = sorted((REPO / "notebooks").glob("*.ipynb"))
+    shown = (REPO / "notebooks" / NOTEBOOK).with_suffix(".py").read_text()
+    runs = [p.name for p in paths if p.name.startswith("00_")]
+    for widget in (w for w in WIDGETS if w not in shown):
+        runs += [p.name for p in paths if widget in p.with_suffix(".py").read_text()][:1]
+    return sorted(set(runs) - {NOTEBOOK})
 
 
-OTHER_NOTEBOOKS = sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb") if p.name != NOTEBOOK
-                         and _needs_a_browser(p))
+OTHER_NOTEBOOKS = _browser_runs()
 
 
 def _missing() -> str | None:
@@ -138,7 +145,7 @@ def test_slider_redraws_plot_in_jupyterlab(lab, page):
 @pytest.mark.parametrize("name", OTHER_NOTEBOOKS)
 def test_every_other_notebook_runs_in_jupyterlab(lab, page, name):
     """Run All in the browser: no cell left unrun, no widget placeholder left on the page (the
-    on-ramp and every notebook with widgets)."""
+    on-ramp and a notebook with a player)."""
     from browser import lab_page
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)

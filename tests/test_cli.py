@@ -61,17 +61,24 @@ BAR = re.compile(r"requests: +\d+%\|.*\| \d+/\d+ \[")
 
 
 @pytest.mark.slow
-def test_tensor_parallel_demo_prints_no_launcher_notices():
-    """``demo --tensor-parallel-size 2`` shows the launch line and the demo's own output: no
-    glog line, no "Modified FLAGS" block, no ccache warning; the model's size is the whole
-    model's, and rank 0's shard is named as a part of it."""
+def test_tensor_parallel_demo_answers_like_one_process_without_launcher_notices(capsys):
+    """``demo --tensor-parallel-size 2`` launches itself on two ranks and prints the answers one
+    process prints. It shows the launch line and the demo's own output: no glog line, no
+    "Modified FLAGS" block, no ccache warning; the model's size is the whole model's, and rank
+    0's shard is named as a part of it."""
     import subprocess
     import sys
 
+    args = ["demo", "--num-prompts", "6", "--num-blocks", "12"]
+    assert main(args) == 0
+    alone = [ln for ln in capsys.readouterr().out.splitlines() if " -> " in ln]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "FLEETLAB_LIBRARY_NOTICES")}
-    done = subprocess.run([sys.executable, "-m", "fleetlab", "demo", "--num-prompts", "4", "--tensor-parallel-size",
-                           "2"], capture_output=True, text=True, timeout=240, env=env)
+    done = subprocess.run([sys.executable, "-m", "fleetlab", *args, "--tensor-parallel-size", "2"],
+                          capture_output=True, text=True, timeout=240, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "paddle.distributed.launch --nproc_per_node 2" in done.stdout
+    assert [ln for ln in done.stdout.splitlines() if " -> " in ln] == alone
+    assert "tensor parallel: 2 ranks on gloo" in done.stdout and "KV heads [0] of 2" in done.stdout
     lines = [ln for ln in (done.stdout + done.stderr).splitlines() if "paddle.distributed.launch" not in ln]
     noisy = [ln for ln in lines if NOISE.search(ln) or GLOG.match(ln) or "FLAGS" in ln or set(ln.strip()) == {"="}]
     assert noisy == [] and done.stderr == "", noisy or done.stderr

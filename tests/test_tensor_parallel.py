@@ -228,19 +228,7 @@ def test_ranks_that_disagree_are_stopped_by_the_agreement_check(tmp_path):
     assert re.search(r"ranks disagree on engine step \d+", result.output)
 
 
-@pytest.mark.slow
-def test_demo_with_two_ranks_launches_itself_and_answers_like_one_process(capsys):
-    from fleetlab.__main__ import main
-
-    args = ["demo", "--num-prompts", "6", "--num-blocks", "12"]
-    assert main(args) == 0
-    alone = [ln for ln in capsys.readouterr().out.splitlines() if " -> " in ln]
-    proc = subprocess.run([sys.executable, "-m", "fleetlab", *args, "--tensor-parallel-size", "2"],
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "paddle.distributed.launch --nproc_per_node 2" in proc.stdout
-    assert [ln for ln in proc.stdout.splitlines() if " -> " in ln] == alone
-    assert "tensor parallel: 2 ranks on gloo" in proc.stdout and "KV heads [0] of 2" in proc.stdout
+# The demo on two ranks (answers equal to one process', no launcher notices): tests/test_cli.py.
 
 
 # ----- bench tp and the drawings -----

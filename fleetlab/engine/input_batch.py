@@ -171,11 +171,13 @@ class InputBatch:
         self._rng = np.random.default_rng(seed)
         self._np: dict[str, np.ndarray] = {}
         self._dev: dict[str, paddle.Tensor] = {}
+        self._mirrored: dict[str, np.ndarray] = {}  # what each device mirror holds (a host copy)
         for field in self._fields:
             shape = (self.max_num_seqs, *field.resolve_shape(self.sizes))
             self._np[field.name] = np.full(shape, field.fill, dtype=field.dtype)
             if field.home == "device":
                 self._dev[field.name] = paddle.to_tensor(self._np[field.name], place=place)
+                self._mirrored[field.name] = self._np[field.name].copy()
         self._req_id_to_row: dict[object, int] = {}
         self._num_rows = 0
         self._synced_rows: int | None = None  # rows mirrored by the last sync; None = stale
@@ -569,19 +571,21 @@ class InputBatch:
     def sync_to_device(self) -> None:
         """Copy every device field to its Paddle mirror (rows ``[0, num_reqs)`` are then read).
 
-        Called once per step after condense and reorder: one host-to-device copy per
-        device field no matter how many rows moved. ``set_value`` fills the mirror in
-        place, so its address stays fixed across steps (what a captured CUDA graph needs);
-        it copies the whole ``[max_num_seqs, ...]`` buffer, rows past ``num_reqs`` included
-        (they are never read), which costs less than staging a slice.
+        Called once per step after condense and reorder: at most one host-to-device copy per
+        device field no matter how many rows moved, and none for a field whose buffer equals
+        what its mirror holds (a decode step changes block tables and output counts, not
+        sampling settings: comparing on the host costs far less than a copy). ``set_value``
+        fills the mirror in place, so its address stays fixed across steps (what a captured
+        CUDA graph needs); it copies the whole ``[max_num_seqs, ...]`` buffer, rows past
+        ``num_reqs`` included (they are never read), which costs less than staging a slice.
         """
         if self.has_holes:
             raise RuntimeError("sync_to_device needs a dense batch: call condense() first")
-        n = self._num_rows
-        if n:
-            for name, mirror in self._dev.items():
+        for name, mirror in self._dev.items():
+            if not np.array_equal(self._np[name], self._mirrored[name]):
                 mirror.set_value(self._np[name])  # in place: the mirror keeps its address
-        self._synced_rows = n
+                self._mirrored[name][...] = self._np[name]
+        self._synced_rows = self._num_rows
 
     # ------------------------------------------------------------------ inspection
     def snapshot(self, decode_threshold: int = 1, *, include_free: bool = False) -> list[RowRecord]:

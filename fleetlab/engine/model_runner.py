@@ -23,7 +23,7 @@ import paddle
 
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
-from fleetlab.device import upload
+from fleetlab.device import StagingBuffer, upload
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.sampler import Sampler, SamplingTensors
@@ -34,7 +34,7 @@ from fleetlab.engine.side_data import chunk_embeds
 class StepInputs:
     """The packed step: attention metadata, input ids ``[1, T]``, and the scored positions.
 
-    logits_indices: int64 ``[P + Q]`` packed token index of each scored position, then of the
+    logits_indices: int64 device ``[P + Q]`` packed token index of each scored position, then of the
       ``Q`` prompt positions whose logprobs are asked for (none unless a request wants them);
     pos_row: ``[P]`` its batch row; pos_offset: ``[P]`` its index among its row's scored
     positions (0 = the last known token, ``i`` = after ``i`` drafts);
@@ -46,7 +46,7 @@ class StepInputs:
 
     metadata: AttentionMetadata
     input_ids: paddle.Tensor
-    logits_indices: np.ndarray
+    logits_indices: paddle.Tensor
     pos_row: np.ndarray
     pos_offset: np.ndarray
     embeds: tuple | None = None
@@ -76,6 +76,7 @@ class ModelRunner:
         self.decode_threshold = decode_threshold
         self.block_size = kv_cache.block_size
         self.sampler = sampler or Sampler()
+        self.staging = StagingBuffer()
         self.proposer = proposer
         if proposer is not None:
             proposer.bind(input_batch)
@@ -131,31 +132,33 @@ class ModelRunner:
         b, n = self.batch, self.batch.num_reqs
         q = b.num_scheduled_tokens[:n].astype(np.int64)
         c = b.num_computed_tokens[:n].astype(np.int64)
-        md = AttentionMetadata.from_batch(b, self.block_size, self.decode_threshold)
+        self.staging.reset()  # the step's arrays go up in two copies: the metadata's, then these
+        md = AttentionMetadata.from_batch(b, self.block_size, self.decode_threshold, self.staging)
         row_of_token = np.repeat(np.arange(n), q)
         pos = c[row_of_token] + np.arange(md.num_tokens) - md.cu_seqlens_q_host[:-1][row_of_token]
-        input_ids = upload(b.token_ids[row_of_token, pos].reshape(1, -1), np.int64)
         # A row scores its last known token and each draft after it, once its chunk gets there.
         num_scored = np.where(c + q >= b.num_tokens[:n], b.num_spec_tokens[:n] + 1, 0).astype(np.int64)
         pos_row = np.repeat(np.arange(n), num_scored)
         starts = np.concatenate([[0], np.cumsum(num_scored)[:-1]])
         pos_offset = np.arange(len(pos_row)) - starts[pos_row]
         logits_indices = md.cu_seqlens_q_host[1:][pos_row] - num_scored[pos_row] + pos_offset
-        inputs = StepInputs(md, input_ids, logits_indices.astype(np.int64), pos_row, pos_offset,
-                            self._step_embeds(md, q, c))
+        inputs = StepInputs(md, None, None, pos_row, pos_offset, self._step_embeds(md, q, c))
         if (b.num_prompt_logprobs[:n] >= 0).any():
-            self._add_prompt_positions(inputs, row_of_token, pos)
+            logits_indices = self._add_prompt_positions(inputs, logits_indices, row_of_token, pos)
+        inputs.input_ids, inputs.logits_indices = self.staging.upload(
+            b.token_ids[row_of_token, pos].reshape(1, -1).astype(np.int64, copy=False), logits_indices)
         return inputs
 
-    def _add_prompt_positions(self, inputs: StepInputs, row_of_token: np.ndarray, pos: np.ndarray) -> None:
+    def _add_prompt_positions(self, inputs: StepInputs, logits_indices: np.ndarray, row_of_token: np.ndarray,
+                              pos: np.ndarray) -> np.ndarray:
         """Score the chunk's prompt positions of rows that want prompt logprobs: position ``j``
         (before the prompt's last) predicts prompt token ``j + 1``; the last one is scored anyway."""
         b = self.batch
         wanted = (b.num_prompt_logprobs[row_of_token] >= 0) & (pos < b.num_prompt_tokens[row_of_token] - 1)
         packed = np.flatnonzero(wanted)
         if len(packed):
-            inputs.logits_indices = np.concatenate([inputs.logits_indices, packed]).astype(np.int64)
             inputs.prompt_rows, inputs.prompt_positions = row_of_token[packed], pos[packed]
+        return np.concatenate([logits_indices, packed])
 
     def _step_embeds(self, md: AttentionMetadata, q: np.ndarray, c: np.ndarray) -> tuple | None:
         """The step's embedding replacements, from the rows that carry side data (None if none)."""
@@ -177,7 +180,7 @@ class ModelRunner:
             embeds = paddle.scatter(own, upload(index), upload(vectors).astype(own.dtype)).unsqueeze(0)
         with paddle.no_grad(), forward_context(md, self.kv_cache):
             logits = self.handle.compute_logits(inputs.input_ids, md.positions.reshape([1, -1]),
-                                                upload(inputs.logits_indices), inputs_embeds=embeds)
+                                                inputs.logits_indices, inputs_embeds=embeds)
         return logits.astype("float32") if logits.dtype != paddle.float32 else logits
 
     # ------------------------------------------------------------------ sampling

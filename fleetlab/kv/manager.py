@@ -134,6 +134,9 @@ class KVCacheManager:
         if max_num_tokens is not None:
             num_slots = min(num_slots, max_num_tokens)
         num_new_blocks = max(0, self.blocks_needed(num_slots) - len(held) - len(hits))
+        if not num_new_blocks and not hits:  # most decode steps: the next slots are in blocks it holds
+            self._cache_known_blocks(request, num_computed + num_new_tokens)
+            return KVCacheBlocks()
         # A hit on a block nobody holds takes it out of the free queue: it costs a free block too.
         revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
         if num_new_blocks + revived > self.pool.num_free_blocks:
@@ -146,15 +149,18 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if hits:
             self._num_cached[rid] = len(blocks) - len(new_blocks)
-        self._cache_known_blocks(request, min(num_computed + num_new_tokens, request.num_cacheable_tokens))
+        self._cache_known_blocks(request, num_computed + num_new_tokens)
         return KVCacheBlocks(tuple(hits) + tuple(new_blocks))
 
     def _cache_known_blocks(self, request, num_tokens: int) -> None:
-        """Register the request's blocks that are full of known tokens once this step runs."""
+        """Register the request's blocks that are full of known (and cacheable) tokens among
+        its first ``num_tokens`` once this step runs."""
         rid = request.request_id
-        num_full = num_tokens // self.block_size
         num_cached = self._num_cached.get(rid, 0)
-        if num_full <= num_cached or not self.pool.enable_prefix_caching:
+        if num_tokens // self.block_size <= num_cached or not self.pool.enable_prefix_caching:
+            return  # no block filled up this step (checked first: it is the common case)
+        num_full = min(num_tokens, request.num_cacheable_tokens) // self.block_size
+        if num_full <= num_cached:
             return
         blocks = self._blocks[rid]
         self._num_cached[rid] = self.pool.cache_blocks(request.all_token_ids, blocks, num_cached, num_full)
