@@ -25,47 +25,26 @@ def upload(array, dtype=None) -> paddle.Tensor:
     return tensor
 
 
-class StagingBuffer:
-    """The step's small integer arrays (positions, ``slot_mapping``, input ids, ...) sent to the
-    device through one persistent buffer: each :meth:`upload` is one host-to-device copy, and
-    what it returns are slices of the device buffer.
+def upload_packed(*arrays) -> list[paddle.Tensor]:
+    """Integer arrays (any shapes, any integer dtypes) sent to the device in one copy; returns a
+    tensor of each array's own dtype and shape (slices of one int64 buffer).
 
-    Half a dozen separate uploads a step cost half a dozen allocations and copies, more than
-    the arrays' contents; vLLM's model runner keeps persistent ``CpuGpuBuffer`` s for the same
-    reason (their fixed addresses are also what a captured CUDA graph replays). Arrays go in
-    at a cursor that :meth:`reset` rewinds once per step: the step's one device-to-host read
-    has finished every kernel of the previous step before its slices are overwritten.
+    A step sends half a dozen small arrays (positions, ``slot_mapping``, input ids, ...): each
+    upload costs an allocation and a copy whatever its size, so packing them costs about one.
+    (vLLM keeps persistent ``CpuGpuBuffer`` s instead, whose fixed addresses a CUDA graph can
+    replay; a fresh buffer per call keeps each step's tensors its own, so a learner holding an
+    earlier step's metadata still reads that step's values.)
     """
-
-    def __init__(self, capacity: int = 4096):
-        self.host = np.zeros(capacity, dtype=np.int64)
-        self.device = upload(self.host)
-        self.cursor = 0
-
-    def reset(self) -> None:
-        self.cursor = 0
-
-    def upload(self, *arrays: np.ndarray) -> list[paddle.Tensor]:
-        """Each integer array (any shape) as a device tensor of its own dtype and shape."""
-        arrays = [np.asarray(a) for a in arrays]
-        assert all(a.dtype.kind in "iu" for a in arrays), "only integer arrays travel as int64"
-        sizes = [a.size for a in arrays]
-        end = self.cursor + sum(sizes)
-        if end > len(self.host):  # grow; tensors handed out before keep the old buffer alive
-            self.host = np.concatenate([self.host, np.zeros(max(end, 2 * len(self.host)), np.int64)])
-            self.device = upload(self.host)
-        start = self.cursor
-        for a, n in zip(arrays, sizes):
-            self.host[start: start + n] = a.reshape(-1)
-            start += n
-        self.device.set_value(self.host)  # in place: one copy for all of them
-        tensors = []
-        for a, n in zip(arrays, sizes):
-            t = self.device[self.cursor: self.cursor + n] if n else paddle.empty([0], dtype="int64")
-            t = t if a.dtype == np.int64 else t.astype(str(a.dtype))
-            tensors.append(t if a.ndim == 1 else t.reshape(list(a.shape)))
-            self.cursor += n
-        return tensors
+    arrays = [np.asarray(a) for a in arrays]
+    assert all(a.dtype.kind in "iu" for a in arrays), "upload_packed carries integer arrays"
+    packed = upload(np.concatenate([a.reshape(-1) for a in arrays], dtype=np.int64))
+    tensors, start = [], 0
+    for a in arrays:
+        t = packed[start: start + a.size] if a.size else paddle.empty([0], dtype="int64")
+        t = t if a.dtype == np.int64 else t.astype(str(a.dtype))
+        tensors.append(t if a.ndim == 1 else t.reshape(list(a.shape)))
+        start += a.size
+    return tensors
 
 
 # What Paddle 3.3's CPU build has no matmul/softmax kernels for (measured: a bf16 or fp16

@@ -277,7 +277,7 @@ print(fold)
 # `.item()`, `int(t)`, `if t:`) makes the CPU wait until every queued kernel has finished,
 # and the GPU then sits idle until the CPU has planned and queued the next step: each read
 # serialises the two. Uploads do not wait, but each costs a launch and a copy. So a good
-# engine step reads once (the sampled token ids) and uploads a fixed number of arrays,
+# engine step reads once (the sampled token ids) and uploads a bounded number of arrays,
 # however many requests or layers it runs. `fleetlab.syncs.count_syncs()` counts both, with
 # the call site of each, here on the CPU (nothing waits here, but the calls are the same):
 
@@ -296,12 +296,15 @@ print("(reads, uploads) per step:", counts)
 print(describe(log))
 
 # %% [markdown]
-# One read per step (the sampler's), and the same number of uploads in every step whether
-# it runs six prompts or one decode: the InputBatch's device fields, the attention metadata,
-# the input ids, the positions to score and the tiled attention's plan (all its tiles
-# in one copy per dtype). `tests/test_gpu_readiness.py` holds every step to that budget,
-# for the reference and Triton backends' host code; with a draft model for speculative
-# decoding a step reads twice (the accepted tokens, then the new drafts).
+# One read per step (the sampler's), and between four and nine uploads whether it runs six
+# prompts or one decode: four every step (the attention metadata in one copy, the input ids
+# with the positions to score in another, the tiled attention's plan in one copy per dtype)
+# and one for each of the InputBatch's five device fields that changed since the step before
+# (the block tables when a row starts a block, the sampling settings when rows join, leave
+# or move; a host-side comparison is far cheaper than a copy). `tests/test_gpu_readiness.py`
+# holds every step to that budget, for the reference and Triton backends' host code; with a
+# draft model for speculative decoding a step reads twice (the accepted tokens, then the new
+# drafts).
 
 # %% [markdown]
 # > **In vLLM / FastDeploy** the same measurements have names of their own.

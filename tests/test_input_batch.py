@@ -327,6 +327,43 @@ def test_sync_to_device_mirrors_live_rows():
     assert batch.dev("seed").numpy().tolist() == [3, 2, 0]
 
 
+def test_sync_copies_only_the_device_fields_that_changed_however_they_were_written():
+    """A field whose buffer equals its mirror is not copied again; a write through any view
+    (the public ``np`` / ``buffer`` ones included) is seen by the next sync."""
+    from fleetlab.syncs import count_syncs
+
+    batch = InputBatch(**SIZES)
+    for i in range(3):
+        batch.add_request(f"r{i}", [1, 2], block_ids=[i], sampling=Sampling(seed=i, temperature=0.5))
+    batch.sync_to_device()
+    with count_syncs() as log:
+        batch.sync_to_device()
+    assert log.num_uploads == 0
+    batch.np("temperature")[1] = 0.0
+    batch.buffer("block_table")[2, 1] = 7
+    with count_syncs() as log:
+        batch.sync_to_device()
+    assert log.num_uploads == 2
+    assert batch.dev("temperature").numpy().tolist() == [0.5, 0.0, 0.5]
+    assert batch.dev("block_table").numpy()[2, :2].tolist() == [2, 7]
+
+
+def test_upload_packed_gives_each_array_its_own_dtype_and_shape():
+    import paddle
+
+    from fleetlab.device import upload_packed
+    from fleetlab.syncs import count_syncs
+
+    table = np.arange(6, dtype=np.int32).reshape(2, 3)
+    with count_syncs() as log:
+        t_table, t_empty, t_ids = upload_packed(table, np.zeros(0, np.int64), np.array([7, -1]))
+    assert log.num_uploads == 1
+    assert t_table.dtype == paddle.int32 and t_table.shape == [2, 3] and t_table.numpy().tolist() == table.tolist()
+    assert t_empty.shape == [0] and t_ids.dtype == paddle.int64 and t_ids.numpy().tolist() == [7, -1]
+    with pytest.raises(AssertionError, match="integer"):
+        upload_packed(np.ones(2, np.float32))
+
+
 def test_snapshot_describes_rows():
     batch = InputBatch(**SIZES)
     batch.add_request("p", [1, 2, 3], block_ids=[4])
@@ -437,7 +474,7 @@ class BatchMachine(RuleBasedStateMachine):
     def sync(self):
         self.batch.sync_to_device()
         np.testing.assert_array_equal(self.batch.dev("block_table").numpy(), self.batch.block_table)
-        for name in ("num_output_tokens", "seed"):
+        for name in (f.name for f in self.batch.fields if f.home == "device"):  # every mirror, not only the table
             np.testing.assert_array_equal(self.batch.dev(name).numpy(), self.batch.np(name))
 
     @invariant()

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import paddle
 
-from fleetlab.device import StagingBuffer, upload
+from fleetlab.device import upload, upload_packed
 
 
 @dataclass(slots=True)
@@ -68,8 +68,7 @@ class AttentionMetadata:
         return np.diff(self.cu_seqlens_q_host)
 
     @classmethod
-    def from_batch(cls, batch, block_size: int, decode_threshold: int = 1,
-                   staging: StagingBuffer | None = None) -> AttentionMetadata:
+    def from_batch(cls, batch, block_size: int, decode_threshold: int = 1) -> AttentionMetadata:
         """The metadata of a step over the rows ``[0, num_reqs)`` of an ``InputBatch`` that is
         condensed, scheduled (``set_num_scheduled``) and synced (``sync_to_device``): query
         lengths from ``num_scheduled_tokens``, contexts from ``num_computed_tokens``, block
@@ -77,8 +76,7 @@ class AttentionMetadata:
         n = batch.num_reqs
         width = max(1, int(batch.num_blocks[:n].max(initial=0)))
         md = cls.build(batch.num_scheduled_tokens[:n], batch.num_computed_tokens[:n], batch.block_table[:n, :width],
-                       block_size, decode_threshold, block_tables_device=batch.dev("block_table")[:, :width],
-                       staging=staging)
+                       block_size, decode_threshold, block_tables_device=batch.dev("block_table")[:, :width])
         md.batch = batch
         return md
 
@@ -91,7 +89,6 @@ class AttentionMetadata:
         block_size: int,
         decode_threshold: int = 1,
         block_tables_device=None,
-        staging: StagingBuffer | None = None,
     ) -> AttentionMetadata:
         """Build the metadata from host arrays.
 
@@ -106,9 +103,7 @@ class AttentionMetadata:
             ``num_decodes`` counts the leading run of such rows.
           block_tables_device: the same block tables already on the device (the InputBatch's
             mirror); uploaded from ``block_tables`` when None.
-          staging: the engine's :class:`~fleetlab.device.StagingBuffer` (one copy for the
-            step's arrays); None: each array is uploaded on its own.
-        Device tensors go to Paddle's current device.
+        Device tensors go to Paddle's current device (the four arrays in one copy).
         """
         query_lens = np.asarray(query_lens, dtype=np.int64)
         num_computed = np.asarray(num_computed_tokens, dtype=np.int64)
@@ -137,10 +132,8 @@ class AttentionMetadata:
         is_decode = query_lens <= decode_threshold
         num_decodes = int(np.argmin(is_decode)) if not is_decode.all() else len(query_lens)
 
-        arrays = (positions.astype(np.int64), slot_mapping, cu, seq_lens)
-        on_device = staging.upload(*arrays) if staging is not None else [upload(a) for a in arrays]
         return cls(
-            *on_device,
+            *upload_packed(positions, slot_mapping, cu, seq_lens),
             block_tables=upload(tables) if block_tables_device is None else block_tables_device,
             block_size=int(block_size),
             num_decodes=num_decodes,

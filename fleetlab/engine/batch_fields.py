@@ -168,7 +168,7 @@ DEFAULT_FIELDS = FieldRegistry(
         _f("top_k", (), "int32", "device", 0, "keep the k most likely tokens; 0 = all"),
         _f("top_p", (), "float32", "device", 1.0, "nucleus mass; 1 = all"),
         _f("seed", (), "int64", "device", 0, "per-request seed of the sampler"),
-        _f("num_output_tokens", (), "int32", "device", 0,
+        _f("num_output_tokens", (), "int32", "host", 0,
            "tokens generated so far; (seed, this counter) is the request's random state"),
         _f("max_tokens", (), "int32", "host", 0, "stop after this many output tokens"),
         _f("min_tokens", (), "int32", "host", 0, "ignore stop tokens before this many outputs"),

@@ -23,7 +23,7 @@ import paddle
 
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
-from fleetlab.device import StagingBuffer, upload
+from fleetlab.device import upload, upload_packed
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.sampler import Sampler, SamplingTensors
@@ -76,7 +76,6 @@ class ModelRunner:
         self.decode_threshold = decode_threshold
         self.block_size = kv_cache.block_size
         self.sampler = sampler or Sampler()
-        self.staging = StagingBuffer()
         self.proposer = proposer
         if proposer is not None:
             proposer.bind(input_batch)
@@ -124,7 +123,7 @@ class ModelRunner:
         if self.reorder:
             _, out.num_decodes = b.reorder_split_prefill_and_decode(self.decode_threshold)
         out.order_after = list(b.req_ids)
-        b.sync_to_device()  # one copy per device field, after every row has moved
+        b.sync_to_device()  # at most one copy per device field, after every row has moved
         return out
 
     # ------------------------------------------------------------------ inputs and forward
@@ -132,8 +131,7 @@ class ModelRunner:
         b, n = self.batch, self.batch.num_reqs
         q = b.num_scheduled_tokens[:n].astype(np.int64)
         c = b.num_computed_tokens[:n].astype(np.int64)
-        self.staging.reset()  # the step's arrays go up in two copies: the metadata's, then these
-        md = AttentionMetadata.from_batch(b, self.block_size, self.decode_threshold, self.staging)
+        md = AttentionMetadata.from_batch(b, self.block_size, self.decode_threshold)  # one copy up
         row_of_token = np.repeat(np.arange(n), q)
         pos = c[row_of_token] + np.arange(md.num_tokens) - md.cu_seqlens_q_host[:-1][row_of_token]
         # A row scores its last known token and each draft after it, once its chunk gets there.
@@ -145,7 +143,7 @@ class ModelRunner:
         inputs = StepInputs(md, None, None, pos_row, pos_offset, self._step_embeds(md, q, c))
         if (b.num_prompt_logprobs[:n] >= 0).any():
             logits_indices = self._add_prompt_positions(inputs, logits_indices, row_of_token, pos)
-        inputs.input_ids, inputs.logits_indices = self.staging.upload(
+        inputs.input_ids, inputs.logits_indices = upload_packed(  # and one for these
             b.token_ids[row_of_token, pos].reshape(1, -1).astype(np.int64, copy=False), logits_indices)
         return inputs
 
