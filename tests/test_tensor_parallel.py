@@ -10,8 +10,6 @@ import copy
 import json
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
