@@ -3,8 +3,8 @@
 ``paddle.to_tensor(ndarray)`` in Paddle 3.3.1 leaks one Python list per call (the keyword
 names of the C++ ``Tensor`` constructor; README "Known library issues" shows it), so an
 engine that uploads a dozen arrays a step grows without end. :func:`upload` allocates with
-``paddle.empty`` and fills with ``Tensor.set_value``, which leak nothing and cost about the
-same.
+``paddle.empty`` and fills its storage as ``Tensor.set_value`` does (without that method's
+checks, which cost more than the copy of a step's small arrays): neither leaks.
 """
 
 from __future__ import annotations
@@ -21,8 +21,17 @@ def upload(array, dtype=None) -> paddle.Tensor:
     array = np.ascontiguousarray(array, dtype=dtype)
     tensor = paddle.empty(list(array.shape), dtype=str(array.dtype))
     if array.size:
-        tensor.set_value(array)
+        fill(tensor, array)
     return tensor
+
+
+def fill(tensor: paddle.Tensor, array: np.ndarray) -> None:
+    """Copy ``array`` (same shape and dtype) into ``tensor``'s storage, which keeps its address.
+
+    What ``Tensor.set_value`` ends in, without its checks (they cost more than copying a step's
+    small arrays); the engine's callers pass what they built to match.
+    """
+    tensor.value().get_tensor().set(array, paddle.device.device_to_place(paddle.device.get_device()))
 
 
 def upload_packed(*arrays) -> list[paddle.Tensor]:
@@ -38,13 +47,9 @@ def upload_packed(*arrays) -> list[paddle.Tensor]:
     arrays = [np.asarray(a) for a in arrays]
     assert all(a.dtype.kind in "iu" for a in arrays), "upload_packed carries integer arrays"
     packed = upload(np.concatenate([a.reshape(-1) for a in arrays], dtype=np.int64))
-    tensors, start = [], 0
-    for a in arrays:
-        t = packed[start: start + a.size] if a.size else paddle.empty([0], dtype="int64")
-        t = t if a.dtype == np.int64 else t.astype(str(a.dtype))
-        tensors.append(t if a.ndim == 1 else t.reshape(list(a.shape)))
-        start += a.size
-    return tensors
+    tensors = paddle.split(packed, [a.size for a in arrays]) if packed.shape[0] else [packed] * len(arrays)
+    tensors = [t if a.dtype == np.int64 else t.astype(str(a.dtype)) for t, a in zip(tensors, arrays)]
+    return [t if a.ndim == 1 else t.reshape(list(a.shape)) for t, a in zip(tensors, arrays)]
 
 
 # What Paddle 3.3's CPU build has no matmul/softmax kernels for (measured: a bf16 or fp16

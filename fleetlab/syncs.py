@@ -6,7 +6,8 @@ until the GPU is done, and the GPU then idles until the CPU queues more work. A 
 reads once (its sampled tokens) keeps the GPU busy; one that reads per layer or per request
 serialises the two. (vLLM's async scheduling goes further and hides even that one read
 behind the next step's planning.) Uploads (``paddle.to_tensor``, ``Tensor.set_value``,
-``paddle.assign`` of host data) do not stall, but each costs a launch and a copy: their
+``paddle.assign`` of host data, and :func:`fleetlab.device.fill`, through which the engine
+uploads) do not stall, but each costs a launch and a copy: their
 count should not grow with the batch or the model's depth.
 
     with fleetlab.syncs.count_syncs() as log:
@@ -27,6 +28,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import paddle
+
+from fleetlab import device
 
 READS = ("numpy", "item", "tolist", "__int__", "__float__", "__bool__", "__index__", "__array__")
 UPLOADS = ("set_value",)
@@ -107,10 +110,11 @@ def count_syncs() -> Iterator[SyncLog]:
     """Record every device-to-host read and host-to-device upload in the block (see module doc)."""
     log = SyncLog()
     patched = [(paddle.Tensor, name, getattr(paddle.Tensor, name)) for name in READS + UPLOADS]
-    patched += [(paddle, "to_tensor", paddle.to_tensor), (paddle, "assign", paddle.assign)]
+    patched += [(paddle, "to_tensor", paddle.to_tensor), (paddle, "assign", paddle.assign),
+                (device, "fill", device.fill)]
     try:
         for owner, name, original in patched:
-            if owner is paddle:
+            if owner is not paddle.Tensor:
                 counts = _host_data if name == "assign" else (lambda *a, **k: True)
                 setattr(owner, name, _wrap(original, "upload", name, log, counts))
             else:

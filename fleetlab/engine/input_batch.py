@@ -34,6 +34,7 @@ from types import MappingProxyType
 import numpy as np
 import paddle
 
+from fleetlab import device
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS, FieldRegistry
 
 logger = logging.getLogger(__name__)
@@ -573,9 +574,9 @@ class InputBatch:
 
         Called once per step after condense and reorder: at most one host-to-device copy per
         device field no matter how many rows moved, and none for a field whose buffer equals
-        what its mirror holds (a decode step changes block tables and output counts, not
-        sampling settings: comparing on the host costs far less than a copy). ``set_value``
-        fills the mirror in place, so its address stays fixed across steps (what a captured
+        what its mirror holds (a decode step changes block tables, not sampling settings:
+        comparing on the host costs far less than a copy). :func:`~fleetlab.device.fill`
+        writes the mirror in place, so its address stays fixed across steps (what a captured
         CUDA graph needs); it copies the whole ``[max_num_seqs, ...]`` buffer, rows past
         ``num_reqs`` included (they are never read), which costs less than staging a slice.
         """
@@ -583,7 +584,7 @@ class InputBatch:
             raise RuntimeError("sync_to_device needs a dense batch: call condense() first")
         for name, mirror in self._dev.items():
             if not np.array_equal(self._np[name], self._mirrored[name]):
-                mirror.set_value(self._np[name])  # in place: the mirror keeps its address
+                device.fill(mirror, self._np[name])  # in place: the mirror keeps its address
                 self._mirrored[name][...] = self._np[name]
         self._synced_rows = self._num_rows
 
