@@ -277,9 +277,31 @@ def spec_block(r: dict) -> str:
     return f"{intro}\n\n" + "\n".join(rows) + f"\n\n{after}"
 
 
+def step_host_block(r: dict | None) -> str:
+    title = "The engine's host time per decode step, checkouts side by side"
+    cmd = "python benchmarks/step_host_time.py --rounds 40 <checkouts>"
+    if r is None:
+        return not_measured(title, cmd, "step_host_time.json")
+    rows = r["checkouts"]
+    intro = fill(
+        f"**{title}** — `{command(r, cmd)}` (writes `benchmarks/results/step_host_time.json`): {rows[0]['batch']} "
+        f"requests decoding on the small Llama with each step's forward replaced by its cached output, so that only "
+        f"the engine's own work is left; one worker process per checkout, taking turns for {rows[0]['rounds']} rounds "
+        f"of {r['steps_per_round']} steps (medians), and one real forward a round (contexts of 65 to 129 tokens). "
+        f"On a machine whose speed swings between minutes, only figures taken side by side compare. Measured on "
+        f"{describe(r['machine'])}:")
+    table = ["| commit | host time per step | forward | host share of a step |", "|---|---|---|---|"]
+    table += [f"| {c['commit']} ({c['subject']}) | {c['host_ms_per_step']:.2f} ms | {ms(c['forward_ms'])} ms | "
+              f"{100 * c['host_share_of_step']:.1f}% |" for c in rows]
+    after = fill(f"From {rows[0]['commit']} to {rows[-1]['commit']} the host time per step "
+                 f"{trend(rows[0]['host_ms_per_step'], rows[-1]['host_ms_per_step'])}.")
+    return f"{intro}\n\n" + "\n".join(table) + f"\n\n{after}"
+
+
 # name -> (results file, renderer); the renderer gets the parsed file, or None if there is none
 BLOCKS = {
     "engine": (RESULTS / "bench.json", engine_block),
+    "step-host": (RESULTS / "step_host_time.json", step_host_block),
     "serving": (RESULTS / "serving.json", serving_block),
     "attention": (RESULTS / "attention.json", attention_block),
     "reorder": (RESULTS / "reorder.json", reorder_block),
