@@ -38,7 +38,7 @@ def worker(batch: int) -> None:
     from fleetlab.bench.workloads import mixed_workload
 
     cfg = BenchConfig()
-    wl = mixed_workload(batch, cfg.breakdown_prompt_len, (600, 600), MODEL_SIZES["small"]["vocab_size"],
+    wl = mixed_workload(batch, cfg.breakdown_prompt_len, (1000, 1000), MODEL_SIZES["small"]["vocab_size"],
                         seed=cfg.seed + 2)
     llm = make_llm(build_model("small", wl.max_seq_len + 1, seed=cfg.seed), cfg, wl.max_seq_len + 1,
                    max_num_seqs=max(batch, cfg.max_num_seqs), record_traces=False)
@@ -80,6 +80,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--out", default="benchmarks/results/step_host_time.json")
     args = parser.parse_args()
+    if 21 + args.rounds * STEPS_PER_ROUND > 1000:
+        raise SystemExit("--rounds: at most 97 (the requests stop at 1,000 tokens)")
     os.environ["OMP_NUM_THREADS"] = "1"  # the workers' setting, recorded with the machine
     from fleetlab.bench.machine import MachineRecord
 
