@@ -291,7 +291,7 @@ def step_host_block(r: dict | None) -> str:
         f"On a machine whose speed swings between minutes, only figures taken side by side compare. Measured on "
         f"{describe(r['machine'])}:")
     table = ["| commit | host time per step | forward | host share of a step |", "|---|---|---|---|"]
-    table += [f"| {c['commit']} ({c['subject']}) | {c['host_ms_per_step']:.2f} ms | {ms(c['forward_ms'])} ms | "
+    table += [f"| {c['commit']} | {c['host_ms_per_step']:.2f} ms | {ms(c['forward_ms'])} ms | "
               f"{100 * c['host_share_of_step']:.1f}% |" for c in rows]
     after = fill(f"From {rows[0]['commit']} to {rows[-1]['commit']} the host time per step "
                  f"{trend(rows[0]['host_ms_per_step'], rows[-1]['host_ms_per_step'])}.")
