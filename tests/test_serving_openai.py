@@ -348,6 +348,22 @@ def test_metrics_names_and_histograms(server):
     assert 'fleetlab:num_requests_running{model_name="tiny"}' in text
 
 
+def test_inter_token_latency_is_observed_while_the_stream_runs(server):
+    """As vLLM does, each step's gaps reach /metrics as its tokens are sent, not when the request ends."""
+    before = metrics(server)
+    stream = client(server).completions.create(model="tiny", prompt="count 1 ", max_tokens=100, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    for _ in range(6):
+        next(chunks)
+    during = metrics(server)
+    stream.close()
+    grown = {k: during[k] - before.get(k, 0) for k in ("fleetlab:inter_token_latency_seconds_count",
+                                                       "fleetlab:e2e_request_latency_seconds_count")}
+    assert grown["fleetlab:inter_token_latency_seconds_count"] >= 3  # six chunks sent: three gaps at least
+    assert grown["fleetlab:e2e_request_latency_seconds_count"] == 0  # and the request still running
+
+
 def test_routes_status_codes_and_body_parsing(server):
     c = client(server)
     errors = metrics(server)

@@ -211,6 +211,25 @@ def test_min_tokens_takes_eos_out_of_the_mask_and_a_dead_end_stops_the_request()
     assert "the grammar allows no token the model has here" in dead.error and "min_tokens" in dead.error
 
 
+def test_logprobs_are_over_what_the_grammar_allows():
+    """vLLM applies its grammar bitmask before its sampler takes raw logprobs: at a position where
+    the grammar allows two tokens, the top logprobs rank those two and their probabilities sum to
+    one; where it allows one, that token has probability one. Without the grammar they do not."""
+    model = json_model("fleet")
+    params = dict(max_tokens=8, logprobs=5)
+    with LLM(model, TOK, **ENGINE) as llm:
+        out, free = llm.generate(prompt_token_ids=[[1, 30, 31]] * 2, sampling_params=[
+            SamplingParams(**params, structured_outputs={"choice": ["yes", "no"]}), SamplingParams(**params)],
+            use_tqdm=False)
+    allowed = {TOK.encode(c, add_bos=False)[0] for c in "yn"}
+    first = out.logprobs[0]
+    assert {t for t, v in first.top if v > float("-inf")} == allowed
+    assert sum(np.exp(v) for t, v in first.top if t in allowed) == pytest.approx(1.0, abs=1e-5)
+    assert out.text in ("yes", "no") and len(out.logprobs) == len(out.token_ids)
+    assert all(lp.logprob == pytest.approx(0.0, abs=1e-5) and lp.rank == 1 for lp in out.logprobs[1:])
+    assert sum(np.exp(v) for _, v in free.logprobs[0].top) < 0.999  # the whole vocabulary shares it
+
+
 def test_a_request_waits_for_its_grammar_while_the_others_run(monkeypatch):
     from fleetlab.structured_output.guidance import GuidanceBackend
 

@@ -6,7 +6,9 @@ sampler picks (greedy rows included, before temperature, top-k and top-p). Each 
 declares (registered on the InputBatch when the engine is built, filled per request from
 ``request_values(sampling_params)``), so that state moves with its row like any other field,
 and the sampler calls every processor on every step. A processor with nothing to do for a
-step (no row uses it) returns the logits as they are.
+step (no row uses it) returns the logits as they are. One that only forbids tokens (a
+grammar's mask: ``masks_tokens = True``) runs before the raw logprobs are taken, as vLLM applies
+its grammar bitmask to the logits before its sampler: no logprob ranks a forbidden token.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class LogitsProcessor:
     row and ``st.batch`` the InputBatch) and returns them."""
 
     fields: ClassVar[tuple] = ()
+    masks_tokens: ClassVar[bool] = False  # only sets logits to -inf: applied before raw logprobs
 
     def request_values(self, sampling_params) -> dict:
         """This request's values of ``fields`` by name (none: the fields' fills)."""

@@ -4,7 +4,8 @@
 bias, penalties, temperature, top-k and top-p: vLLM's default ``logprobs_mode="raw_logprobs"``.
 So a request's logprobs do not change with its sampling settings, and they equal what the
 unpatched model's own forward gives (``log_softmax(full_forward_logits(...))``, the oracle of
-``tests/test_sampling_parity.py``).
+``tests/test_sampling_parity.py``). A structured output's grammar mask comes first, as vLLM
+applies its bitmask before its sampler: the distribution is over the tokens the grammar allows.
 
 **What a position gets.** A :class:`TokenLogprobs`: the token taken there, its logprob and rank,
 and the ``k`` most likely tokens with theirs (OpenAI's ``logprobs``/``top_logprobs``). Sampled

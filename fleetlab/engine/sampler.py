@@ -7,7 +7,8 @@ so a seeded request gives the same tokens whatever else shares its batch. Logits
 (logit bias and penalties among them) change the logits first. A row whose logits are not
 finite gets no token (its request stops with an error). Rows that asked for log-probabilities
 get them from the raw logits (:mod:`fleetlab.engine.logprobs`), and so do the prompt
-positions of requests that asked for prompt log-probabilities. Every result comes back in one
+positions of requests that asked for prompt log-probabilities (after a grammar's mask, as in
+vLLM, but before any other processor). Every result comes back in one
 device-to-host read. Speculative decoding verifies draft tokens with a subclass
 (:class:`fleetlab.spec_decode.rejection.RejectionSampler`) that reuses these primitives.
 """
@@ -132,11 +133,15 @@ class Sampler:
         logits = logits[:num]
         lp_rows = np.flatnonzero(st.num_logprobs >= 0) if st.num_logprobs is not None else np.zeros(0, np.int64)
         lp_index = upload(lp_rows) if len(lp_rows) else None
-        raw = paddle.nn.functional.log_softmax(paddle.gather(logits, lp_index, axis=0), -1) if len(lp_rows) else None
         ok = paddle.isfinite(logits)
         finite = ok.all(axis=-1)  # the model's own logits: a row that is not finite finishes with an error
-        for processor in self.processors:  # may set logits to -inf: masked, not broken
+        masks = [p for p in self.processors if getattr(p, "masks_tokens", False)]
+        for processor in masks:  # a grammar's: -inf is masked, not broken, and no logprob ranks it
             logits = processor(logits, st)
+        raw = self._raw_logprobs(paddle.gather(logits, lp_index, axis=0)) if len(lp_rows) else None
+        for processor in self.processors:
+            if processor not in masks:
+                logits = processor(logits, st)
         if any(st.banned):
             logits = self._ban(logits, st.banned)
         chosen = paddle.argmax(logits, axis=-1)
@@ -154,6 +159,12 @@ class Sampler:
         if raw is not None:  # before the prompt block: _read unpacks in this order
             blocks.insert(0, lp.gather(raw, paddle.gather(chosen, lp_index), int(st.num_logprobs[lp_rows].max())))
         return self._read(parts, blocks, st, rows, lp_rows)
+
+    @staticmethod
+    def _raw_logprobs(logits: paddle.Tensor) -> paddle.Tensor:
+        """Log-softmax, keeping ``-inf`` (a masked token) at ``-inf``: Paddle's CPU kernel gives it
+        about ``-64`` below the row's largest logit instead."""
+        return paddle.where(paddle.isinf(logits), logits, paddle.nn.functional.log_softmax(logits, -1))
 
     @staticmethod
     def _read(parts: list, blocks: list, st: SamplingTensors, rows: np.ndarray, lp_rows: np.ndarray) -> SampleResult:

@@ -173,6 +173,7 @@ class _Choice:
     cumulative_logprob: float | None = None
     text_offset: int = 0
     first_seen: bool = False
+    gaps_observed: int = 0  # inter-token gaps already in /metrics
     closed: bool = False
 
 
@@ -414,6 +415,7 @@ class OpenAIServing:
             if out.new_token_ids and not c.first_seen:
                 c.first_seen = True
                 self.metrics.observe_first_token(c.stream.times)
+            c.gaps_observed = self.metrics.observe_token_gaps(c.stream.times, c.gaps_observed)
             if c.text.stopped:
                 c.finish_reason = "stop"
                 c.stream.abort()
@@ -455,6 +457,7 @@ class OpenAIServing:
                 c.stream.abort()
             if c.finish_reason is None:
                 c.finish_reason = "abort"
+            c.gaps_observed = self.metrics.observe_token_gaps(c.stream.times, c.gaps_observed)
             self.metrics.observe_finished(c.stream.times, len(c.prompt_ids), c.text.num_tokens, c.finish_reason)
 
     # ----- stopping -----

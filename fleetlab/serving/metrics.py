@@ -148,13 +148,19 @@ class ServerMetrics:
         """A request's first token arrived (``times``: a ``StreamTimes``)."""
         self.ttft.observe(times.first_token - times.arrival)
 
+    def observe_token_gaps(self, times, num_observed: int) -> int:
+        """Observe the inter-token gaps a request gained after its first ``num_observed`` (called
+        as each step's tokens are sent, as vLLM observes them per step); returns how many it has."""
+        for gap in times.token_gaps[num_observed:]:
+            self.itl.observe(gap)
+        return len(times.token_gaps)
+
     def observe_finished(self, times, num_prompt_tokens: int, num_output_tokens: int, finish_reason: str) -> None:
-        """A request ended (``finish_reason``: stop / length / abort / error)."""
+        """A request ended (``finish_reason``: stop / length / abort / error); its inter-token gaps
+        were observed as they came (:meth:`observe_token_gaps`)."""
         self._success.labels(self.model_name, finish_reason).inc()
         self.prompt_tokens.inc(num_prompt_tokens)
         self.generation_tokens.inc(num_output_tokens)
-        for gap in times.token_gaps:
-            self.itl.observe(gap)
         if finish_reason not in ("stop", "length") or times.last_token is None or times.scheduled is None:
             return
         self.e2e.observe(times.last_token - times.arrival)

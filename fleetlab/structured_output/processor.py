@@ -53,6 +53,8 @@ class StructuredOutputsProcessor(LogitsProcessor):
     constrained request.
     """
 
+    masks_tokens = True  # the sampler applies it before taking raw logprobs (as vLLM its bitmask)
+
     def __init__(self, tokenizer, vocab_size: int, *, eos_token_id: int | None = None,
                  num_speculative_tokens: int = 0, compile_ahead: bool = True, backend="guidance",
                  **backend_options):
