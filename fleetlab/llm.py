@@ -156,7 +156,7 @@ class LLM:
             self.tokenizer, vocab_size=self.handle.vocab_size, max_model_len=self.max_model_len,
             eos_token_id=self.handle.eos_token_id, hidden_size=self.handle.hidden_size, block_size=cfg.block_size,
             num_blocks=num_blocks, max_stop_ids=batch.sizes["max_stop_ids"], batch_fields=batch.fields,
-            processors=processors, num_lookahead_tokens=lookahead, speculative=self.proposer is not None,
+            processors=processors, num_lookahead_tokens=lookahead,
             seed=cfg.seed, structured_outputs=self.structured_outputs)
         self.observers: list = []  # anything with on_step(scheduler_output, runner_output, outputs)
         self.spec_stats = SpecDecodingStats() if self.proposer else None

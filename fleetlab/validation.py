@@ -325,7 +325,6 @@ class InputProcessor:
         (``extra`` values must name its fields); processors: the sampler's logits processors
         (each fills its own fields from a request's sampling params).
       num_lookahead_tokens: extra slots a running request may hold (speculative drafts).
-      speculative: speculative decoding is on (log-probabilities are then refused).
       seed: draws the seed of requests that set none.
       structured_outputs: the engine's ``StructuredOutputsProcessor`` (None: constraints refused);
         its ``start(request_id, params)`` checks a constraint with the grammar backend and
@@ -334,13 +333,12 @@ class InputProcessor:
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, eos_token_id, hidden_size: int,
                  block_size: int, num_blocks: int, max_stop_ids: int, batch_fields, processors=(),
-                 num_lookahead_tokens: int = 0, speculative: bool = False, seed: int = 0, structured_outputs=None):
+                 num_lookahead_tokens: int = 0, seed: int = 0, structured_outputs=None):
         self.structured_outputs = structured_outputs
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.eos_token_id, self.hidden_size = eos_token_id, hidden_size
         self.block_size, self.num_blocks, self.max_stop_ids = block_size, num_blocks, max_stop_ids
         self.batch_fields, self.processors, self.num_lookahead_tokens = batch_fields, processors, num_lookahead_tokens
-        self.speculative = speculative
         self._ids, self._arrivals = itertools.count(), itertools.count()
         self._rng = np.random.default_rng(seed)
 
@@ -442,12 +440,9 @@ class InputProcessor:
                        top_k=min(sp.top_k, self.vocab_size), **lp)
 
     def _bound_logprobs(self, rid, name: str, value: int | None) -> int | None:
-        """-1 as the vocabulary size, which must stay within ``MAX_LOGPROBS``; refused with speculation."""
+        """-1 as the vocabulary size, which must stay within ``MAX_LOGPROBS``."""
         if value is None:
             return None
-        if self.speculative:
-            raise ValueError(f"request {rid!r}: sampling field {name}={value} is not supported with speculative "
-                             "decoding (accepted drafts are not scored one by one here)")
         num = self.vocab_size if value == -1 else value
         if num > MAX_LOGPROBS:
             raise ValueError(f"request {rid!r}: sampling field {name}={value} asks for {num} log-probabilities per "

@@ -233,10 +233,29 @@ def test_every_new_field_is_checked_at_the_edge_naming_request_and_field(fleet_m
     assert not llm.has_unfinished_requests()
 
 
-def test_logprobs_are_refused_with_speculative_decoding(fleet_model):
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
-    with LLM(fleet_model, block_size=4, speculative_config=spec) as llm, pytest.raises(ValueError, match="logprobs"):
-        llm.add_request(prompt_token_ids=[5, 6], sampling_params=SamplingParams(logprobs=1))
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_logprobs_with_speculative_decoding_match_the_full_forward(fleet_model, method):
+    """A verify step gains its accepted drafts and one token of its own; each carries the logprob
+    of its own position (a draft's, when a sampled row accepts it), as without speculation:
+    checked against the unpatched model's full forward, greedy and sampled, prompt logprobs too."""
+    from fleetlab.models import tiny
+
+    spec = ({"method": "draft", "num_speculative_tokens": 2, "model": tiny("fleet", seed=0)} if method == "draft"
+            else {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    prompts = [[5, 6, 7, 8] * 4, random_prompts([11], seed=7)[0], [9, 10] * 6]
+    sps = [SamplingParams(max_tokens=10, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+           SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=4, logprobs=2),
+           SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, seed=5, logprobs=0)]
+    with LLM(fleet_model, block_size=4, speculative_config=spec, record_traces=True) as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=sps, use_tqdm=False)
+        accepted = {}
+        for trace in llm.traces:
+            for row in trace.rows:
+                accepted[row.request_id] = accepted.get(row.request_id, 0) + row.num_accepted_tokens
+    greedy, *sampled = [accepted.get(o.request_id, 0) for o in outs]
+    assert greedy > 0 and (method == "ngram" or sum(sampled) > 0)  # steps that gained several tokens
+    assert [check_logprobs(fleet_model, p, o, sp.logprobs, sp.prompt_logprobs)
+            for p, o, sp in zip(prompts, outs, sps)] == [10 + 15, 10, 10]
 
 
 def test_the_new_fields_reach_their_batch_row(fleet_model):

@@ -196,7 +196,8 @@ class ModelRunner:
         out.errors = {req_ids[r]: "the model produced non-finite logits" for r, t in zip(rows, tokens) if t is None}
         out.errors.update({req_ids[r]: why for r, why in st.row_errors.items()})  # a logits processor stopped them
         if res.logprobs is not None:
-            out.logprobs = {req_ids[r]: [res.logprobs[p]] for r, p, t in zip(rows, starts.tolist(), tokens)
+            out.logprobs = {req_ids[r]: res.logprobs[p: p + len(t)]  # one per token gained (accepted drafts too)
+                            for r, p, t in zip(rows, starts.tolist(), tokens)
                             if t is not None and res.logprobs[p] is not None}
         if res.prompt_logprobs is not None:
             for r in np.unique(inputs.prompt_rows).tolist():

@@ -155,7 +155,7 @@ class Sampler:
                                paddle.gather(st.top_k, index), paddle.gather(st.top_p, index))
             parts += self.draw(probs, st, rows)
             if raw is not None:  # the logprobs of the token each row takes
-                chosen = paddle.scatter(chosen, sampled, parts[2])
+                chosen = paddle.scatter(chosen, sampled, self.taken(parts, st, rows))
         if raw is not None:  # before the prompt block: _read unpacks in this order
             blocks.insert(0, lp.gather(raw, paddle.gather(chosen, lp_index), int(st.num_logprobs[lp_rows].max())))
         return self._read(parts, blocks, st, rows, lp_rows)
@@ -192,6 +192,10 @@ class Sampler:
         if st.prompt_targets is not None:
             res.prompt_logprobs = lp.unpack(rest, st.prompt_targets, st.prompt_num_logprobs)
         return res
+
+    def taken(self, parts: list, st: SamplingTensors, rows: np.ndarray) -> paddle.Tensor:
+        """The token each sampled position ``rows`` takes (its logprob is returned): the drawn one."""
+        return parts[2]
 
     def draw(self, probs: paddle.Tensor, st: SamplingTensors, rows: np.ndarray) -> list[paddle.Tensor]:
         """``[drawn token ids]`` (int64 device ``[len(rows)]``) for the sampled positions ``rows``."""

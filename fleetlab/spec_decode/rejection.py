@@ -35,6 +35,10 @@ class RejectionSampler(Sampler):
         accepted = (drafts >= 0) & (drafts == res.tokens)  # greedy positions: the draft is the argmax
         sampled = np.flatnonzero(~st.greedy)
         accepted[sampled] = res.extra[1].astype(bool) if len(sampled) else accepted[sampled]
+        if res.logprobs is not None:  # label an accepted draft's position with the draft (see taken)
+            for p in np.flatnonzero(accepted & (drafts >= 0)).tolist():
+                if res.logprobs[p] is not None:
+                    res.logprobs[p].token_id = int(drafts[p])
         ends = np.append(st.row_starts[1:], len(drafts))
         rows = []
         for start, end in zip(st.row_starts.tolist(), ends.tolist()):
@@ -45,6 +49,10 @@ class RejectionSampler(Sampler):
             m = num_drafts if accepted[start : start + num_drafts].all() else int(np.argmin(accepted[start:end]))
             rows.append(drafts[start : start + m].tolist() + [int(res.tokens[start + m])])
         return rows, res
+
+    def taken(self, parts: list, st: SamplingTensors, rows: np.ndarray) -> paddle.Tensor:
+        """A sampled position takes its draft when it accepts it, else the token drawn in its place."""
+        return paddle.where(parts[3] == 1, upload(st.draft_token_ids[rows]), parts[2])
 
     def draw(self, probs: paddle.Tensor, st: SamplingTensors, rows: np.ndarray) -> list[paddle.Tensor]:
         """``[drawn, accepted]`` for the sampled positions ``rows``: a draft is accepted with
