@@ -34,22 +34,45 @@ def fill(tensor: paddle.Tensor, array: np.ndarray) -> None:
     tensor.value().get_tensor().set(array, paddle.device.device_to_place(paddle.device.get_device()))
 
 
-def upload_packed(*arrays) -> list[paddle.Tensor]:
-    """Integer arrays (any shapes, any integer dtypes) sent to the device in one copy; returns a
-    tensor of each array's own dtype and shape (slices of one int64 buffer).
+class Packer:
+    """Collects host arrays, uploads them as one flat copy per dtype, hands back device views.
 
-    A step sends half a dozen small arrays (positions, ``slot_mapping``, input ids, ...): each
-    upload costs an allocation and a copy whatever its size, so packing them costs about one.
-    (vLLM keeps persistent ``CpuGpuBuffer`` s instead, whose fixed addresses a CUDA graph can
-    replay; a fresh buffer per call keeps each step's tensors its own, so a learner holding an
-    earlier step's metadata still reads that step's values.)
+    A step sends many small arrays (positions, ``slot_mapping``, input ids, a backend's plan):
+    each upload costs an allocation and a copy whatever its size, so packing them costs about
+    one per dtype. ``add`` each array (it returns a handle), ``upload`` once, then ``get`` each
+    handle's tensor. (vLLM keeps persistent ``CpuGpuBuffer`` s instead, whose fixed addresses a
+    CUDA graph can replay; a fresh buffer per upload keeps each step's tensors its own, so a
+    learner holding an earlier step's metadata still reads that step's values.)
     """
-    arrays = [np.asarray(a) for a in arrays]
-    assert all(a.dtype.kind in "iu" for a in arrays), "upload_packed carries integer arrays"
-    packed = upload(np.concatenate([a.reshape(-1) for a in arrays], dtype=np.int64))
-    tensors = paddle.split(packed, [a.size for a in arrays]) if packed.shape[0] else [packed] * len(arrays)
-    tensors = [t if a.dtype == np.int64 else t.astype(str(a.dtype)) for t, a in zip(tensors, arrays)]
-    return [t if a.ndim == 1 else t.reshape(list(a.shape)) for t, a in zip(tensors, arrays)]
+
+    def __init__(self) -> None:
+        self._parts: dict[str, list[np.ndarray]] = {}
+        self._flat: dict[str, paddle.Tensor] = {}
+
+    def add(self, array) -> tuple:
+        array = np.ascontiguousarray(array)
+        parts = self._parts.setdefault(str(array.dtype), [])
+        offset = sum(p.size for p in parts)
+        parts.append(array.reshape(-1))
+        return str(array.dtype), offset, array.shape
+
+    def upload(self) -> None:
+        self._flat = {dtype: upload(np.concatenate(parts)) for dtype, parts in self._parts.items()}
+
+    def get(self, handle) -> paddle.Tensor:
+        dtype, offset, shape = handle
+        size = int(np.prod(shape))
+        flat = self._flat[dtype][offset: offset + size]
+        return flat if len(shape) == 1 else flat.reshape(list(shape))
+
+
+def upload_packed(*arrays) -> list[paddle.Tensor]:
+    """The arrays as device tensors of their own dtypes and shapes, in one copy per dtype
+    (a :class:`Packer` used once)."""
+    packer = Packer()
+    handles = [packer.add(a) for a in arrays]
+    packer.upload()
+    return [packer.get(h) for h in handles]
 
 
 # What Paddle 3.3's CPU build has no matmul/softmax kernels for (measured: a bf16 or fp16

@@ -296,9 +296,9 @@ print("(reads, uploads) per step:", counts)
 print(describe(log))
 
 # %% [markdown]
-# One read per step (the sampler's), and between four and nine uploads whether it runs six
-# prompts or one decode: four every step (the attention metadata in one copy, the input ids
-# with the positions to score in another, the tiled attention's plan in one copy per dtype)
+# One read per step (the sampler's), and between five and ten uploads whether it runs six
+# prompts or one decode: five every step (the attention metadata and the tiled attention's
+# plan, each in one copy per dtype, and the input ids with the positions to score in one)
 # and one for each of the InputBatch's five device fields that changed since the step before
 # (the block tables when a row starts a block, the sampling settings when rows join, leave
 # or move; a host-side comparison is far cheaper than a copy). `tests/test_gpu_readiness.py`

@@ -357,9 +357,9 @@ assert shares["forward"] > 0.5, shares
 assert 15 <= len(loop.lines) <= 25 and "_online_softmax(" in loop.lines[-1] and "for n0 in range" in str(loop)
 assert "_kv_tile_offsets(" in str(loop) and fold.name == "_online_softmax" and len(fold.lines) <= 10
 assert (_Path(fleetlab.__file__).resolve().parents[1] / loop.path).is_file()
-# Section 5: "One read per step ... and between four and nine uploads"; a plain decode step uploads four
-assert counts and all(reads == 1 for reads, _ in counts) and all(4 <= u <= 9 for _, u in counts), counts
-assert (1, 4) in counts, counts
+# Section 5: "One read per step ... and between five and ten uploads"; a plain decode step uploads five
+assert counts and all(reads == 1 for reads, _ in counts) and all(5 <= u <= 10 for _, u in counts), counts
+assert (1, 5) in counts, counts
 '''
 
 PROMISES["07_prototyping"] = '''

@@ -22,10 +22,10 @@ from fleetlab.syncs import count_syncs, describe
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.8, top_k=20, seed=3)
-# Uploads per step: the 4 metadata arrays in one copy, input ids and logits indices in one, the
-# tiled attention's plan (2: one per dtype), and each of the InputBatch's 5 device fields only when
-# it changed -- plus up to 4 when some rows sample (uniforms, drafts, a banned-token mask).
-UPLOAD_BUDGET = 9
+# Uploads per step: the 4 metadata arrays (2: one copy per dtype), input ids and logits indices in
+# one, the tiled attention's plan (2: one per dtype), and each of the InputBatch's 5 device fields
+# only when it changed -- plus up to 4 when some rows sample (uniforms, drafts, a banned-token mask).
+UPLOAD_BUDGET = 10
 SAMPLING_EXTRA = 4
 # Only steps with a request that asks for logprobs or sets a penalty or bias upload more: the
 # logprob rows and the prompt positions' targets, and one int64 and one float32 array for the

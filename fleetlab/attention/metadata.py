@@ -103,7 +103,7 @@ class AttentionMetadata:
             ``num_decodes`` counts the leading run of such rows.
           block_tables_device: the same block tables already on the device (the InputBatch's
             mirror); uploaded from ``block_tables`` when None.
-        Device tensors go to Paddle's current device (the four arrays in one copy).
+        Device tensors go to Paddle's current device (the four arrays in one copy per dtype).
         """
         query_lens = np.asarray(query_lens, dtype=np.int64)
         num_computed = np.asarray(num_computed_tokens, dtype=np.int64)

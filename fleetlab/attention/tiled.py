@@ -26,7 +26,7 @@ import paddle
 
 from fleetlab.attention.backend import AttentionBackend, current_device_kind
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.device import upload
+from fleetlab.device import Packer
 from fleetlab.kv.paged_cache import gather_rows
 
 
@@ -158,7 +158,7 @@ def _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, plac
     plans = metadata.plans if isinstance(metadata, ReferenceMetadata) else {}
     if key not in plans:
         tiles = plan_tiles(metadata, num_heads, num_kv_heads * head_dim, sliding_window, limits)
-        packer = _Packer()
+        packer = Packer()
         staged = [_stage_tile(t, metadata, packer) for t in tiles]
         dest = np.concatenate([t.tokens[t.valid] for t in tiles])
         order = None if np.array_equal(dest, np.arange(len(dest))) else packer.add(np.argsort(dest))
@@ -170,30 +170,7 @@ def _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, plac
     return plans[key]
 
 
-class _Packer:
-    """Collects host arrays, uploads them as one flat copy per dtype, hands back device views."""
-
-    def __init__(self) -> None:
-        self._parts: dict[str, list[np.ndarray]] = {}
-        self._flat: dict[str, paddle.Tensor] = {}
-
-    def add(self, array) -> tuple:
-        array = np.ascontiguousarray(array)
-        parts = self._parts.setdefault(str(array.dtype), [])
-        offset = sum(p.size for p in parts)
-        parts.append(array.reshape(-1))
-        return str(array.dtype), offset, array.shape
-
-    def upload(self) -> None:
-        self._flat = {dtype: upload(np.concatenate(parts)) for dtype, parts in self._parts.items()}
-
-    def get(self, handle) -> paddle.Tensor:
-        dtype, offset, shape = handle
-        size = int(np.prod(shape))
-        return self._flat[dtype][offset : offset + size].reshape(list(shape))
-
-
-def _stage_tile(tile, metadata, packer: _Packer) -> dict:
+def _stage_tile(tile, metadata, packer: Packer) -> dict:
     """A tile's host arrays, handed to the packer: query slots, block-table cells, key starts,
     query positions, which keys are inside each row's context, real query slots."""
     bs = metadata.block_size

@@ -131,7 +131,7 @@ class ModelRunner:
         b, n = self.batch, self.batch.num_reqs
         q = b.num_scheduled_tokens[:n].astype(np.int64)
         c = b.num_computed_tokens[:n].astype(np.int64)
-        md = AttentionMetadata.from_batch(b, self.block_size, self.decode_threshold)  # one copy up
+        md = AttentionMetadata.from_batch(b, self.block_size, self.decode_threshold)  # one copy per dtype
         row_of_token = np.repeat(np.arange(n), q)
         pos = c[row_of_token] + np.arange(md.num_tokens) - md.cu_seqlens_q_host[:-1][row_of_token]
         # A row scores its last known token and each draft after it, once its chunk gets there.
@@ -140,23 +140,18 @@ class ModelRunner:
         starts = np.concatenate([[0], np.cumsum(num_scored)[:-1]])
         pos_offset = np.arange(len(pos_row)) - starts[pos_row]
         logits_indices = md.cu_seqlens_q_host[1:][pos_row] - num_scored[pos_row] + pos_offset
-        inputs = StepInputs(md, None, None, pos_row, pos_offset, self._step_embeds(md, q, c))
-        if (b.num_prompt_logprobs[:n] >= 0).any():
-            logits_indices = self._add_prompt_positions(inputs, logits_indices, row_of_token, pos)
-        inputs.input_ids, inputs.logits_indices = upload_packed(  # and one for these
-            b.token_ids[row_of_token, pos].reshape(1, -1).astype(np.int64, copy=False), logits_indices)
-        return inputs
+        extra = self._prompt_positions(row_of_token, pos) if (b.num_prompt_logprobs[:n] >= 0).any() else pos[:0]
+        input_ids, logits_indices = upload_packed(  # and one for these
+            b.token_ids[row_of_token, pos].reshape(1, -1).astype(np.int64, copy=False),
+            np.concatenate([logits_indices, extra]))
+        prompt = (row_of_token[extra], pos[extra]) if len(extra) else (None, None)
+        return StepInputs(md, input_ids, logits_indices, pos_row, pos_offset, self._step_embeds(md, q, c), *prompt)
 
-    def _add_prompt_positions(self, inputs: StepInputs, logits_indices: np.ndarray, row_of_token: np.ndarray,
-                              pos: np.ndarray) -> np.ndarray:
-        """Score the chunk's prompt positions of rows that want prompt logprobs: position ``j``
+    def _prompt_positions(self, row_of_token: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Packed indices of the chunk's prompt positions whose logprobs are asked for: position ``j``
         (before the prompt's last) predicts prompt token ``j + 1``; the last one is scored anyway."""
-        b = self.batch
-        wanted = (b.num_prompt_logprobs[row_of_token] >= 0) & (pos < b.num_prompt_tokens[row_of_token] - 1)
-        packed = np.flatnonzero(wanted)
-        if len(packed):
-            inputs.prompt_rows, inputs.prompt_positions = row_of_token[packed], pos[packed]
-        return np.concatenate([logits_indices, packed])
+        wanted = self.batch.num_prompt_logprobs[row_of_token] >= 0
+        return np.flatnonzero(wanted & (pos < self.batch.num_prompt_tokens[row_of_token] - 1))
 
     def _step_embeds(self, md: AttentionMetadata, q: np.ndarray, c: np.ndarray) -> tuple | None:
         """The step's embedding replacements, from the rows that carry side data (None if none)."""
