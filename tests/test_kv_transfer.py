@@ -231,3 +231,38 @@ def test_offload_property_tokens_equal_pool_alone(fleet_model, lengths, seed, bu
     assert_idle(llm)
     llm.close()
     np.testing.assert_equal(len(got), 2 * len(prompts))
+
+
+WRITER = """
+import json, sys
+import fleetlab
+from fleetlab import LLM, SamplingParams
+from fleetlab.models import tiny
+
+prompts = json.loads(sys.argv[2])
+llm = LLM(tiny("fleet", seed=0), block_size=4, kv_transfer_config={"connector": "shared_storage",
+                                                                   "role": "producer", "path": sys.argv[1]})
+outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=5, ignore_eos=True),
+                    use_tqdm=False)
+print(json.dumps([o.token_ids for o in outs]))
+"""
+
+
+def test_shared_storage_across_processes(fleet_model, prompts_and_want, tmp_path):
+    """Another process writes the directory and exits; this one loads from it (a restart)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    prompts, want = prompts_and_want
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", WRITER, str(tmp_path), json.dumps(prompts)], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == want
+    llm = engine(fleet_model, ("shared_storage", "consumer", {"path": tmp_path}))
+    assert generate(llm, prompts) == want
+    assert llm.kv_connector.stats.loaded_tokens == sum((len(p) - 1) // BS * BS for p in prompts)
+    assert_idle(llm)
+    llm.close()

@@ -30,3 +30,17 @@ def test_prefill_rank_to_decode_rank(args, refused):
     assert res["bytes_per_token"] == res["expected_bytes_per_token"]  # 2 x layers x kv_heads x head_dim x 4
     assert (res["failed_loads"] > 0) == bool(refused)
     assert res["decode_pool"][0] == res["decode_pool"][1] and res["prefill_pool"][0] == res["prefill_pool"][1]
+
+
+def test_bench_kv_tiny(tmp_path):
+    """``python -m fleetlab bench kv --tiny`` runs its three sections and writes kv.json."""
+    from fleetlab.bench.cli import main
+
+    assert main(["kv", "--tiny", "-q", "--out", str(tmp_path)]) == 0
+    r = json.loads((tmp_path / "kv.json").read_text())
+    o = r["offload"]["runs"]
+    assert r["offload"]["identical_tokens"] and r["shared_storage"]["identical_tokens"]
+    assert o["pool alone"]["pool_hit_rate"] == 0 < o["pool + offload"]["tier_hit_rate"]
+    assert all(run["free_blocks_at_end"] == r["offload"]["num_blocks"] for run in o.values())
+    d = r["paddle_distributed"]
+    assert d["equal_single"] and d["bytes_per_token"] == d["expected_bytes_per_token"]

@@ -26,12 +26,14 @@ def _model(name: str):
     return models.load_tiny()[0] if name == "tiny" else models.tiny(name, seed=0)
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
+def _prompts(n: int, seed: int, length: int) -> list[list[int]]:
+    """``n`` prompts sharing their first quarter (prefix hits on both sides), ``length`` tokens at most."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    shared = [int(t) for t in rng.integers(3, 40, size=6)]
-    return [shared + [int(t) for t in rng.integers(3, 40, size=int(rng.integers(3, 20)))] for _ in range(n)]
+    shared = [int(t) for t in rng.integers(3, 40, size=max(1, length // 4))]
+    return [shared + [int(t) for t in rng.integers(3, 40, size=int(rng.integers(length // 8 + 1, length - len(shared))))]
+            for _ in range(n)]
 
 
 def main(argv=None) -> None:
@@ -42,6 +44,7 @@ def main(argv=None) -> None:
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--budget", type=int, default=16, help="max_num_batched_tokens of both engines")
     ap.add_argument("--prefill-max-model-len", type=int, default=None)
+    ap.add_argument("--prompt-len", type=int, default=24, help="longest prompt")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -59,7 +62,7 @@ def main(argv=None) -> None:
                   kv_transfer_config={"connector": "paddle_distributed", "role": "producer", "peer_rank": 0})
         serve(llm)
         return
-    prompts = _prompts(args.prompts, args.seed)
+    prompts = _prompts(args.prompts, args.seed, args.prompt_len)
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     decode = LLM(model, **common, kv_transfer_config={"connector": "paddle_distributed", "role": "consumer",
                                                       "peer_rank": 1})
