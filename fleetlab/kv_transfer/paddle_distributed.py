@@ -15,7 +15,8 @@ prompt token and samples the first output token itself.
 
 Wire format (int64 unless said): handshake ``[kind, n]`` then ``n`` ints (``kind`` 1: requests,
 each ``[num_tokens, start, count, num_blocks, tokens..., block_ids...]``; 0: stop, answered
-with the prefill pool's ``[num_free_blocks, num_blocks]``); data ``[req_index, layer, count,
+with the prefill pool's ``[num_free_blocks, num_blocks]``; 2: a keep-alive, at least every
+``KEEPALIVE_S`` seconds: gloo gives up a receive after 30 s and closes the pair); data ``[req_index, layer, count,
 status]``, then (status 0) the slots ``[count]`` and ``[2, count, kv_heads, head_dim]`` K/V in
 the cache dtype. A request the prefill side refuses (status 1), or a peer that fails mid-way,
 makes the decode side recompute: nothing it did not receive is served.
@@ -43,8 +44,11 @@ from fleetlab.validation import int_field
 
 logger = logging.getLogger(__name__)
 
-REQUESTS, STOP = 1, 0
+REQUESTS, STOP, PING = 1, 0, 2
 OK, REFUSED = 0, 1
+# Gloo closes a pair whose receive waits 30 s (measured, Paddle 3.3.1: the pair is unusable after),
+# so an idle decode side pings the prefill side, which waits in a receive, well within that.
+KEEPALIVE_S = 10.0
 
 
 @dataclass(slots=True)
@@ -105,6 +109,7 @@ class PaddleDistributedConnector(KVConnector):
         self._kv_cache = None
         self._outgoing: dict[str, tuple] = {}  # producer: request id -> (index, start, count, decode block ids)
         self._sent: set[str] = set()
+        self._last_send = time.monotonic()
         self._inbox: dict[tuple[int, int], tuple] = {}
         self._done: set[int] = set()  # load indices failed or refused this step
         self.stats.extra.update(recv_seconds=0.0, wire_bytes=0)
@@ -112,6 +117,7 @@ class PaddleDistributedConnector(KVConnector):
     # ------------------------------------------------------------------ transport
     def _send(self, array: np.ndarray) -> None:
         self.dist.send(paddle.to_tensor(array), dst=self.peer)
+        self._last_send = time.monotonic()
         self.stats.extra["wire_bytes"] += array.nbytes
 
     def _recv(self, shape, dtype) -> paddle.Tensor:
@@ -173,6 +179,7 @@ class PaddleDistributedConnector(KVConnector):
         self._meta = metadata if metadata is not None else PDMeta()
         self._kv_cache, self._inbox, self._done = kv_cache, {}, set()
         if not self._meta.loads:
+            self.keepalive()
             return
         payload = [len(self._meta.loads)]
         for load in self._meta.loads:
@@ -232,6 +239,16 @@ class PaddleDistributedConnector(KVConnector):
         failed, self._failed_blocks = self._failed_blocks, set()
         return set(), failed
 
+    def keepalive(self) -> None:
+        """Decode side: ping the prefill side if nothing went to it for ``KEEPALIVE_S`` seconds
+        (call it from the thread that runs the steps: the transport is not thread-safe)."""
+        if self.role == "consumer" and self.peer_alive and time.monotonic() - self._last_send > KEEPALIVE_S:
+            try:
+                self.send_handshake(PING, [])
+            except RuntimeError as exc:
+                self.peer_alive = False
+                logger.warning("paddle_distributed: the prefill rank is gone (%s); computing locally", exc)
+
     # ------------------------------------------------------------------ prefill side: worker
     def save_kv_layer(self, layer_id: int, kv_cache, attn_metadata) -> None:
         for send in self._meta.sends:
@@ -278,6 +295,8 @@ def serve(llm, *, max_handshakes: int | None = None) -> None:
         if kind == STOP:
             conn._send(np.asarray([llm.pool.num_free_blocks, llm.pool.num_blocks], dtype=np.int64))
             return
+        if kind == PING:
+            continue
         pos = 1
         for index in range(payload[0]):
             num_tokens, start, count, num_blocks = payload[pos:pos + 4]

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' or "
                         "'{\"method\": \"draft\", \"num_speculative_tokens\": 4, \"model\": \"tiny\"}' "
                         "(\"tiny\": the shipped draft; else a checkpoint directory)")
+    p.add_argument("--kv-role", choices=("prefill", "decode", "by-rank"), default=None,
+                   help="disaggregated serving (fleetlab.kv_transfer.serving; `python -m fleetlab disagg` starts "
+                        "both): decode serves HTTP and pulls each prompt's K/V from the prefill rank")
     p.add_argument("--max-queue-len", type=int, default=256,
                    help="requests that may wait beyond --max-num-seqs; one more is answered 503 at once")
     p.add_argument("--api-key", default=None,
@@ -72,6 +75,10 @@ def engine_config(args) -> dict:
            "enable_prefix_caching": args.enable_prefix_caching, "seed": args.seed}
     if args.speculative_config is not None:
         cfg["speculative_config"] = resolve_draft(args.speculative_config)
+    if args.kv_role is not None:
+        from fleetlab.kv_transfer.serving import kv_role_config
+
+        cfg["kv_transfer_config"] = kv_role_config(args.kv_role)
     return cfg
 
 
@@ -92,6 +99,10 @@ def make_engine(args):
 
     model, tokenizer = load_model(args.model, args.model_impl)
     llm = LLM(model, tokenizer, **engine_config(args))
+    if args.kv_role is not None:  # the decode side of `disagg`: its idle engine keeps the prefill rank's link up
+        from fleetlab.kv_transfer.serving import keepalive_engine
+
+        return keepalive_engine(llm, max_queue_len=args.max_queue_len), args.served_model_name or args.model
     return AsyncLLM(llm, max_queue_len=args.max_queue_len), args.served_model_name or args.model
 
 
@@ -128,6 +139,11 @@ def main(argv=None) -> int:
         print(f"fleetlab serve: --shutdown-timeout {args.shutdown_timeout} must be >= 0", file=sys.stderr)
         return 2
     verbose = logging.getLogger("fleetlab").isEnabledFor(logging.INFO)  # `python -m fleetlab -v`
+    if args.kv_role is not None:
+        from fleetlab.kv_transfer.serving import resolve_role, run_prefill
+
+        if resolve_role(args.kv_role) == "prefill":
+            return run_prefill(args, engine_config)
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
