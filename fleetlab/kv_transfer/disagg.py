@@ -32,8 +32,8 @@ def _prompts(n: int, seed: int, length: int) -> list[list[int]]:
 
     rng = np.random.default_rng(seed)
     shared = [int(t) for t in rng.integers(3, 40, size=max(1, length // 4))]
-    return [shared + [int(t) for t in rng.integers(3, 40, size=int(rng.integers(length // 8 + 1, length - len(shared))))]
-            for _ in range(n)]
+    lengths = rng.integers(length // 8 + 1, length - len(shared), size=n)
+    return [shared + [int(t) for t in rng.integers(3, 40, size=int(k))] for k in lengths]
 
 
 def main(argv=None) -> None:
