@@ -266,3 +266,28 @@ def test_shared_storage_across_processes(fleet_model, prompts_and_want, tmp_path
     assert llm.kv_connector.stats.loaded_tokens == sum((len(p) - 1) // BS * BS for p in prompts)
     assert_idle(llm)
     llm.close()
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 50), budget=st.sampled_from([4, 9, 32]), num_blocks=st.sampled_from([8, 40]),
+       spec=st.booleans(), n=st.sampled_from([1, 2]))
+def test_shared_storage_property_with_the_engine_features(fleet_model, tmp_path_factory, seed, budget, num_blocks,
+                                                          spec, n):
+    """A second engine loading from the directory writes the first engine's tokens, whatever the
+    chunk budget, a pool small enough to preempt, ngram speculation, ``n > 1`` with logprobs."""
+    path = tmp_path_factory.mktemp("kv")
+    prompts = random_prompts([11, 6, 14], vocab=30, seed=seed)  # a small vocabulary: ngram finds matches
+    sp = SamplingParams(max_tokens=6, ignore_eos=True, n=n, temperature=0.8 if n > 1 else 0.0, seed=seed,
+                        logprobs=2)
+    kw = dict(block_size=BS, num_blocks=num_blocks, max_num_seqs=3, max_num_batched_tokens=budget,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 2} if spec else None)
+    runs = []
+    for role in (None, "both", "consumer"):  # no connector, the engine that saves, a new one that loads
+        kv = role and {"connector": "shared_storage", "role": role, "path": path}
+        with LLM(fleet_model, **kw, kv_transfer_config=kv) as llm:
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)
+            runs.append([(o.token_ids, [round(lp.logprob, 4) for lp in o.logprobs]) for o in outs])
+            assert_idle(llm)
+            loaded = llm.kv_connector.stats.loaded_tokens
+    assert runs[0] == runs[1] == runs[2]
+    assert loaded > 0
