@@ -108,6 +108,8 @@ class BlockStoreConnector(KVConnector):
         if not self.loads or request.request_id in self._failed_reqs or request.skip_reading_prefix_cache:
             return 0
         bs = self.spec.block_size
+        if num_computed_tokens % bs:  # a prefix cache that hits inside a block: the store holds whole blocks
+            return 0
         max_blocks = (min(request.num_cacheable_tokens, request.num_tokens - 1)) // bs  # one token always runs
         start = num_computed_tokens // bs
         keys = self._keys(request, max_blocks)
