@@ -44,3 +44,4 @@ def test_bench_kv_tiny(tmp_path):
     assert all(run["free_blocks_at_end"] == r["offload"]["num_blocks"] for run in o.values())
     d = r["paddle_distributed"]
     assert d["equal_single"] and d["bytes_per_token"] == d["expected_bytes_per_token"]
+    assert d["mixed"]["identical_tokens"] and d["mixed"]["pair"]["num_itl"] == d["mixed"]["one engine"]["num_itl"]

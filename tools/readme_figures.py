@@ -326,12 +326,27 @@ def kv_block(r: dict | None) -> str:
              f"{d['expected_bytes_per_token']} |",
              f"| prefill rank -> decode rank: decode side's time receiving, per request | "
              f"{ms(d['recv_ms_per_request'])} ms |"]
+    m = d.get("mixed")
+    if m:
+        mc, pair, one = m["config"], m["pair"], m["one engine"]
+        table += [f"| mixed ({mc['short']} short requests decoding {mc['short_tokens']} tokens, {mc['long']} "
+                  f"prompts of {mc['long_len']} arriving): decode ITL p50 / p99, one engine (chunked prefill) | "
+                  f"{ms(one['itl_p50_ms'])} / {ms(one['itl_p99_ms'])} ms |",
+                  f"| mixed: decode ITL p50 / p99, prefill rank + decode rank | {ms(pair['itl_p50_ms'])} / "
+                  f"{ms(pair['itl_p99_ms'])} ms |",
+                  f"| mixed: the long prompts' TTFT, one engine / the pair (median) | "
+                  f"{ms(one['long_ttft_median_ms'])} / {ms(pair['long_ttft_median_ms'])} ms |"]
     after = fill(
         f"With the host tier the repeats' TTFT is "
         f"{compare(tier['repeat_ttft_median_ms'], pool['repeat_ttft_median_ms'])} than with the pool alone, and a "
         f"new engine loading from the directory answers "
         f"{compare(t['new engine, loading'], t['new engine, computing'])} than one computing, in this run. The "
-        f"receive time includes waiting for the prefill rank to compute (the two overlap layer by layer).")
+        f"receive time includes waiting for the prefill rank to compute (the two overlap layer by layer)."
+        + (f" On the mixed workload the decode requests' ITL p99 is {ms(pair['itl_p99_ms'])} ms on the pair against "
+           f"{ms(one['itl_p99_ms'])} ms on one engine." if m else "")
+        + (" fleetlab's decode rank waits for a prompt's K/V inside its step, so each whole prefill on the other "
+           "rank stalls its rows, where one engine's chunked prefill spreads it over several steps."
+           if m and pair["itl_p99_ms"] > 1.05 * one["itl_p99_ms"] else ""))
     return f"{intro}\n\n" + "\n".join(table) + f"\n\n{after}"
 
 

@@ -11,7 +11,10 @@ Three sections, each on the same random Llama, greedy, requests one after anothe
 - ``paddle_distributed``: a prefill rank and a decode rank (``fleetlab.kv_transfer.disagg``
   under ``paddle.distributed.launch``, gloo): bytes moved per loaded token against ``2 x
   layers x kv_heads x head_dim x dtype bytes``, seconds the decode side spent receiving per
-  request, and whether tokens equal one engine's and the full forward.
+  request, and whether tokens equal one engine's and the full forward; then a mixed workload
+  (:mod:`fleetlab.kv_transfer.mixed`: long prompts arriving while short requests decode):
+  the short requests' inter-token latency p50 / p99 and the long prompts' TTFT on the pair
+  (one thread each) against one engine with chunked prefill.
 
 Tokens are checked equal across modes in every section. Results: ``<out>/kv.json``.
 """
@@ -139,6 +142,14 @@ def distributed(preset: str, bar) -> dict:
     res = json.loads(lines[-1].removeprefix("DISAGG_RESULT "))
     res["recv_ms_per_request"] = 1e3 * res["recv_seconds"] / res["num_prompts"]
     res["job_wall_s"] = r.seconds
+    mixed = ["fleetlab.kv_transfer.mixed"] + ([] if preset == "default" else
+                                              ["--model-overrides", "{}", "--long-len", "40", "--short-tokens", "10"])
+    r = launch(mixed, 2, timeout=300)
+    bar.update()
+    lines = [line for line in r.output.splitlines() if line.startswith("MIXED_RESULT ")]
+    if r.returncode or not lines:
+        raise RuntimeError(f"bench kv: the mixed workload failed (exit {r.returncode}):\n{r.output[-3000:]}")
+    res["mixed"] = json.loads(lines[-1].removeprefix("MIXED_RESULT "))
     return res
 
 
@@ -147,7 +158,7 @@ def run(preset: str = "default", out=None, quiet: bool = True, argv=None) -> dic
     machine = MachineRecord()
     cfg = PRESETS[preset]
     model = _model(cfg["model"])
-    with section("bench kv", 2 * cfg["turns"] + cfg["turns"] + 2 + 1, quiet=quiet) as bar:
+    with section("bench kv", 2 * cfg["turns"] + cfg["turns"] + 2 + 2, quiet=quiet) as bar:
         result = {"schema_version": 1, "preset": preset, "config": cfg,
                   "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                   "command": "python -m fleetlab bench kv " + " ".join(argv or []),
@@ -180,5 +191,9 @@ def main(argv=None) -> int:
     print(f"paddle_distributed: {d['bytes_per_token']:.0f} bytes per token (expected "
           f"{d['expected_bytes_per_token']}), {d['recv_ms_per_request']:.1f} ms receiving per request; tokens "
           f"equal one engine's: {d['equal_single']}, the full forward's: {d['equal_forward']}")
+    m = d["mixed"]
+    print(f"mixed workload: decode ITL p50 / p99 {m['pair']['itl_p50_ms']:.1f} / {m['pair']['itl_p99_ms']:.1f} ms on "
+          f"the pair vs {m['one engine']['itl_p50_ms']:.1f} / {m['one engine']['itl_p99_ms']:.1f} ms on one engine; "
+          f"tokens identical: {m['identical_tokens']}")
     print(f"wrote {Path(args.out) / 'kv.json'}")
     return 0
