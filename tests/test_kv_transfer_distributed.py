@@ -22,13 +22,19 @@ def run_pair(*args) -> dict:
     return json.loads(lines[-1].removeprefix("DISAGG_RESULT "))
 
 
-@pytest.mark.parametrize("args, refused", [((), 0), (("--prefill-max-model-len", "16", "--prompts", "6"), 1)])
+@pytest.mark.parametrize("args, refused", [
+    ((), 0),
+    (("--prefill-max-model-len", "16", "--prompts", "6"), 1),  # the prefill side refuses the long prompts
+    (("--decode-num-blocks", "9", "--max-tokens", "12"), 0),  # the decode side preempts: pulled again
+])
 def test_prefill_rank_to_decode_rank(args, refused):
     res = run_pair(*args)
     assert res["equal_single"] and res["equal_forward"]
     assert res["loaded_tokens"] > 0
     assert res["bytes_per_token"] == res["expected_bytes_per_token"]  # 2 x layers x kv_heads x head_dim x 4
     assert (res["failed_loads"] > 0) == bool(refused)
+    if "--decode-num-blocks" in args:
+        assert res["decode_preemptions"] > 0  # and still the same tokens, every block back
     assert res["decode_pool"][0] == res["decode_pool"][1] and res["prefill_pool"][0] == res["prefill_pool"][1]
 
 

@@ -45,6 +45,7 @@ def main(argv=None) -> None:
     ap.add_argument("--budget", type=int, default=16, help="max_num_batched_tokens of both engines")
     ap.add_argument("--prefill-max-model-len", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=24, help="longest prompt")
+    ap.add_argument("--decode-num-blocks", type=int, default=None, help="a small decode pool preempts")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -64,13 +65,14 @@ def main(argv=None) -> None:
         return
     prompts = _prompts(args.prompts, args.seed, args.prompt_len)
     sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    decode = LLM(model, **common, kv_transfer_config={"connector": "paddle_distributed", "role": "consumer",
-                                                      "peer_rank": 1})
+    decode = LLM(model, **common, num_blocks=args.decode_num_blocks,
+                 kv_transfer_config={"connector": "paddle_distributed", "role": "consumer", "peer_rank": 1})
     t0 = time.perf_counter()
     got = [o.token_ids for o in decode.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
     seconds = time.perf_counter() - t0
     conn = decode.kv_connector
     decode_free = (decode.pool.num_free_blocks, decode.pool.num_blocks)
+    preemptions = decode.stats()["num_preemptions"]
     decode.close()  # tells the prefill rank to stop; it answers with its pool's free blocks
     single = LLM(model, **common)
     want = [o.token_ids for o in single.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
@@ -86,7 +88,8 @@ def main(argv=None) -> None:
         "expected_bytes_per_token": spec.bytes_per_block // spec.block_size,
         "wire_bytes": s.extra["wire_bytes"], "recv_seconds": s.extra["recv_seconds"],
         "generate_seconds": seconds, "failed_loads": s.failed_loads,
-        "decode_pool": decode_free, "prefill_pool": getattr(conn, "peer_pool", None)}), flush=True)
+        "decode_pool": decode_free, "prefill_pool": getattr(conn, "peer_pool", None),
+        "decode_preemptions": preemptions}), flush=True)
 
 
 if __name__ == "__main__":
