@@ -322,3 +322,25 @@ def test_registering_a_connector_follows_the_registry_rules():
 def test_tensor_parallel_with_a_connector_is_refused(fleet_model, tmp_path):
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM(fleet_model, tensor_parallel_size=2, kv_transfer_config={"connector": "shared_storage", "path": tmp_path})
+
+
+def test_side_data_and_prompt_logprobs_limit_what_is_loaded(fleet_model, tmp_path):
+    """Blocks past a replaced embedding depend on more than token ids: never loaded (nor saved);
+    a request asking for prompt logprobs computes every prompt position itself."""
+    prompt = random_prompts([17], vocab=100, seed=9)[0]
+    hidden = 64  # the tiny fleet model
+    side = {9: np.random.default_rng(0).standard_normal(hidden).astype(np.float32)}
+    runs = []
+    for role in (None, "both", "consumer"):
+        kv = role and {"connector": "shared_storage", "role": role, "path": tmp_path}
+        with LLM(fleet_model, block_size=BS, kv_transfer_config=kv) as llm:
+            a = llm.add_request(prompt_token_ids=prompt, sampling_params=SP, prompt_embeds=side)
+            b = llm.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(
+                max_tokens=MAX_NEW, ignore_eos=True, prompt_logprobs=1))
+            done = {}
+            while llm.has_unfinished_requests():
+                done.update({o.request_id: o.token_ids for o in llm.step() if o.finished})
+            runs.append([done[a], done[b]])
+            if role == "consumer":
+                assert llm.kv_connector.stats.loaded_tokens == 8  # the two blocks before position 9, for a only
+    assert runs[0] == runs[1] == runs[2]

@@ -137,9 +137,11 @@ class PaddleDistributedConnector(KVConnector):
 
     # ------------------------------------------------------------------ decode side: scheduler
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
-        if not self.loads or not self.peer_alive or request.request_id in self._failed_reqs:
+        if (not self.loads or not self.peer_alive or request.request_id in self._failed_reqs
+                or request.skip_reading_prefix_cache):  # it wants prompt logprobs: every position runs here
             return 0
-        return max(0, request.num_tokens - 1 - num_computed_tokens)  # the last token runs here
+        # The last token runs here; so do tokens past side data (the prefill side gets token ids only).
+        return max(0, min(request.num_tokens - 1, request.num_cacheable_tokens) - num_computed_tokens)
 
     def update_state_after_alloc(self, request, block_ids, num_computed_tokens, num_external_tokens):
         if not self.loads:
