@@ -26,10 +26,12 @@ def run_pair(*args) -> dict:
     ((), 0),
     (("--prefill-max-model-len", "16", "--prompts", "6"), 1),  # the prefill side refuses the long prompts
     (("--decode-num-blocks", "9", "--max-tokens", "12"), 0),  # the decode side preempts: pulled again
+    (("--temperature", "0.9", "--seed", "3"), 0),  # seeded sampling: one engine's tokens
 ])
 def test_prefill_rank_to_decode_rank(args, refused):
     res = run_pair(*args)
-    assert res["equal_single"] and res["equal_forward"]
+    assert res["equal_single"]
+    assert res["equal_forward"] is (None if "--temperature" in args else True)  # sampled: no greedy forward
     assert res["loaded_tokens"] > 0
     assert res["bytes_per_token"] == res["expected_bytes_per_token"]  # 2 x layers x kv_heads x head_dim x 4
     assert (res["failed_loads"] > 0) == bool(refused)
