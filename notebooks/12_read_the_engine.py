@@ -326,7 +326,7 @@ from IPython.display import Markdown
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.messages import SchedulerOutput
 from fleetlab.engine.outputs import RequestOutput
-from fleetlab.engine.parallel_sampling import ParentRequest
+from fleetlab.output.parallel_sampling import ParentRequest
 from fleetlab.engine.request import Request
 from fleetlab.spec_decode.rejection import RejectionSampler
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from fleetlab import LLM, SamplingParams, viz
 from fleetlab.bench.latency import LatencyStats, Percentiles, latency_stats, latency_table, token_steps
-from fleetlab.engine.observe import StepTrace
+from fleetlab.inspect.recorder import StepTrace
 from fleetlab.engine.outputs import RequestOutput
 
 

@@ -15,7 +15,7 @@ from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
 from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.manager import KVCacheManager
-from fleetlab.spec_decode.stats import SpecDecodingStats
+from fleetlab.inspect.spec_stats import SpecDecodingStats
 
 BS = 4
 

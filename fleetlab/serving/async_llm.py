@@ -211,7 +211,7 @@ class AsyncLLM:
             if getattr(sp, "n", 1) != 1 or (getattr(sp, "best_of", None) or 1) > 1:
                 raise ValueError(f"request {kw.get('request_id')!r}: sampling field n={sp.n} (best_of={sp.best_of}): "
                                  "a stream carries one sequence; queue one request per sequence with "
-                                 "fleetlab.engine.parallel_sampling.child_sampling_params(sp, i), as the server does")
+                                 "fleetlab.output.parallel_sampling.child_sampling_params(sp, i), as the server does")
         n = len(requests)
         if not n:
             return []
