@@ -321,6 +321,7 @@ class AsyncLLM:
                 if not self._take_commands(streams, block=idle):
                     break
                 if self.llm.has_unfinished_requests():
+                    self.llm.wait_until_runnable()  # nothing runnable (a grammar compiling): wait a little
                     self._step(streams)
                 self._stats = self.llm.stats()
         except Exception as e:  # a bug in a step: fail every request, keep the server answering
