@@ -37,11 +37,11 @@ from fleetlab.engine.penalties import PenaltiesProcessor
 from fleetlab.engine.sampler import Sampler
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
-from fleetlab.kv.block_pool import BlockPool
-from fleetlab.kv.manager import KVCacheManager
 from fleetlab.inspect.recorder import StepRecorder, StepTrace
 from fleetlab.inspect.spec_stats import SpecDecodingStats
 from fleetlab.inspect.stats import engine_stats
+from fleetlab.kv.block_pool import BlockPool
+from fleetlab.kv.manager import KVCacheManager
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.output.parallel_sampling import ParentRequest
 from fleetlab.output.processor import OutputProcessor

@@ -111,7 +111,8 @@ def test_a_stop_token_is_the_stop_reason_and_eos_is_none(tiny_text):
 @pytest.mark.parametrize("fields, error, words", [
     (dict(stop=[""]), ValueError, "sampling field stop=['']: a stop string cannot be empty"),
     (dict(stop=["a", 3]), TypeError, "sampling field stop=['a', 3] must be a string or a list of strings"),
-    (dict(stop="a", include_stop_str_in_output="yes"), TypeError, "sampling field include_stop_str_in_output='yes' must be True"),
+    (dict(stop="a", include_stop_str_in_output="yes"), TypeError,
+     "sampling field include_stop_str_in_output='yes' must be True"),
 ])
 def test_bad_stop_fields_are_refused_naming_the_request(tiny_text, fields, error, words):
     model, tok, prompts, _ = tiny_text

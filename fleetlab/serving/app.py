@@ -56,8 +56,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fleetlab.output.parallel_sampling import child_sampling_params, select_best
 from fleetlab.engine.sampling_params import SamplingParams
+from fleetlab.output.parallel_sampling import child_sampling_params, select_best
 from fleetlab.serving import protocol as P
 from fleetlab.serving.async_llm import AsyncLLM, RequestStream
 from fleetlab.serving.chat_template import chat_prompt_ids, encode_text
