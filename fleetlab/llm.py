@@ -112,12 +112,7 @@ class LLM:
         # A verify row carries k + 1 query tokens: still a decode for the reorder and the kernels.
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         decode_threshold = max(backend_cls.reorder_threshold, k + 1)
-        self.proposer = None
-        if self.spec_config:
-            context = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
-                                      self.handle.vocab_size, decode_threshold)
-            self.proposer = PROPOSERS.get(self.spec_config.method)(self.spec_config, context)
-            self._closables.append(self.proposer)
+        self.proposer = self._build_proposer(cfg, num_blocks, decode_threshold) if self.spec_config else None
         lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
         self.scheduler = Scheduler(
             KVCacheManager(self.pool), max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -142,6 +137,17 @@ class LLM:
                                   proposer=self.proposer, hooks=self.hooks)
         if self.tensor_parallel is not None:
             self.runner = self.tensor_parallel.wrap_runner(self.runner)
+        self._build_edges(cfg, batch, num_blocks, processors, lookahead)
+
+    def _build_proposer(self, cfg, num_blocks: int, decode_threshold: int):
+        context = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
+                                  self.handle.vocab_size, decode_threshold)
+        proposer = PROPOSERS.get(self.spec_config.method)(self.spec_config, context)
+        self._closables.append(proposer)
+        return proposer
+
+    def _build_edges(self, cfg, batch: InputBatch, num_blocks: int, processors: list, lookahead: int) -> None:
+        """The checks in front of the core, the core's step, the output side and the observers."""
         self.processor = InputProcessor(
             self.tokenizer, vocab_size=self.handle.vocab_size, max_model_len=self.max_model_len,
             eos_token_id=self.handle.eos_token_id, hidden_size=self.handle.hidden_size, block_size=cfg.block_size,

@@ -84,6 +84,8 @@ class StepRecorder:
         self._order_before: list[str] = []
 
     def on_phase(self, name: str, seconds: float) -> None:
+        if name == PHASES[0]:  # a new step begins: drop what a step that raised left behind
+            self._timings = {}
         self._timings[name] = self._timings.get(name, 0.0) + seconds
 
     def on_batch_order(self, req_ids: list[str]) -> None:
