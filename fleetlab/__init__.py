@@ -52,13 +52,13 @@ _LAZY = {
     "FieldRegistry": "fleetlab.engine.batch_fields",
     "DEFAULT_FIELDS": "fleetlab.engine.batch_fields",
     "unpermute": "fleetlab.engine.input_batch",
-    "StepRecorder": "fleetlab.engine.observe",
+    "StepRecorder": "fleetlab.inspect.recorder",
     "KVConnector": "fleetlab.kv_transfer",
     "KVTransferConfig": "fleetlab.kv_transfer",
     "register_kv_connector": "fleetlab.kv_transfer",
 }
 _SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv", "serving", "spec_decode", "lessons",
-               "structured_output", "kv_transfer"}
+               "structured_output", "inspect", "output", "kv_transfer"}
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 

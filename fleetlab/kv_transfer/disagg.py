@@ -84,7 +84,8 @@ def main(argv=None) -> None:
     forward = reference_greedy(model, prompts, args.max_tokens)[0] if args.temperature == 0 else None
     s, spec = conn.stats, conn.spec
     print("DISAGG_RESULT " + json.dumps({
-        "equal_single": got == want, "equal_forward": None if forward is None else got == forward, "num_prompts": len(prompts),
+        "equal_single": got == want, "equal_forward": None if forward is None else got == forward,
+        "num_prompts": len(prompts),
         "loaded_tokens": s.loaded_tokens, "bytes_loaded": s.bytes_loaded,
         "bytes_per_token": s.bytes_loaded / max(1, s.loaded_tokens),
         "expected_bytes_per_token": spec.bytes_per_block // spec.block_size,
