@@ -399,7 +399,6 @@ REFUSED = [
     ("completions", {"allowed_token_ids": [5]}, "allowed_token_ids", "sampler"),
     ("completions", {"suffix": "x"}, "suffix", "fill in the middle"),
     ("completions", {"bad_words": ["x"]}, "bad_words", "sampler"),
-    ("completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output", "vLLM extension"),
     ("chat/completions", {"echo": True}, "echo", "completions field"),
     ("completions", {"min_p": 0.1}, "min_p", "sampler"),
     ("completions", {"guided_regex": "[0-9]+"}, "guided_regex", "structured outputs"),

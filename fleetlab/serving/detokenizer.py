@@ -14,8 +14,18 @@ until the next token completes it. Decoding only a window keeps each push O(wind
 
 :class:`StopStrings` then holds back the end of the text that could be the start of a stop
 string (at most ``len(longest stop) - 1`` characters), so that a stop string split over two
-steps is never half sent, and cuts the text where one appears (OpenAI's ``stop``: the stop
-string itself is not returned). :class:`TextStream` chains the two.
+steps is never half sent, and cuts the text where one appears. :class:`TextStream` chains the two.
+
+vLLM's meaning of stopping, which the server follows:
+
+- a stop string (``stop``) is cut from the text, or kept at its end with
+  ``include_stop_str_in_output``; ``stop_reason`` is the string;
+- a stop token (EOS, or one of ``stop_token_ids``) stays in the token ids (and the usage
+  count), but its text is not output unless ``include_stop_str_in_output``; ``stop_reason`` is
+  the token id, or None for EOS (:func:`stop_token_reason`).
+
+:func:`find_stop_string` is the one search for stop strings over text that grows, written so
+that an engine-side output processor can call it as well.
 """
 
 from __future__ import annotations
@@ -69,30 +79,60 @@ class IncrementalDetokenizer:
         return delta
 
 
+def find_stop_string(text: str, stop: Sequence[str], num_new_chars: int,
+                     include_in_output: bool = False) -> tuple[str, int] | None:
+    """``(stop string, length of text to keep)`` for the stop string that appears earliest in
+    ``text`` among those that end in its last ``num_new_chars`` characters (the rest was searched
+    before); None when none does. The text kept ends before the string, or after it with
+    ``include_in_output``."""
+    found = None
+    for s in stop:
+        at = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
+        if at >= 0 and (found is None or at < found[1]):
+            found = (s, at)
+    if found is None:
+        return None
+    s, at = found
+    return s, at + len(s) if include_in_output else at
+
+
+def stop_token_reason(token_id: int, stop_token_ids: Sequence[int], eos_token_id: int | None,
+                      ignore_eos: bool = False) -> int | None:
+    """vLLM's ``stop_reason`` for a request the engine stopped on ``token_id``: None for EOS,
+    the id for one of ``stop_token_ids``."""
+    if token_id == eos_token_id and not ignore_eos:
+        return None
+    return token_id if token_id in stop_token_ids else None
+
+
 class StopStrings:
     """Cut a text stream at the first of ``stop`` and hold back what could begin one.
 
     ``push(delta)`` returns the text that is safe to send now; once a stop string is seen,
-    ``stopped`` is True, ``text`` ends just before it, and later pushes return nothing.
-    ``flush()`` returns the held-back rest (call it when the request ends for another reason).
+    ``stopped`` is True, ``reason`` is that string, ``text`` ends just before it (after it with
+    ``include``), and later pushes return nothing. ``flush()`` returns the held-back rest (call
+    it when the request ends for another reason).
     """
 
-    def __init__(self, stop: Sequence[str] = ()):
+    def __init__(self, stop: Sequence[str] = (), include: bool = False):
         self.stop = [s for s in stop if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.include = include
+        # what must wait: the end that may begin a stop string (nothing when it is kept anyway)
+        self.hold = 0 if include else max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.sent = 0
         self.stopped = False
+        self.reason: str | None = None
 
     def push(self, delta: str) -> str:
         """Add ``delta``; return the text that can be sent now."""
         if self.stopped or not delta:
             return ""
-        start = max(0, len(self.text) - self.hold)  # a new match must end inside delta
         self.text += delta
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[:min(hits)]
+        found = find_stop_string(self.text, self.stop, len(delta), self.include)
+        if found is not None:
+            self.reason, keep = found
+            self.text = self.text[:keep]
             self.stopped = True
             return self.flush()
         safe = len(self.text) - self._partial_match()
@@ -118,14 +158,18 @@ class StopStrings:
 class TextStream:
     """One choice's text: token ids in, sendable text out, stop strings applied.
 
-    ``push(new_token_ids) -> str`` each step; ``finish() -> str`` when the engine says the
-    request is done. ``stopped``: a stop string ended it (the server then aborts the request).
-    ``num_tokens``: how many output tokens were pushed (the usage count).
+    ``push(new_token_ids, stopped_on_token) -> str`` each step (``stopped_on_token``: the engine
+    stopped the request on the last of them, EOS or a stop token: its text is dropped unless
+    ``include_stop``); ``finish() -> str`` when the engine says the request is done.
+    ``stopped``: a stop string ended it (the server then aborts the request); ``stop_reason``:
+    that string. ``num_tokens``: how many output tokens were pushed (the usage count).
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int] = (), stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
+                 include_stop: bool = False):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        self.stops = StopStrings(stop)
+        self.stops = StopStrings(stop, include_stop)
+        self.include_stop = include_stop
         self.num_tokens = 0
 
     @property
@@ -134,15 +178,22 @@ class TextStream:
         return self.stops.stopped
 
     @property
+    def stop_reason(self) -> str | None:
+        """The stop string that ended the text (None if none did)."""
+        return self.stops.reason
+
+    @property
     def text(self) -> str:
         """The text so far (cut at the stop string once one appeared)."""
         return self.stops.text
 
-    def push(self, new_token_ids: Sequence[int]) -> str:
+    def push(self, new_token_ids: Sequence[int], stopped_on_token: bool = False) -> str:
         """One step's new tokens in; the text that can be sent now out."""
         if self.stopped:
             return ""
         self.num_tokens += len(new_token_ids)
+        if stopped_on_token and not self.include_stop:
+            new_token_ids = list(new_token_ids)[:-1]
         return self.stops.push(self.detokenizer.push(new_token_ids))
 
     def finish(self) -> str:
