@@ -109,7 +109,8 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, cor
     if cors is not None:
         app.add_middleware(CORSMiddleware, **cors)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.head("/health", include_in_schema=False)  # HEAD too (load balancers' probes)
+    @app.get("/health")
     async def health():
         if server.draining:
             raise ShuttingDown("the server is shutting down", code="shutting_down")
@@ -605,11 +606,9 @@ async def _disconnected(request: Request) -> None:
 
 # ----- errors -----
 def _routes(app: FastAPI) -> str:
-    """``"GET /health, POST /v1/completions, ..."``: the app's routes (the OpenAPI pages left out)."""
-    routes = [(path, sorted(methods - {"HEAD"} or methods)) for path, methods in
-              ((getattr(r, "path", ""), getattr(r, "methods", None) or set()) for r in app.routes)
-              if methods and not path.startswith(("/docs", "/redoc", "/openapi"))]
-    return ", ".join(f"{'|'.join(m)} {path}" for path, m in routes)
+    """``"GET /health, POST /v1/completions, ..."``: the app's routes, as its OpenAPI schema lists them."""
+    paths = app.openapi()["paths"]  # built once, then cached by FastAPI
+    return ", ".join(f"{'|'.join(m.upper() for m in methods)} {path}" for path, methods in paths.items())
 
 
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:

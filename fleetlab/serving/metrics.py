@@ -100,7 +100,7 @@ class _EngineCollector:
         family = HistogramMetricFamily("fleetlab:iteration_tokens_total", "Tokens an engine step ran.",
                                        labels=["model_name"])
         cumulative, running = [], 0
-        for bound, count in zip([*map(str, h["bounds"]), "+Inf"], h["counts"]):
+        for bound, count in zip([*(str(float(b)) for b in h["bounds"]), "+Inf"], h["counts"]):
             running += count
             cumulative.append((bound, running))
         family.add_metric([self.model_name], cumulative, h["sum"])
