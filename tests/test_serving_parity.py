@@ -224,6 +224,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt(client, offline, tiny):
     ("completions", "temperature", "0.5"),
     ("completions", "stop_token_ids", [True]),
     ("completions", "include_stop_str_in_output", "no"),
+    ("completions", "logit_bias", {"²": 1.0}),  # passes str.isdigit(), is no ASCII integer
     ("chat/completions", "logprobs", 1),
     ("chat/completions", "max_completion_tokens", "8"),
     ("chat/completions", "seed", False),

@@ -302,6 +302,10 @@ class OpenAIServing:
         limit = self.engine.max_model_len
         if not ids:
             raise BadRequest(f"{prompt_field} is empty", prompt_field, "invalid_value")
+        outside = [t for t in ids if not 0 <= t < self.engine.vocab_size]
+        if outside:  # checked here too: echo decodes the prompt before the engine sees it
+            raise BadRequest(f"{prompt_field} holds token ids outside the vocabulary [0, {self.engine.vocab_size}): "
+                             f"{outside[:5]}", prompt_field, "invalid_value")
         if len(ids) >= limit:
             raise BadRequest(f"this model's maximum context length is {limit} tokens; the {prompt_field} has "
                              f"{len(ids)} tokens, which leaves no room for an answer", prompt_field,
@@ -313,7 +317,7 @@ class OpenAIServing:
         longest = max(len(c.prompt_ids) for c in choices)
         if longest + max_tokens > limit:
             raise BadRequest(f"this model's maximum context length is {limit} tokens; you asked for {longest} "
-                             f"{prompt_field} tokens + {max_tokens} output tokens", "max_tokens",
+                             f"{prompt_field} tokens + max_tokens={max_tokens} output tokens", "max_tokens",
                              "context_length_exceeded")
         echo_logprobs = getattr(req, "echo", False) and req.num_logprobs is not None
         constraint, _ = req.structured_outputs_fields()
@@ -338,13 +342,15 @@ class OpenAIServing:
         from (``response_format...`` or ``structured_outputs``); a vocabulary that cannot spell it
         is ``unsupported`` (this model cannot serve it; another might)."""
         text = re.sub(r"^request '[^']*': ", "", str(error))
-        if not text.startswith("structured_outputs"):
-            return bad_request_from_engine(error, prompt_field)
-        where = req.structured_outputs_fields()[1]
+        constraint, where = req.structured_outputs_fields()
+        refusal = bad_request_from_engine(error, prompt_field)
+        if not text.startswith("structured_outputs") and (refusal.param is not None or constraint is None):
+            return refusal
+        # a grammar library's own message names no field: the constraint is the field it refused
         if "cannot be spelled" in text:
             return BadRequest(f"{where}: the served model cannot write these structured outputs: {text}", where,
                               "unsupported")
-        return BadRequest(text if where == "structured_outputs" else f"{where}: {text}", where, "invalid_value")
+        return BadRequest(text if text.startswith(where) else f"{where}: {text}", where, "invalid_value")
 
     # ----- running -----
     async def _run(self, req, prefix: str, obj: str, choices: list[_Choice], sp: SamplingParams, prompt_field: str):

@@ -28,6 +28,7 @@ earlier chunk then carries ``"usage": null``) and a final ``data: [DONE]``. A ch
 from __future__ import annotations
 
 import json
+import re
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -84,7 +85,7 @@ class _SamplingRequest(BaseModel):
     best_of: int | None = Field(None, ge=1)  # generate best_of, return the n of highest cumulative logprob
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None  # {token id as a string: bias}, biases clamped to [-100, 100]
+    logit_bias: dict[str, float] | None = None  # {token id (a string): bias}, read into int keys
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
     response_format: ResponseFormat | None = None
     # fleetlab (and vLLM) extensions
@@ -103,6 +104,15 @@ class _SamplingRequest(BaseModel):
         if any(s == "" for s in strings):
             raise ValueError("stop strings must not be empty")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value):
+        """JSON keys are strings: each must spell a token id in ASCII digits (``"²"`` passes ``isdigit``)."""
+        for key in value or {}:
+            if not re.fullmatch(r"\s*[0-9]+\s*", key):
+                raise ValueError(f"key {key!r} is not a token id (a non-negative integer in ASCII digits)")
+        return None if value is None else {int(k): v for k, v in value.items()}
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -320,6 +330,8 @@ def field_path(loc) -> str:
     for item in loc:
         if isinstance(item, int):
             out += f"[{item}]"
+        elif not out and isinstance(item, str):  # the top-level field ("model" is one, not a union tag)
+            out = item
         elif isinstance(item, str) and item.isidentifier() and item.lower() not in _TYPE_WORDS:
             out += f".{item}" if out else item
         elif out:
