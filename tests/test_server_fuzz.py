@@ -45,7 +45,10 @@ ANYTHING = st.recursive(SCALAR, lambda c: st.lists(c, max_size=3) | st.dictionar
                                                                                       max_size=3), max_leaves=5)
 
 
-def field(valid, hostile=st.nothing()):
+NOTHING = st.nothing()
+
+
+def field(valid, hostile=NOTHING):
     """Mostly a value the field takes, sometimes one it refuses (out of range, of the wrong type,
     anything JSON can hold)."""
     return st.one_of(valid, valid, valid, valid, hostile, ANYTHING)

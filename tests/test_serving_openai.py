@@ -522,7 +522,8 @@ def test_speculative_decoding_streams_the_same_text(offline):
         # vLLM's speculative-decoding counters, equal to the engine's own counts
         spec = engine.llm.spec_stats
         assert m["fleetlab:spec_decode_num_drafts_total"] == spec.num_drafts > 0
-        assert m["fleetlab:spec_decode_num_draft_tokens_total"] == spec.num_draft_tokens == sum(spec.drafted_per_position)
+        drafted = m["fleetlab:spec_decode_num_draft_tokens_total"]
+        assert drafted == spec.num_draft_tokens == sum(spec.drafted_per_position)
         assert m["fleetlab:spec_decode_num_accepted_tokens_total"] == spec.num_accepted_tokens > 0
         per_pos = [m[f"fleetlab:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"] for i in range(4)]
         assert per_pos == spec.accepted_per_position and sum(per_pos) == spec.num_accepted_tokens

@@ -277,7 +277,8 @@ class OpenAIServing:
         """Each prompt's ``best_of`` (default ``n``) choices, child ``i`` with its own settings."""
         best_of = sp.best_of or sp.n
         return [_Choice(p.index * best_of + i, p.prompt_ids,
-                        TextStream(self.engine.tokenizer, p.prompt_ids, req.stop_strings, req.include_stop_str_in_output),
+                        TextStream(self.engine.tokenizer, p.prompt_ids, req.stop_strings,
+                                   req.include_stop_str_in_output),
                         sampling=child_sampling_params(sp, i), prompt_index=p.index,
                         want_logprobs=req.num_logprobs is not None, echo=p.echo, echo_only=p.echo_only)
                 for p in prompts for i in range(best_of)]
@@ -391,7 +392,8 @@ class OpenAIServing:
         choices = self._best(choices, sp.n)
         tokenizer = self.engine.tokenizer
         body = [{"index": c.index, "text": "".join(c.content), "finish_reason": c.finish_reason,
-                 "stop_reason": c.stop_reason, "logprobs": None if not c.want_logprobs else chat_logprobs(tokenizer, c.logprobs) if chat
+                 "stop_reason": c.stop_reason,
+                 "logprobs": None if not c.want_logprobs else chat_logprobs(tokenizer, c.logprobs) if chat
                  else completion_logprobs(tokenizer, c.logprobs)} for c in choices]
         use = self._usage(choices)
         build = P.chat_response if chat else P.completion_response

@@ -108,7 +108,7 @@ class _EngineCollector:
 
     def _spec_decode(self, s: dict):
         for name, doc, value in (
-                ("spec_decode_num_drafts", "Verify rows (a request's drafts checked in one step).", s["spec_num_drafts"]),
+                ("spec_decode_num_drafts", "Verify rows (a request's drafts checked in a step).", s["spec_num_drafts"]),
                 ("spec_decode_num_draft_tokens", "Draft tokens verified.", s["num_draft_tokens"]),
                 ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s["num_accepted_tokens"])):
             yield self._family(CounterMetricFamily, name, doc, value)
