@@ -178,7 +178,7 @@ class AsyncLLM:
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
-        self.eos_token_id, self.vocab_size = llm.handle.eos_token_id, llm.handle.vocab_size
+        self.vocab_size = llm.handle.vocab_size
         self.max_queue_len = max_queue_len
         self._capacity = None if max_queue_len is None else llm.config.max_num_seqs + max_queue_len
         self._iteration_tokens = IterationTokens(iteration_buckets(llm.config.max_num_batched_tokens))
@@ -215,7 +215,7 @@ class AsyncLLM:
             if getattr(sp, "n", 1) != 1 or (getattr(sp, "best_of", None) or 1) > 1:
                 raise ValueError(f"request {kw.get('request_id')!r}: sampling field n={sp.n} (best_of={sp.best_of}): "
                                  "a stream carries one sequence; queue one request per sequence with "
-                                 "fleetlab.engine.parallel_sampling.child_sampling_params(sp, i), as the server does")
+                                 "fleetlab.output.parallel_sampling.child_sampling_params(sp, i), as the server does")
         n = len(requests)
         if not n:
             return []
@@ -331,6 +331,7 @@ class AsyncLLM:
                 if not self._take_commands(streams, block=idle):
                     break
                 if self.llm.has_unfinished_requests():
+                    self.llm.wait_until_runnable()  # nothing runnable (a grammar compiling): wait a little
                     self._step(streams)
                 self._stats = snapshot(self.llm, self._iteration_tokens)
         except Exception as e:  # a bug in a step: fail every request, keep the server answering

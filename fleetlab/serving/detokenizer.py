@@ -22,15 +22,17 @@ vLLM's meaning of stopping, which the server follows:
   ``include_stop_str_in_output``; ``stop_reason`` is the string;
 - a stop token (EOS, or one of ``stop_token_ids``) stays in the token ids (and the usage
   count), but its text is not output unless ``include_stop_str_in_output``; ``stop_reason`` is
-  the token id, or None for EOS (:func:`stop_token_reason`).
+  the token id, or None for EOS (the engine's ``RequestOutput.stop_reason``).
 
-:func:`find_stop_string` is the one search for stop strings over text that grows, written so
-that an engine-side output processor can call it as well.
+The search for stop strings is the engine's own, :func:`fleetlab.output.stop.find_stop_string`
+(the server detokenizes its streams itself, so it searches each delta with it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from fleetlab.output.stop import find_stop_string
 
 # How many prompt tokens seed the window, so the first output token decodes in context.
 _PROMPT_CONTEXT = 5
@@ -77,32 +79,6 @@ class IncrementalDetokenizer:
         self.prefix_offset = self.read_offset = len(self._ids)
         self.text += delta
         return delta
-
-
-def find_stop_string(text: str, stop: Sequence[str], num_new_chars: int,
-                     include_in_output: bool = False) -> tuple[str, int] | None:
-    """``(stop string, length of text to keep)`` for the stop string that appears earliest in
-    ``text`` among those that end in its last ``num_new_chars`` characters (the rest was searched
-    before); None when none does. The text kept ends before the string, or after it with
-    ``include_in_output``."""
-    found = None
-    for s in stop:
-        at = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
-        if at >= 0 and (found is None or at < found[1]):
-            found = (s, at)
-    if found is None:
-        return None
-    s, at = found
-    return s, at + len(s) if include_in_output else at
-
-
-def stop_token_reason(token_id: int, stop_token_ids: Sequence[int], eos_token_id: int | None,
-                      ignore_eos: bool = False) -> int | None:
-    """vLLM's ``stop_reason`` for a request the engine stopped on ``token_id``: None for EOS,
-    the id for one of ``stop_token_ids``."""
-    if token_id == eos_token_id and not ignore_eos:
-        return None
-    return token_id if token_id in stop_token_ids else None
 
 
 class StopStrings:
