@@ -43,7 +43,8 @@ shutdown timeout; then each one left is aborted and ends with an error event and
 
 Errors are OpenAI-shaped (:mod:`fleetlab.serving.errors`): bad JSON, bad types, out-of-range
 values, a prompt that does not fit, unsupported fields, more sequences than the server could ever
-hold -> 400 naming the field; an unknown model -> 404; a full queue now -> 503. An unexpected exception is a 500 and is logged; the server goes on.
+hold -> 400 naming the field; an unknown model -> 404; a full queue now -> 503. An unexpected
+exception is a 500 and is logged; the server goes on.
 """
 
 from __future__ import annotations
