@@ -128,23 +128,7 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, cor
         return {"version": fleetlab.__version__}
 
     keyed = [Depends(_bearer_check(api_key))] if api_key else []
-    tok = APIRouter(dependencies=keyed)
-
-    @tok.post("/tokenize")
-    async def tokenize(raw_request: Request):
-        body = await raw_request.body()
-        return tokenization.tokenize(server.tokenizer("prompt"), body, engine.max_model_len, server.check_model)
-
-    @tok.post("/detokenize")
-    async def detokenize(raw_request: Request):
-        body = await raw_request.body()
-        return tokenization.detokenize(server.tokenizer("tokens"), body, engine.vocab_size, server.check_model)
-
-    @tok.get("/tokenizer_info")
-    async def tokenizer_info():
-        return tokenization.tokenizer_info(server.tokenizer(None))
-
-    app.include_router(tok)
+    app.include_router(_tokenizer_routes(server, keyed))
     v1 = APIRouter(prefix="/v1", dependencies=keyed)
 
     @v1.get("/models")
@@ -168,6 +152,27 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, cor
 
     app.include_router(v1)
     return app
+
+
+def _tokenizer_routes(server: OpenAIServing, dependencies: list) -> APIRouter:
+    """``/tokenize``, ``/detokenize``, ``/tokenizer_info`` (:mod:`fleetlab.serving.tokenization`)."""
+    router, engine = APIRouter(dependencies=dependencies), server.engine
+
+    @router.post("/tokenize")
+    async def tokenize(raw_request: Request):
+        body = await raw_request.body()
+        return tokenization.tokenize(server.tokenizer("prompt"), body, engine.max_model_len, server.check_model)
+
+    @router.post("/detokenize")
+    async def detokenize(raw_request: Request):
+        body = await raw_request.body()
+        return tokenization.detokenize(server.tokenizer("tokens"), body, engine.vocab_size, server.check_model)
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info():
+        return tokenization.tokenizer_info(server.tokenizer(None))
+
+    return router
 
 
 def _bearer_check(api_key: str):
@@ -367,11 +372,7 @@ class OpenAIServing:
             streams = await self.engine.add_requests(requests)
         except ValueError as e:
             raise self._bad_request(e, prompt_field, req) from e
-        for c, stream in zip(choices, streams):
-            c.stream = stream
-            self.live.add(stream)
-        for _ in {c.prompt_index for c in choices}:
-            self.metrics.observe_params(sp.n, 0 if choices[0].echo_only else sp.max_tokens)
+        self._attach(choices, streams, sp)
         if self.closing:  # queued while the server stopped waiting for requests to finish
             self._close(choices)
             raise ShuttingDown("the server is shutting down; it takes no new requests", code="shutting_down")
@@ -399,6 +400,14 @@ class OpenAIServing:
         use = self._usage(choices)
         build = P.chat_response if chat else P.completion_response
         return JSONResponse(build(response_id, created, self.model_name, body, use))
+
+    def _attach(self, choices: list[_Choice], streams: list[RequestStream], sp: SamplingParams) -> None:
+        """The queued requests' streams on their choices, and each prompt's parameters in ``/metrics``."""
+        for c, stream in zip(choices, streams):
+            c.stream = stream
+            self.live.add(stream)
+        for _ in {c.prompt_index for c in choices}:
+            self.metrics.observe_params(sp.n, 0 if choices[0].echo_only else sp.max_tokens)
 
     def _check_fits(self, choices: list[_Choice], req, prompt_field: str) -> None:
         """400 for a request that could never be queued, however long it waited (a full queue
