@@ -12,7 +12,7 @@ with ``n > 1`` (or ``best_of``) is fanned out into child requests
 (:mod:`fleetlab.output.parallel_sampling`); the model is patched, a paged KV cache and a block
 pool sized, and the scheduler, the model runner and speculative decoding wired together. Logit
 bias and penalties are a logits processor the engine always installs
-(:mod:`fleetlab.engine.penalties`). Observers see the steps at ``LLM.hooks``
+(:mod:`fleetlab.processors.penalties`). Observers see the steps at ``LLM.hooks``
 (:class:`~fleetlab.engine.hooks.StepHooks`; ``fleetlab.inspect`` has the built-in ones).
 """
 
@@ -33,7 +33,7 @@ from fleetlab.engine.hooks import StepHooks
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.outputs import RequestOutput
-from fleetlab.engine.penalties import PenaltiesProcessor
+from fleetlab.processors.penalties import PenaltiesProcessor
 from fleetlab.engine.sampler import Sampler
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler

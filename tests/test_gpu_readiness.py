@@ -29,7 +29,7 @@ UPLOAD_BUDGET = 10
 SAMPLING_EXTRA = 4
 # Only steps with a request that asks for logprobs or sets a penalty or bias upload more: the
 # logprob rows and the prompt positions' targets, and one int64 and one float32 array for the
-# penalties and biases (fleetlab/engine/penalties.py).
+# penalties and biases (fleetlab/processors/penalties.py).
 LOGPROBS_EXTRA = 4
 
 

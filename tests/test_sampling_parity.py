@@ -11,7 +11,7 @@ from conftest import random_prompts
 
 from fleetlab import LLM, Field, InputBatch, SamplingParams
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS
-from fleetlab.engine.penalties import PenaltiesProcessor
+from fleetlab.processors.penalties import PenaltiesProcessor
 from fleetlab.engine.sampler import SamplingTensors
 from fleetlab.patching.parity import full_forward_logits, reference_greedy
 

@@ -47,7 +47,7 @@ PATH = [
 # A request asking for more than one sequence, logprobs, penalties or stop strings also passes through these.
 SAMPLING_PATH = [
     ("fleetlab/output/parallel_sampling.py", "`ParentRequest`: `n` children sharing the prompt's blocks"),
-    ("fleetlab/engine/penalties.py", "`PenaltiesProcessor`: penalties and `logit_bias`, a logits processor"),
+    ("fleetlab/processors/penalties.py", "`PenaltiesProcessor`: penalties and `logit_bias`, a logits processor"),
     ("fleetlab/engine/logprobs.py", "log-probabilities, in the step's one read"),
     ("fleetlab/output/stop.py", "stop strings, where the text is decoded"),
 ]
@@ -59,9 +59,9 @@ SPEC_PATH = [
     ("fleetlab/spec_decode/proposer_batch.py", "`ProposerInputBatch`: the proposer's rows, in lockstep"),
     ("fleetlab/spec_decode/rejection.py", "`RejectionSampler`: drafts verified, the target's distribution kept"),
 ]
-# The core as issue 23 counts it: engine/, kv/, attention/ (naive, tiled, metadata, backend),
-# context.py, spec_decode/, the front door.
-CORE = ["fleetlab/engine", "fleetlab/kv", "fleetlab/attention/naive.py", "fleetlab/attention/tiled.py",
+# The core as issue 31 counts it: engine/, kv/, attention/ (naive, metadata, backend; the tiled and
+# Triton backends are plug-ins beside it, picked by name), context.py, spec_decode/, the front door.
+CORE = ["fleetlab/engine", "fleetlab/kv", "fleetlab/attention/naive.py",
         "fleetlab/attention/metadata.py", "fleetlab/attention/backend.py", "fleetlab/context.py",
         "fleetlab/spec_decode", "fleetlab/llm.py", "fleetlab/registry.py"]
 
@@ -107,11 +107,13 @@ def table() -> str:
                     f"{len(path.read_text(encoding='utf-8').splitlines())} |")
     files = core_files()
     total = sum(code_lines(p) for p in files)
-    rows.append(f"\nThe whole core (engine/, kv/, attention's naive, tiled, metadata and backend, context.py, "
+    rows.append(f"\nThe whole core (engine/, kv/, attention's naive, metadata and backend, context.py, "
                 f"spec_decode/, the front door and its registry): **{total} code lines in {len(files)} files**; the "
                 f"checks at the edge (`fleetlab/validation.py`) add {code_lines(ROOT / 'fleetlab/validation.py')}; "
                 f"beside it, the output side (`fleetlab/output/`) {package_lines('fleetlab/output')} and inspection "
-                f"(`fleetlab/inspect/`) {package_lines('fleetlab/inspect')}.")
+                f"(`fleetlab/inspect/`) {package_lines('fleetlab/inspect')}, the tiled backend "
+                f"(`fleetlab/attention/tiled.py`) {code_lines(ROOT / 'fleetlab/attention/tiled.py')} and the "
+                f"logits processors (`fleetlab/processors/`) {package_lines('fleetlab/processors')}.")
     return "\n".join(rows)
 
 

@@ -108,14 +108,11 @@ class AttentionMetadata:
         query_lens = np.asarray(query_lens, dtype=np.int64)
         num_computed = np.asarray(num_computed_tokens, dtype=np.int64)
         tables = _padded(block_tables)
-        if query_lens.ndim != 1 or query_lens.shape != num_computed.shape:
-            raise ValueError("query_lens and num_computed_tokens must be 1-D arrays of equal length")
-        if tables.ndim != 2 or tables.shape[0] != query_lens.shape[0]:
-            raise ValueError(f"block_tables must be [B, max_blocks]; got {tables.shape}")
+        assert query_lens.ndim == 1 and query_lens.shape == num_computed.shape, "one query_len per row"
+        assert tables.ndim == 2 and tables.shape[0] == query_lens.shape[0], f"block_tables {tables.shape}"
+        assert (query_lens >= 1).all(), f"every row schedules a token; got {query_lens.tolist()}"
         if int(block_size) < 1:
             raise ValueError(f"block_size must be >= 1; got {block_size}")
-        if (query_lens < 1).any():
-            raise ValueError(f"every row must schedule at least one token; got {query_lens.tolist()}")
         cu = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=cu[1:])
         row_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
@@ -125,8 +122,7 @@ class AttentionMetadata:
             raise ValueError(f"a scheduled position falls beyond its row's block table "
                              f"({tables.shape[1]} blocks of {block_size} tokens)")
         blocks = tables[row_of_token, block_idx] if len(positions) else np.zeros(0, np.int32)
-        if (blocks < 0).any():
-            raise ValueError("a scheduled position has no block allocated (block table holds -1)")
+        assert (blocks >= 0).all(), "a scheduled position has no block allocated (block table holds -1)"
         slot_mapping = blocks.astype(np.int64) * block_size + positions % block_size
         seq_lens = (num_computed + query_lens).astype(np.int32)
         is_decode = query_lens <= decode_threshold

@@ -304,39 +304,28 @@ class InputBatch:
         return row
 
     def _check_new_request(self, req_id, prompt, output, num_computed, blocks, stop, extra) -> dict:
-        """Every check runs before the row is touched, so a rejected add leaves no trace;
-        returns the ``extra`` values as their fields hold them."""
-        if req_id is None:
-            raise ValueError("req_id None is reserved for empty rows (field 'req_id')")
-        if req_id in self._req_id_to_row:
-            raise ValueError(f"request {req_id!r} is already in the batch (field 'req_id')")
-        if self.num_reqs >= self.max_num_seqs:
-            raise ValueError(
-                f"cannot add request {req_id!r}: batch is full (max_num_seqs={self.max_num_seqs})"
-            )
-        max_len = self.sizes["max_model_len"]
-        if len(prompt) == 0:
-            raise ValueError(f"request {req_id!r}: empty prompt (field 'token_ids')")
-        if len(prompt) + len(output) > max_len:
-            raise ValueError(
-                f"request {req_id!r}: prompt ({len(prompt)}) + output ({len(output)}) tokens exceed "
-                f"field 'token_ids' (max_model_len={max_len})"
-            )
-        if not 0 <= num_computed <= len(prompt) + len(output):
-            raise ValueError(f"request {req_id!r}: num_computed_tokens={num_computed} out of range")
-        if len(blocks) > self.sizes["max_blocks_per_seq"]:
-            raise ValueError(
-                f"request {req_id!r}: {len(blocks)} block ids exceed field 'block_table' "
-                f"(max_blocks_per_seq={self.sizes['max_blocks_per_seq']})"
-            )
-        if len(stop) > self.sizes["max_stop_ids"]:
-            raise ValueError(
-                f"request {req_id!r}: {len(stop)} stop ids exceed field 'stop_token_ids' "
-                f"(max_stop_ids={self.sizes['max_stop_ids']})"
-            )
+        """The batch's one check at its public entry (learners call ``add_request`` directly; the
+        engine's requests passed ``fleetlab.validation`` already). It runs before the row is touched,
+        so a rejected add leaves no trace; returns the ``extra`` values as their fields hold them."""
+        sizes, num_tokens = self.sizes, len(prompt) + len(output)
         unknown = [name for name in extra if name not in self._fields or name == "req_id"]
-        if unknown:
-            raise ValueError(f"request {req_id!r}: extra values for unknown fields {unknown}")
+        broken = [  # (is it broken, what to say after "request <id>: ")
+            (req_id is None, "req_id None is reserved for empty rows (field 'req_id')"),
+            (req_id in self._req_id_to_row, "already in the batch (field 'req_id')"),
+            (self.num_reqs >= self.max_num_seqs, f"batch is full (max_num_seqs={self.max_num_seqs})"),
+            (len(prompt) == 0, "empty prompt (field 'token_ids')"),
+            (num_tokens > sizes["max_model_len"], f"prompt ({len(prompt)}) + output ({len(output)}) tokens "
+             f"exceed field 'token_ids' (max_model_len={sizes['max_model_len']})"),
+            (not 0 <= num_computed <= num_tokens, f"num_computed_tokens={num_computed} out of range"),
+            (len(blocks) > sizes["max_blocks_per_seq"], f"{len(blocks)} block ids exceed field 'block_table' "
+             f"(max_blocks_per_seq={sizes['max_blocks_per_seq']})"),
+            (len(stop) > sizes["max_stop_ids"], f"{len(stop)} stop ids exceed field 'stop_token_ids' "
+             f"(max_stop_ids={sizes['max_stop_ids']})"),
+            (bool(unknown), f"extra values for unknown fields {unknown}"),
+        ]
+        for is_broken, what in broken:
+            if is_broken:
+                raise ValueError(f"request {req_id!r}: {what}")
         return {name: self._fields[name].check_value(f"request {req_id!r}: extra field", value)
                 for name, value in extra.items()}
 

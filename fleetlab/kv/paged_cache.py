@@ -142,14 +142,13 @@ class PagedKVCache:
             cost a device sync per layer).
         """
         layer_id = self._check_layer(layer_id)
-        expected = [self.num_kv_heads, self.head_dim]
-        for name, t in (("key", key), ("value", value)):
-            if t.ndim != 3 or list(t.shape[1:]) != expected:
-                raise ValueError(f"PagedKVCache.write: {name} must be [T, {expected[0]}, {expected[1]}]; "
-                                 f"got {list(t.shape)}")
-        if slot_mapping.ndim != 1 or slot_mapping.shape[0] != key.shape[0] or value.shape[0] != key.shape[0]:
-            raise ValueError(f"PagedKVCache.write: slot_mapping {list(slot_mapping.shape)}, key "
-                             f"{list(key.shape)} and value {list(value.shape)} must agree on T")
+        t, h, d = key.shape[0], self.num_kv_heads, self.head_dim
+        shapes = {"key": (key, [t, h, d]), "value": (value, [t, h, d]), "slot_mapping": (slot_mapping, [t])}
+        wrong = [name for name, (x, want) in shapes.items() if list(x.shape) != want]
+        if wrong:  # the one check at this public entry (notebooks call it directly)
+            raise ValueError(f"PagedKVCache.write: key {list(key.shape)}, value {list(value.shape)} and "
+                             f"slot_mapping {list(slot_mapping.shape)} must be [T, {h}, {d}], [T, {h}, {d}] "
+                             f"and [T] (wrong: {', '.join(wrong)})")
         if key.shape[0] == 0:
             return
         slots = slot_mapping.astype("int64")
