@@ -27,8 +27,11 @@ from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.policies import POLICIES
 from fleetlab.engine.request import Request
 from fleetlab.engine.sampling_params import SamplingParams
+from fleetlab.errors import FieldTypeError
+from fleetlab.errors import short as _short
 from fleetlab.spec_decode.config import SpeculativeConfig
 from fleetlab.spec_decode.proposer import PROPOSERS
+from fleetlab.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -39,16 +42,7 @@ MIN_TEMPERATURE = 1e-5
 """Temperatures in ``(0, MIN_TEMPERATURE)`` are greedy: ``logits / T`` would overflow float32."""
 
 
-class FieldTypeError(TypeError, ValueError):
-    """A setting of the wrong type (a ``TypeError`` that is also a ``ValueError``)."""
-
-
 # ----------------------------------------------------------------------------- one value
-def _short(value, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def _scalar(value):
     """A 0-d numpy array as the numpy scalar it holds; anything else unchanged."""
     return value[()] if isinstance(value, np.ndarray) and value.ndim == 0 else value
@@ -228,7 +222,6 @@ def _structured_outputs(where: str, request_id: str, value, ignore_eos: bool):
     """``structured_outputs`` checked (None stays None): its own fields, and what it cannot go with."""
     if value is None:
         return None
-    from fleetlab.structured_output.params import StructuredOutputsParams  # it imports this module
 
     if ignore_eos:
         raise ValueError(f"{where} ignore_eos=True cannot go with structured_outputs: a complete output ends with "

@@ -63,7 +63,7 @@ class SamplingParams:
 
     numpy scalars count as the numbers they hold (``temperature=np.float32(0.7)``); a
     ``bool`` is not an int, and nothing else is converted: a wrong type raises
-    ``TypeError`` (``fleetlab.validation.FieldTypeError``, also a ``ValueError``). The engine
+    ``TypeError`` (``fleetlab.errors.FieldTypeError``, also a ``ValueError``). The engine
     checks them when a request is added (``fleetlab.validation.check_sampling_params``).
 
     fleetlab defaults to greedy decoding (temperature 0) so that every output can be

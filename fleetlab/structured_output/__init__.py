@@ -50,20 +50,25 @@ pool, one ``StructuredOutputRequest`` per request, the scheduler building each s
 the runner applying it); FastDeploy builds its structured outputs on xgrammar.
 """
 
-from fleetlab.structured_output.backend import (
-    CompiledGrammar,
-    GrammarBackend,
-    GrammarError,
-    GrammarMatcher,
-    get_grammar_backend,
-    list_grammar_backends,
-    make_grammar_backend,
-    register_grammar_backend,
-)
-from fleetlab.structured_output.bitmask import apply_token_bitmask, dead_rows
-from fleetlab.structured_output.manager import StructuredOutputManager
-from fleetlab.structured_output.params import StructuredOutputsParams
-from fleetlab.structured_output.request import StructuredOutputRequest
+import importlib
+
+# Names load lazily, so that importing the plain StructuredOutputsParams dataclass loads no Paddle.
+_LAZY = {name: "fleetlab.structured_output.backend" for name in (
+    "CompiledGrammar", "GrammarBackend", "GrammarError", "GrammarMatcher", "get_grammar_backend",
+    "list_grammar_backends", "make_grammar_backend", "register_grammar_backend")}
+_LAZY.update(apply_token_bitmask="fleetlab.structured_output.bitmask", dead_rows="fleetlab.structured_output.bitmask",
+             StructuredOutputManager="fleetlab.structured_output.manager",
+             StructuredOutputsParams="fleetlab.structured_output.params",
+             StructuredOutputRequest="fleetlab.structured_output.request")
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["CompiledGrammar", "GrammarBackend", "GrammarError", "GrammarMatcher", "StructuredOutputManager",
            "StructuredOutputRequest", "StructuredOutputsParams", "apply_token_bitmask", "dead_rows",

@@ -16,15 +16,11 @@ from __future__ import annotations
 import json as _json
 from dataclasses import dataclass, fields, replace
 
-from fleetlab.validation import FieldTypeError
+from fleetlab.errors import FieldTypeError
+from fleetlab.errors import short as _short
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 """The constraint fields; exactly one is set."""
-
-
-def _short(value, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass(slots=True)

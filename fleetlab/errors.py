@@ -1,0 +1,15 @@
+"""The errors the edge raises, in one place that imports nothing of the engine: parameter
+dataclasses (``SamplingParams``, ``StructuredOutputsParams``) and ``fleetlab.validation`` both
+raise these, so importing a params dataclass loads no Paddle and no validation cycle."""
+
+from __future__ import annotations
+
+
+class FieldTypeError(TypeError, ValueError):
+    """A setting of the wrong type (a ``TypeError`` that is also a ``ValueError``)."""
+
+
+def short(value, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for messages that quote what a user sent."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
