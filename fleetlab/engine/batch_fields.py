@@ -33,7 +33,7 @@ class Field:
       home: ``"host"`` (numpy only, host bookkeeping) or ``"device"`` (numpy plus a Paddle
         mirror on the current device, for what attention and sampling read).
       fill: value of the row while it is empty (after removal, before the next add).
-      doc: what the field means, for readers and for ``describe()``.
+      doc: what the field means, for readers.
     """
 
     name: str

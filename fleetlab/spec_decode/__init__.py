@@ -8,6 +8,7 @@
   main ``InputBatch`` row for row.
 
 The verification itself (accept the longest agreeing prefix plus a bonus token; rejection
-sampling when sampling) lives in :mod:`fleetlab.engine.sampler`, the bookkeeping (roll
+sampling when sampling) lives in :mod:`fleetlab.spec_decode.rejection` (``RejectionSampler``,
+a ``Sampler``), the bookkeeping (roll
 ``num_computed_tokens`` back past rejected drafts) in :mod:`fleetlab.engine.scheduler`.
 """
