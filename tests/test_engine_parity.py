@@ -6,6 +6,7 @@ from conftest import random_prompts
 
 from fleetlab import LLM, SamplingParams
 from fleetlab.patching.parity import reference_greedy
+from fleetlab.inspect.pool import check_pool
 
 MAX_NEW = 6
 FAMILIES = ["fleet", "llama", "ernie4_5", "phi3", "gemma3", "gpt_oss"]
@@ -20,7 +21,7 @@ def run(model, prompts, **config):
     try:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy(), use_tqdm=False)
         stats = llm.stats()
-        llm.pool.check_invariants()
+        check_pool(llm.pool)
         return [o.token_ids for o in outs], outs, stats, llm
     finally:
         llm.handle.unpatch()

@@ -27,6 +27,7 @@ from fleetlab import LLM, SamplingParams
 from fleetlab.distributed.group import TensorParallelGroup, join_with_fleet, launched_rank, launched_world_size
 from fleetlab.distributed.layers import column_parallel, row_parallel
 from fleetlab.models import tiny
+from fleetlab.inspect.pool import check_pool
 
 # The parity workload: prompts longer than the step budget (chunked prefill) and a pool
 # too small for all of them at once (preemption).
@@ -86,7 +87,7 @@ def run_family(family: str, tensor_parallel_size: int = 1, *, prompt_lens=PARITY
         step += 1
     pool_ok = True
     try:
-        llm.pool.check_invariants()
+        check_pool(llm.pool)
     except Exception as e:  # reported, not raised: the test names what broke on which rank
         pool_ok = f"{type(e).__name__}: {e}"
     stats = llm.stats()

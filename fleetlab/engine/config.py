@@ -16,7 +16,16 @@ class EngineConfig:
     max_num_batched_tokens: the token budget of one step (decodes + prefill chunks).
     max_model_len: the longest sequence (prompt + output); None = the model's limit. A value
       above the model's limit is served at the model's limit, with a WARNING naming both.
-    enable_prefix_caching: reuse cached full blocks of identical prefixes.
+    enable_prefix_caching: reuse cached full blocks of identical prefixes (False = ``prefix_cache=None``).
+    prefix_cache: the prefix-cache design: ``"hash"`` (vLLM's hash chain), ``"radix"`` (SGLang's
+      radix tree), None, or a registered name / ``PrefixCache`` subclass or instance
+      (:mod:`fleetlab.prefix_cache`).
+    memory_utilization: with ``num_blocks`` None, size the pool from memory: this share of
+      the device's memory (on a CPU: of ``memory_budget_bytes``), less the weights and the
+      peak of a profiled forward at ``max_num_batched_tokens``, goes to KV blocks
+      (:mod:`fleetlab.kv_sizing`).
+    memory_budget_bytes: the memory ``memory_utilization`` shares out (required on a CPU;
+      on a GPU its total memory by default).
     enable_chunked_prefill: split long prompts over several steps.
     reorder: None = the attention backend decides; True/False forces decode-first reorder.
     backend: the attention backend: a registered name (``fleetlab.attention.backend``), an
@@ -52,6 +61,9 @@ class EngineConfig:
     backend: object = "tiled"
     scheduling_policy: object = "fcfs"
     kv_cache_memory_bytes: int | None = None
+    prefix_cache: object = "hash"
+    memory_utilization: float | None = None
+    memory_budget_bytes: int | None = None
     seed: int = 0
     record_traces: bool = False
     speculative_config: dict | None = None
