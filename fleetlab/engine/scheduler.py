@@ -58,6 +58,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_lookahead_tokens = num_lookahead_tokens
         self.policy = POLICIES.make(policy)
+        self.policy.attach(kv_manager)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
