@@ -26,8 +26,8 @@ from fleetlab.attention.backend import ATTENTION_BACKENDS
 from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.policies import POLICIES
 from fleetlab.engine.request import Request
-from fleetlab.prefix_cache import PREFIX_CACHES
 from fleetlab.engine.sampling_params import SamplingParams
+from fleetlab.prefix_cache import PREFIX_CACHES
 from fleetlab.spec_decode.config import SpeculativeConfig
 from fleetlab.spec_decode.proposer import PROPOSERS
 

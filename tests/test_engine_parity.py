@@ -5,8 +5,8 @@ import pytest
 from conftest import random_prompts
 
 from fleetlab import LLM, SamplingParams
-from fleetlab.patching.parity import reference_greedy
 from fleetlab.inspect.pool import check_pool
+from fleetlab.patching.parity import reference_greedy
 
 MAX_NEW = 6
 FAMILIES = ["fleet", "llama", "ernie4_5", "phi3", "gemma3", "gpt_oss"]

@@ -14,9 +14,9 @@ from fleetlab import LLM, SamplingParams
 from fleetlab.engine.batch_fields import Field
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.sampler import Sampler
+from fleetlab.inspect.pool import check_kv_manager
 from fleetlab.models import tiny
 from fleetlab.patching.parity import reference_greedy
-from fleetlab.inspect.pool import check_kv_manager
 
 SP = SamplingParams(max_tokens=6, ignore_eos=True)
 PROMPTS = random_prompts([7, 12, 4, 9], seed=31, low=10)

@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 import fleetlab
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.input_batch import InputBatch
+from fleetlab.inspect.pool import check_kv_manager, check_pool
 from fleetlab.models import FAMILIES, tiny
 from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
 from fleetlab.spec_decode.rejection import RejectionSampler
-from fleetlab.inspect.pool import check_kv_manager, check_pool
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 TRAINED = SamplingParams(max_tokens=12)  # the trained model's answers end with EOS

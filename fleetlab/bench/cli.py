@@ -10,7 +10,8 @@ tensor-parallel processes: step time and the share spent in all-reduce), ``spec`
 (speculative decoding on the shipped tiny model with its draft, and ngram on a repetitive
 workload: acceptance, target forwards per output token, engine steps, wall-clock speed-up),
 ``structured`` (structured outputs outside the model: grammar compile time per constraint,
-bitmask fill per row, masking).
+bitmask fill per row, masking), ``prefix`` (prefix caching: hash chain, radix tree and none on
+shared-prefix, multi-turn and unrelated prompts; fcfs against longest-prefix-first).
 
 Each but ``triton`` writes its figures to ``benchmarks/results/`` (``--out`` for another folder),
 records the machine's threads and load there (:mod:`fleetlab.bench.machine`), and shows a
@@ -33,6 +34,7 @@ BENCHES = {
     "tp": "fleetlab.bench.tp",
     "spec": "fleetlab.bench.spec",
     "structured": "fleetlab.bench.structured",
+    "prefix": "fleetlab.bench.prefix",
 }
 
 

@@ -26,8 +26,8 @@ import paddle.distributed as dist
 from fleetlab import LLM, SamplingParams
 from fleetlab.distributed.group import TensorParallelGroup, join_with_fleet, launched_rank, launched_world_size
 from fleetlab.distributed.layers import column_parallel, row_parallel
-from fleetlab.models import tiny
 from fleetlab.inspect.pool import check_pool
+from fleetlab.models import tiny
 
 # The parity workload: prompts longer than the step budget (chunked prefill) and a pool
 # too small for all of them at once (preemption).
