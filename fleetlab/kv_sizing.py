@@ -11,9 +11,9 @@ blocks::
 
 The peak is Paddle's own allocator statistic (device memory on a GPU, host memory on a CPU),
 reset just before the forward. Without ``num_blocks``, ``kv_cache_memory_bytes`` or
-``memory_utilization`` the pool holds a quarter of ``max_num_seqs`` full-length sequences
-(:data:`DEFAULT_SEQS_FRACTION`): enough for short requests at full batch, few enough that long
-ones under load are preempted.
+``memory_utilization`` the pool holds half of ``max_num_seqs`` full-length sequences
+(:data:`DEFAULT_SEQS_FRACTION`): every row can run a request of up to half the model's length,
+and when more than half the rows hold long ones the scheduler preempts.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
 from fleetlab.kv.paged_cache import PagedKVCache
 
-DEFAULT_SEQS_FRACTION = 1  # the default pool holds max_num_seqs / this many sequences of max_model_len
+DEFAULT_SEQS_FRACTION = 2  # the default pool holds max_num_seqs / 2 sequences of max_model_len
 
 
 @dataclass(slots=True, frozen=True)

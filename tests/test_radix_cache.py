@@ -225,3 +225,27 @@ class RadixMachine(RuleBasedStateMachine):
 
 RadixMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 test_radix_cache_state_machine = RadixMachine.TestCase
+
+
+def test_the_tree_drawn_beside_the_hash_chain_on_the_same_requests():
+    from matplotlib.figure import Figure
+
+    from fleetlab.prefix_cache.hash_chain import HashChainCache
+    from fleetlab.viz import draw_prefix_tree, hash_chain_nodes, radix_nodes
+
+    trees = {}
+    for cache in (RadixCache(2), HashChainCache(2)):
+        pool = BlockPool(16, 2, cache)
+        a = run(pool, cache, [1, 2, 3, 4, 5, 6, 0])
+        run(pool, cache, [1, 2, 3, 4, 9, 9, 0])
+        pool.free(a)
+        nodes = (radix_nodes if isinstance(cache, RadixCache) else hash_chain_nodes)(cache, pool)
+        trees[cache.name] = nodes
+        fig = draw_prefix_tree(nodes, title=cache.name)
+        assert isinstance(fig, Figure)
+        boxes = {t.get_gid(): t for t in fig.axes[0].texts if (t.get_gid() or "").startswith("prefix-tree:")}
+        assert len(boxes) == len(nodes)
+    assert [n.token_ids for n in trees["radix"]] == [(1, 2, 3, 4), (5, 6), (9, 9)]
+    assert [n.held for n in trees["radix"]] == [True, False, True]  # a left; b holds the stem and its branch
+    assert len(trees["hash"]) == 4 and sum(n.parent is None for n in trees["hash"]) == 1
+    assert sorted(b for n in trees["radix"] for b in n.block_ids) == sorted(n.key for n in trees["hash"])

@@ -158,6 +158,17 @@ def test_prefix_cache_choice_at_the_edge(fleet_model):
 
 
 # ---------------------------------------------------------------- a pool sized from memory
+def test_the_default_pool_preempts_under_load_and_keeps_the_tokens(fleet_model):
+    prompts = random_prompts([18, 19, 17, 20], seed=7)  # 5 blocks each at admission: the 20 fill up
+    want, _ = reference_greedy(fleet_model, prompts, MAX_NEW)
+    with LLM(fleet_model, block_size=4, max_num_seqs=4, max_model_len=40) as llm:
+        assert llm.kv_sizing.source == "default" and llm.stats()["num_blocks"] == 4 // 2 * 40 // 4
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        assert llm.stats()["num_preemptions"] > 0
+    assert [o.token_ids for o in outs] == want
+
+
+
 def test_memory_utilization_gives_what_the_profiled_forward_leaves_to_blocks(fleet_model):
     budget = 64 * 2**20
     with LLM(fleet_model, block_size=4, max_num_batched_tokens=64, memory_utilization=0.5,

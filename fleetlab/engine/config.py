@@ -10,8 +10,9 @@ class EngineConfig:
     """Engine settings (``LLM(model, **config)`` takes these as keywords).
 
     block_size: tokens per KV block.
-    num_blocks: KV blocks in the pool; None sizes it from ``kv_cache_memory_bytes`` or,
-      failing that, to hold ``max_num_seqs`` sequences of ``max_model_len`` tokens.
+    num_blocks: KV blocks in the pool; None sizes it from ``kv_cache_memory_bytes``, from
+      ``memory_utilization``, or failing both to hold ``max_num_seqs // 2`` sequences of
+      ``max_model_len`` tokens (a pool that preempts under load: :mod:`fleetlab.kv_sizing`).
     max_num_seqs: the most requests running at once (rows of the InputBatch).
     max_num_batched_tokens: the token budget of one step (decodes + prefill chunks).
     max_model_len: the longest sequence (prompt + output); None = the model's limit. A value
