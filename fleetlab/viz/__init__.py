@@ -55,9 +55,9 @@ from fleetlab.viz.cost import draw_attention_pattern, draw_cache_cost, draw_pass
 from fleetlab.viz.forks import draw_parallel_sampling, fork_tables
 from fleetlab.viz.latency import draw_latency
 from fleetlab.viz.layers import PatchedLayer, draw_layer_map, format_patch_table, patch_table
-from fleetlab.viz.radix import TreeNode, draw_prefix_tree, hash_chain_nodes, radix_nodes
 from fleetlab.viz.parity import ParityReport, draw_logits_parity, greedy_table, logits_parity
 from fleetlab.viz.perf import RunRecord, draw_run_comparison, fastest_runs, run_record
+from fleetlab.viz.radix import TreeNode, draw_prefix_tree, hash_chain_nodes, radix_nodes
 from fleetlab.viz.replay import draw_pool_step, draw_pool_strip, step_story
 from fleetlab.viz.results import (
     draw_bench_summary,
@@ -206,4 +206,8 @@ __all__ = [
     "source_excerpt",
     "draw_parallel_sampling",
     "fork_tables",
+    "TreeNode",
+    "draw_prefix_tree",
+    "hash_chain_nodes",
+    "radix_nodes",
 ]
