@@ -54,10 +54,10 @@ _LAZY = {
     "FieldRegistry": "fleetlab.engine.batch_fields",
     "DEFAULT_FIELDS": "fleetlab.engine.batch_fields",
     "unpermute": "fleetlab.engine.input_batch",
-    "StepRecorder": "fleetlab.engine.observe",
+    "StepRecorder": "fleetlab.inspect.recorder",
 }
 _SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv", "serving", "spec_decode", "lessons",
-               "structured_output", "prefix_cache", "inspect"}
+               "structured_output", "prefix_cache", "inspect", "output"}
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 

@@ -14,10 +14,10 @@ from fleetlab.engine.request import Request, RequestStatus
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
 from fleetlab.inspect.pool import check_kv_manager
+from fleetlab.inspect.spec_stats import SpecDecodingStats
 from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.manager import KVCacheManager
 from fleetlab.prefix_cache.hash_chain import HashChainCache
-from fleetlab.spec_decode.stats import SpecDecodingStats
 
 BS = 4
 

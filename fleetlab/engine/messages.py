@@ -124,8 +124,6 @@ class ModelRunnerOutput:
       prompt tokens this step's chunk predicts (requests that asked for ``prompt_logprobs``).
     spec_token_ids: request id -> drafts proposed for the next step.
     errors: request id -> message (e.g. non-finite logits); those requests stop.
-    order_before / order_after: request ids by batch row before and after the reorder;
-    num_decodes: leading rows the attention backend treats as decodes.
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -133,7 +131,3 @@ class ModelRunnerOutput:
     logprobs: dict[str, list] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
-    order_before: list[str] = field(default_factory=list)
-    order_after: list[str] = field(default_factory=list)
-    num_decodes: int = 0
-    reordered: bool = False

@@ -23,7 +23,7 @@ the engine request. A client that hangs up, mid-stream or while waiting for a wh
 aborts its requests: their KV blocks are free before the next engine step.
 
 Choices: each of a prompt's ``n`` (or ``best_of``) choices is its own engine request, with the
-settings of child ``i`` of :mod:`fleetlab.engine.parallel_sampling` (seed ``seed + i``), so
+settings of child ``i`` of :mod:`fleetlab.output.parallel_sampling` (seed ``seed + i``), so
 they stream, stop and abort one by one; queued in one engine turn, they are admitted in the
 same step and share the prompt's full KV blocks through the prefix cache, as ``LLM``'s own
 ``n`` does. Choice ``index`` is ``prompt index * n + i``, as in OpenAI's API. With ``best_of >
@@ -56,8 +56,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fleetlab.engine.parallel_sampling import child_sampling_params, select_best
 from fleetlab.engine.sampling_params import SamplingParams
+from fleetlab.output.parallel_sampling import child_sampling_params, select_best
 from fleetlab.serving import protocol as P
 from fleetlab.serving.async_llm import AsyncLLM, RequestStream
 from fleetlab.serving.chat_template import chat_prompt_ids, encode_text

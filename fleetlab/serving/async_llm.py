@@ -211,7 +211,7 @@ class AsyncLLM:
             if getattr(sp, "n", 1) != 1 or (getattr(sp, "best_of", None) or 1) > 1:
                 raise ValueError(f"request {kw.get('request_id')!r}: sampling field n={sp.n} (best_of={sp.best_of}): "
                                  "a stream carries one sequence; queue one request per sequence with "
-                                 "fleetlab.engine.parallel_sampling.child_sampling_params(sp, i), as the server does")
+                                 "fleetlab.output.parallel_sampling.child_sampling_params(sp, i), as the server does")
         n = len(requests)
         if not n:
             return []
@@ -321,6 +321,7 @@ class AsyncLLM:
                 if not self._take_commands(streams, block=idle):
                     break
                 if self.llm.has_unfinished_requests():
+                    self.llm.wait_until_runnable()  # nothing runnable (a grammar compiling): wait a little
                     self._step(streams)
                 self._stats = self.llm.stats()
         except Exception as e:  # a bug in a step: fail every request, keep the server answering
