@@ -99,21 +99,18 @@ class KVCacheManager:
     def allocate_slots(self, request, num_new_tokens: int, num_lookahead_tokens: int = 0,
                        new_computed_blocks: KVCacheBlocks | None = None,
                        max_num_tokens: int | None = None) -> KVCacheBlocks | None:
-        """Make room for the request's next ``num_new_tokens`` tokens; returns the new blocks.
-
-        ::
+        """Make room for the request's next ``num_new_tokens`` tokens; returns the new blocks::
 
             |<------------------------- tokens the request will hold --------------------->|
             | computed | new_computed_blocks | num_new_tokens (this step) | num_lookahead |
             |<- held ->|<- prefix-cache hits ->|<-------- allocated now, if not held ------>|
                                         ^ full blocks of known tokens up to here are registered
 
-        ``new_computed_blocks`` (first admission only) are prefix-cache hits: the request
-        takes a reference on them and its ``num_computed_tokens`` moves past them (the
-        caller sets it). ``num_lookahead_tokens`` reserves slots past this step's tokens
-        (a draft model writes its proposals there). ``max_num_tokens`` caps the slots
-        (the model's length). Returns None, changing nothing, when the pool cannot supply
-        the blocks.
+        ``new_computed_blocks`` (first admission only) are prefix-cache hits: the request takes a
+        reference on them and its ``num_computed_tokens`` moves past them (the caller sets it).
+        ``num_lookahead_tokens`` reserves slots past this step's tokens (a draft model writes its
+        proposals there); ``max_num_tokens`` caps the slots (the model's length). Returns None,
+        changing nothing, when the pool cannot supply the blocks.
         """
         hits = new_computed_blocks.block_ids if new_computed_blocks else ()
         rid = request.request_id
@@ -130,12 +127,10 @@ class KVCacheManager:
         revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
         if num_new_blocks + revived > self.pool.num_free_blocks:
             return None
-        if hits:
-            self.pool.touch(hits)
+        self.pool.touch(hits)
         new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks else []
         blocks = self._blocks.setdefault(rid, [])
-        blocks.extend(hits)
-        blocks.extend(new_blocks)
+        blocks += [*hits, *new_blocks]
         if hits:
             self._num_cached[rid] = len(blocks) - len(new_blocks)
         self._cache_known_blocks(request, num_computed + num_new_tokens)
