@@ -260,6 +260,12 @@ def engine_config(**kwargs) -> EngineConfig:
     if cfg.memory_utilization is not None:
         cfg.memory_utilization = float_field(where, "memory_utilization", cfg.memory_utilization, 0.0, 1.0,
                                              low_open=True)
+        sized = [name for name in ("num_blocks", "kv_cache_memory_bytes") if getattr(cfg, name) is not None]
+        if sized:
+            raise ValueError(f"{where} memory_utilization sizes the pool, and so does {sized[0]}: give one")
+    elif cfg.memory_budget_bytes is not None:
+        raise ValueError(f"{where} memory_budget_bytes is the memory memory_utilization shares out; "
+                         "it needs memory_utilization")
     if not cfg.enable_prefix_caching and cfg.prefix_cache not in (None, "hash"):
         raise ValueError(f"{where} enable_prefix_caching=False contradicts prefix_cache={cfg.prefix_cache!r:.60}")
     if cfg.prefix_cache is None or not cfg.enable_prefix_caching:  # one spelling of "no prefix cache"

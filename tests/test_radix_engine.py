@@ -186,3 +186,7 @@ def test_memory_utilization_gives_what_the_profiled_forward_leaves_to_blocks(fle
         LLM(fleet_model, memory_utilization=0.01, memory_budget_bytes=2**20)
     with pytest.raises(ValueError, match="memory_utilization"):
         LLM(fleet_model, memory_utilization=1.5, memory_budget_bytes=budget)
+    with pytest.raises(ValueError, match="so does num_blocks"):  # a size not applied is refused
+        LLM(fleet_model, memory_utilization=0.5, memory_budget_bytes=budget, num_blocks=8)
+    with pytest.raises(ValueError, match="needs memory_utilization"):
+        LLM(fleet_model, memory_budget_bytes=budget)

@@ -44,7 +44,8 @@ class EngineConfig:
     Bounds (checked by ``fleetlab.validation.engine_config``; a refusal names the field): ``block_size``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``tensor_parallel_size``, ``num_blocks`` and
     ``max_model_len`` are ints in ``[1, 2**31 - 1]`` (the int32 block tables and counters);
-    ``kv_cache_memory_bytes`` an int in ``[1, 2**63 - 1]``; ``seed`` an int in ``[0, 2**63 - 1]``;
+    ``kv_cache_memory_bytes`` and ``memory_budget_bytes`` ints in ``[1, 2**63 - 1]``; ``memory_utilization``
+    a number in ``(0, 1]``, not with ``num_blocks`` or ``kv_cache_memory_bytes``; ``seed`` an int in ``[0, 2**63 - 1]``;
     ``enable_prefix_caching``, ``enable_chunked_prefill`` and ``record_traces`` are
     ``True``/``False`` and ``reorder`` None/True/False (no other value counts as true).
     numpy scalars count as the numbers they hold (and are stored as Python ints); a ``bool``
