@@ -306,8 +306,8 @@ display(viz.show_source(RadixCache._split, body_only=True), viz.show_source(Radi
 # **Where each design wins**, measured side by side in one run (`python -m fleetlab bench
 # prefix`, stored in `benchmarks/results/prefix.json`): on few-shot prompts sharing a long
 # prefix and on multi-turn chats both designs compute the same tokens (page granularity),
-# and on unrelated prompts neither helps; their throughputs differ by about as much as two
-# runs of one design do on a shared machine. What moves the numbers is the **scheduler**: with groups of
+# and on unrelated prompts neither helps (their throughputs, below, were timed on a shared
+# machine: README gives its load). What moves the numbers is the **scheduler**: with groups of
 # requests sharing a prefix arriving interleaved into a pool too small for every prefix,
 # admitting the longest cached prefix first (`scheduling_policy="lpm"`) keeps each prefix
 # in use while its group runs, where first-come-first-served evicts it between them.
