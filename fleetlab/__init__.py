@@ -8,7 +8,7 @@ Four composable pieces, each driven by a notebook:
 4. a decode loop (:class:`Scheduler`, :class:`LLM`).
 
 The extension points are exported here too: :class:`AttentionBackend`,
-:class:`SchedulingPolicy`, :class:`Proposer` and their ``register_*`` functions (one
+:class:`SchedulingPolicy`, :class:`Proposer`, :class:`KVConnector` and their ``register_*`` functions (one
 :class:`Registry` rule set), batch fields (:class:`Field`, :data:`DEFAULT_FIELDS`), and step
 observers (:class:`StepRecorder`).
 
@@ -55,9 +55,12 @@ _LAZY = {
     "DEFAULT_FIELDS": "fleetlab.engine.batch_fields",
     "unpermute": "fleetlab.engine.input_batch",
     "StepRecorder": "fleetlab.inspect.recorder",
+    "KVConnector": "fleetlab.kv_transfer",
+    "KVTransferConfig": "fleetlab.kv_transfer",
+    "register_kv_connector": "fleetlab.kv_transfer",
 }
 _SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv", "serving", "spec_decode", "lessons",
-               "structured_output", "prefix_cache", "inspect", "output"}
+               "structured_output", "prefix_cache", "inspect", "output", "kv_transfer"}
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 

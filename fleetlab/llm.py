@@ -44,6 +44,7 @@ from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.manager import KVCacheManager
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.kv_sizing import size_kv_cache
+from fleetlab.kv_transfer.config import make_kv_connector
 from fleetlab.output.parallel_sampling import ParentRequest
 from fleetlab.output.processor import OutputProcessor
 from fleetlab.patching import patch_model
@@ -117,11 +118,13 @@ class LLM:
         decode_threshold = max(backend_cls.reorder_threshold, k + 1)
         self.proposer = self._build_proposer(cfg, num_blocks, decode_threshold) if self.spec_config else None
         lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
+        self.kv_connector = make_kv_connector(cfg.kv_transfer_config, self.kv_cache)  # the null one by default
+        self._closables.append(self.kv_connector)
         self.scheduler = Scheduler(
             KVCacheManager(self.pool), max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
             enable_chunked_prefill=cfg.enable_chunked_prefill, policy=cfg.scheduling_policy,
-            num_lookahead_tokens=lookahead)
+            num_lookahead_tokens=lookahead, kv_connector=self.kv_connector)
         # Grammar masks come first, before any other processor changes the logits (built lazily:
         # an engine that never sees a constraint never loads the grammar library).
         self.structured_outputs = StructuredOutputsProcessor(
@@ -137,7 +140,7 @@ class LLM:
         self.runner = ModelRunner(self.handle, self.kv_cache, batch, reorder=backend_cls.requires_reorder
                                   if cfg.reorder is None else cfg.reorder, decode_threshold=decode_threshold,
                                   sampler=(RejectionSampler if self.proposer else Sampler)(processors),
-                                  proposer=self.proposer, hooks=self.hooks)
+                                  proposer=self.proposer, hooks=self.hooks, kv_connector=self.kv_connector)
         if self.tensor_parallel is not None:
             self.runner = self.tensor_parallel.wrap_runner(self.runner)
         self._build_edges(cfg, batch, num_blocks, processors, lookahead)

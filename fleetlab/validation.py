@@ -280,6 +280,12 @@ def engine_config(**kwargs) -> EngineConfig:
             raise FieldTypeError(f"{where} {name}={getattr(cfg, name)!r:.60}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"{where} {name}: {exc}") from None
+    if cfg.kv_transfer_config is not None:
+        from fleetlab.kv_transfer.config import check_kv_transfer_config
+
+        cfg.kv_transfer_config = check_kv_transfer_config(cfg.kv_transfer_config)
+        if cfg.tensor_parallel_size > 1:
+            raise ValueError(f"{where} kv_transfer_config with tensor_parallel_size > 1 is not supported")
     return cfg
 
 

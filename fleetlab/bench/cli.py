@@ -11,7 +11,10 @@ tensor-parallel processes: step time and the share spent in all-reduce), ``spec`
 workload: acceptance, target forwards per output token, engine steps, wall-clock speed-up),
 ``structured`` (structured outputs outside the model: grammar compile time per constraint,
 bitmask fill per row, masking), ``prefix`` (prefix caching: hash chain, radix tree and none on
-shared-prefix, multi-turn and unrelated prompts; fcfs against longest-prefix-first).
+shared-prefix, multi-turn and unrelated prompts; fcfs against longest-prefix-first),
+``kv`` (KV connectors: the offload tier's hit rate and TTFT
+against the pool alone, a new engine loading from shared storage, bytes moved between a
+prefill rank and a decode rank).
 
 Each but ``triton`` writes its figures to ``benchmarks/results/`` (``--out`` for another folder),
 records the machine's threads and load there (:mod:`fleetlab.bench.machine`), and shows a
@@ -35,6 +38,7 @@ BENCHES = {
     "spec": "fleetlab.bench.spec",
     "structured": "fleetlab.bench.structured",
     "prefix": "fleetlab.bench.prefix",
+    "kv": "fleetlab.bench.kv",
 }
 
 

@@ -29,6 +29,7 @@ from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.sampler import Sampler, SamplingTensors
 from fleetlab.engine.side_data import chunk_embeds
+from fleetlab.kv_transfer.base import NULL_CONNECTOR
 
 
 @dataclass(slots=True)
@@ -67,10 +68,13 @@ class ModelRunner:
         speculation, :class:`~fleetlab.spec_decode.rejection.RejectionSampler`).
       proposer: drafts the next step's tokens (a :class:`~fleetlab.spec_decode.proposer.Proposer`), or None.
       hooks: where observers see inside the step (:class:`~fleetlab.engine.hooks.StepHooks`).
+      kv_connector: loads K/V from outside before and during the forward, saves it per layer
+        (:class:`~fleetlab.kv_transfer.KVConnector`; default: the null connector).
     """
 
     def __init__(self, handle, kv_cache, input_batch: InputBatch, *, reorder: bool, decode_threshold: int = 1,
-                 sampler: Sampler | None = None, proposer=None, hooks: StepHooks | None = None):
+                 sampler: Sampler | None = None, proposer=None, hooks: StepHooks | None = None,
+                 kv_connector=NULL_CONNECTOR):
         self.handle = handle
         self.kv_cache = kv_cache
         self.batch = input_batch
@@ -80,6 +84,7 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.proposer = proposer
         self.hooks = hooks or StepHooks()
+        self.kv_connector = kv_connector
         if proposer is not None:
             proposer.bind(input_batch)
 
@@ -91,7 +96,10 @@ class ModelRunner:
         with phase("metadata"):
             inputs = self.prepare_inputs()
         with phase("forward"):
-            logits = self.forward(inputs)
+            self.kv_connector.start_load_kv(so.kv_connector_metadata, self.kv_cache)
+            logits = self.forward(inputs)  # each attention layer: wait_for_layer_load, write, save_kv_layer
+            self.kv_connector.wait_for_save()
+            out.finished_sending, out.kv_load_failed_block_ids = self.kv_connector.get_finished(so.finished_req_ids)
         with phase("sample"):
             self.sample(logits, inputs, out)
         if self.proposer is not None:
@@ -179,7 +187,7 @@ class ModelRunner:
             index, vectors = inputs.embeds
             own = self.handle.embed(inputs.input_ids)[0]
             embeds = paddle.scatter(own, upload(index), upload(vectors).astype(own.dtype)).unsqueeze(0)
-        with paddle.no_grad(), forward_context(md, self.kv_cache):
+        with paddle.no_grad(), forward_context(md, self.kv_cache, self.kv_connector):
             logits = self.handle.compute_logits(inputs.input_ids, md.positions.reshape([1, -1]),
                                                 inputs.logits_indices, inputs_embeds=embeds)
         return logits.astype("float32") if logits.dtype != paddle.float32 else logits
