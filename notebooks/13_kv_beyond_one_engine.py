@@ -19,18 +19,19 @@
 
 # %%
 # %matplotlib inline
+import contextlib
+import io
 import json
 import tempfile
 from pathlib import Path
 
-import fleetlab
-import fleetlab.attention.backend
 from matplotlib.figure import Figure
 
+import fleetlab
+import fleetlab.attention.backend
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.scheduler import Scheduler
-from fleetlab.kv_transfer import KVConnector
 from fleetlab.kv_transfer.block_store import LoadError
 from fleetlab.kv_transfer.paddle_distributed import PaddleDistributedConnector
 from fleetlab.kv_transfer.shared_storage import SharedStorageConnector
@@ -205,26 +206,7 @@ fig_calls
 show_source(SharedStorageConnector.write)
 
 # %% [markdown]
-# ## 5. Both pools' block lifetimes
-#
-# Blocks in use after each step, in the saving engine and in the loading one. `shared_storage`
-# writes synchronously inside the layer, so its `request_finished` returns False and the blocks
-# go back to the pool the step the request retires; both pools end empty. A connector whose
-# send is still under way returns True and the scheduler keeps the blocks until `get_finished`
-# names the request, as the `paddle_distributed` producer does:
-
-# %%
-show_source(PaddleDistributedConnector.request_finished)
-
-# %%
-fig_pools = kvviz.draw_pool_use({"A (saves)": a.traces, "B (loads)": b.traces})
-fig_pools.savefig("/tmp/nb13/pools.png")
-pool_end = {name: (llm.pool.num_free_blocks, llm.pool.num_blocks) for name, llm in (("A", a), ("B", b))}
-print("free / total blocks at the end:", pool_end)
-fig_pools
-
-# %% [markdown]
-# ## 6. A load that fails is recomputed
+# ## 5. A load that fails is recomputed
 #
 # A connector must never serve K/V it cannot vouch for. Here the store's last layer cannot be
 # read (`LoadError`): the connector reports the blocks through `get_finished`, the scheduler
@@ -244,7 +226,9 @@ class FailingStorage(RecordingStorage):
 
 
 c = engine("consumer", store, FailingStorage)
-tokens_c = answer(c, "C")
+with contextlib.redirect_stderr(io.StringIO()) as log:  # the connector's warning, shown below
+    tokens_c = answer(c, "C")
+print("the connector logged:", log.getvalue().strip())
 c_steps = [s.get("C", 0) for s in c.observers[-1].steps]
 failed = c.kv_connector.stats.failed_loads, c.stats()["num_preemptions"]
 c.close()
@@ -255,6 +239,37 @@ print("tokens computed per step:", c_steps, "| failed loads, recomputes:", faile
 # The first step ran the last 2 prompt tokens over K/V that turned out incomplete; its result
 # is thrown away, the request goes back to waiting (one preemption), and the next step runs
 # all 18 prompt tokens itself. The failed request is never offered the store again.
+
+# %% [markdown]
+# ## 6. Both pools' block lifetimes
+#
+# Blocks in use after each step, in the saving engine, the loading one and the one whose load
+# failed. `shared_storage` writes synchronously inside the layer, so its `request_finished`
+# returns False and the blocks go back to the pool the step the request retires. A connector whose
+# send outlives the step would return True, and the scheduler would keep the blocks until
+# `get_finished` names the request. The `paddle_distributed` producer needs no such wait: it
+# sends each layer inside the step of the prompt's last chunk, so when the request retires its
+# sends are done (or it tells the decode side it refuses), and it returns False too:
+
+# %%
+show_source(PaddleDistributedConnector.request_finished)
+
+# %%
+fig_pools = kvviz.draw_pool_use({"A (saves)": a.traces, "B (loads)": b.traces, "C (load fails)": c.traces})
+fig_pools.savefig("/tmp/nb13/pools.png")
+engines = {"A": a, "B": b, "C": c}
+pool_end = {name: (llm.pool.num_free_blocks, llm.pool.num_blocks) for name, llm in engines.items()}
+pool_used = {name: [t.num_blocks - t.num_free_blocks for t in llm.traces] for name, llm in engines.items()}
+print("blocks in use after each step:", pool_used)
+print("free / total blocks at the end:", pool_end)
+fig_pools
+
+# %% [markdown]
+# A and B lie on top of each other: loading changes where the K/V comes from, not how many
+# blocks a request holds. 5 blocks for the 18-token prompt, a sixth in step 3 as the new
+# tokens outgrow the fifth, all 16 free again after the step the request retires. C holds none
+# after its first step (the blocks with the failed load went back when the request was sent to
+# be recomputed), then follows the same curve one step later. Every pool ends with every block free.
 
 # %% [markdown]
 # ## 7. An offload tier under a pool half the working set
@@ -289,6 +304,8 @@ ax.set_xticks([0.19, 1.19], list(hit_rates))
 ax.set_ylabel("prefix hit rate (tokens)")
 ax.set_ylim(0, 1)
 ax.legend(fontsize=8)
+for bars in ax.containers:
+    ax.bar_label(bars, fmt="%.2f", fontsize=8)
 fig_offload.savefig("/tmp/nb13/offload.png")
 fig_offload
 

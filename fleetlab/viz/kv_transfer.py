@@ -47,7 +47,8 @@ def draw_handshake(num_layers: int, num_requests: int = 1) -> Figure:
     msgs = [("decode", f"handshake [1, n]: {num_requests} request(s): token ids + decode block ids", "tab:blue")]
     msgs += [("prefill", f"layer {i}: [req, {i}, count, status] + slots + K/V [2, count, H, D]", request_color(i))
              for i in range(num_layers)]
-    msgs += [("decode", "stop [0, 0]", "0.3"), ("prefill", "prefill pool [num_free_blocks, num_blocks]", "0.3")]
+    msgs += [("decode", "stop (kind 0), at shutdown", "0.3"),
+             ("prefill", "prefill pool [num_free_blocks, num_blocks]", "0.3")]
     for i, (sender, text, color) in enumerate(msgs):
         y = -(i + 1)
         x0, x1 = (0, 1) if sender == "decode" else (1, 0)
@@ -67,9 +68,10 @@ def draw_pool_use(traces: dict[str, list]) -> Figure:
     """Blocks in use at each step of each engine's ``llm.traces`` (gid ``pool:NAME``)."""
     fig = Figure(figsize=(8, 3), layout="constrained")
     ax = fig.subplots()
-    for name, ts in traces.items():
+    for i, (name, ts) in enumerate(traces.items()):
         used = [t.num_blocks - t.num_free_blocks for t in ts]
-        ax.step(range(len(used)), used, where="post", label=name, gid=f"pool:{name}")
+        ax.plot(range(len(used)), used, marker="os^"[i % 3], ls=("-", "--", ":")[i % 3], lw=4 - 1.2 * i,
+                alpha=0.8, label=name, gid=f"pool:{name}")
     ax.set_xlabel("engine step")
     ax.set_ylabel("blocks in use (after the step)")
     ax.legend(fontsize=8)
