@@ -356,9 +356,10 @@ show_source(PaddleDistributedConnector.save_kv_layer)
 # bytes` exactly (only K/V crosses; the wire adds a small header per layer). On the mixed
 # workload (200-token prompts arriving while short requests decode) the pair's median
 # inter-token latency is *lower* than one engine's with chunked prefill, but its p99 is
-# *worse*: the decode rank waits inside its step for a new prompt's K/V to arrive, and on two
-# shared cores the prefill rank is not faster than a chunk would have been. Separating the
-# phases pays where each side has its own device.
+# *worse*: the decode rank receives a new prompt's K/V layer by layer inside its step
+# (`wait_for_layer_load`), so that step waits for the prefill rank, and both ranks share two
+# cores. The gains reported for separating the phases (DistServe, Splitwise) come with each side
+# on devices of its own; this machine cannot show them, and the figure says so.
 
 # %%
 pd = kv_results["paddle_distributed"]

@@ -646,8 +646,8 @@ assert _L == 3 and len(files) == 15 and len(prompt) == 18
 assert b.kv_connector.stats.loaded_tokens == 16 and prompt_computed == {"A: empty directory": 18,
                                                                          "B: restarted, loads": 2}
 assert tokens_a == tokens_b == want[0] and b.kv_connector.stats.saved_blocks == 0
-_bars = {p.get_gid(): p.get_width() for p in fig_restart.axes[0].patches}
-assert sorted(_bars.values()) == [2, 16, 18]
+_bars = sorted((p.get_gid(), p.get_width()) for p in fig_restart.axes[0].patches)
+assert _bars == [("computed", 2), ("computed", 18), ("loaded", 16)], _bars
 # Section 4: A's step saves blocks 0-3 in every layer, layer 0 first, after build_connector_meta; B's step loads
 # them layer by layer in wait_for_layer_load and saves nothing
 for _rec, _moving in ((steps["A (producer), step 0"], "save_kv_layer"), (steps["B (consumer), step 0"],
