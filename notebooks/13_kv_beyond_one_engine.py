@@ -32,7 +32,9 @@ import fleetlab.attention.backend
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.scheduler import Scheduler
-from fleetlab.kv_transfer.block_store import LoadError
+from fleetlab.kv_transfer import KVCacheSpec
+from fleetlab.kv_transfer.block_store import BlockStoreConnector, LoadError
+from fleetlab.kv_transfer.offload import OffloadConnector
 from fleetlab.kv_transfer.paddle_distributed import PaddleDistributedConnector
 from fleetlab.kv_transfer.shared_storage import SharedStorageConnector
 from fleetlab.models import tiny
@@ -165,7 +167,11 @@ print("prompt tokens computed in the first step:", prompt_computed, "| same toke
 # A saved 15 files: 3 layers for each of the prompt's 4 full blocks, and for the fifth block,
 # which its new tokens filled later. B loaded the prompt's 16 and computed only the last 2
 # prompt tokens: a connector never offers the last token, because one token must run through
-# the model to give the logits of the first new token. The tokens equal the full forward's.
+# the model to give the logits of the first new token. The tokens equal the full forward's. The
+# count comes from the scheduler-side call of the block-store connectors (shared storage and offload):
+
+# %%
+show_source(BlockStoreConnector.get_num_new_matched_tokens)
 
 # %%
 fig_restart = Figure(figsize=(6, 2.4), layout="constrained")
@@ -312,9 +318,15 @@ fig_offload
 # %% [markdown]
 # The pool alone hits nothing. The host tier serves 16 of each repeat's 20 prompt tokens (4 of
 # its 5 blocks: the fifth holds the last token, which must run), so over all eight requests
-# 64 of 160 prompt tokens: a hit rate of 0.4. Both runs write the full forward's tokens. The stored benchmark
-# (`python -m fleetlab bench kv`, a larger model, 192-token prompts) measured the TTFT of the
-# repeats too:
+# 64 of 160 prompt tokens: a hit rate of 0.4. Both runs write the full forward's tokens. A
+# step's copies join the tier, and the LRU trims it to `capacity_bytes`, once the forward is done:
+
+# %%
+show_source(OffloadConnector.flush)
+
+# %% [markdown]
+# The stored benchmark (`python -m fleetlab bench kv`, a larger model, 192-token prompts)
+# measured the TTFT of the repeats too, and of a restarted engine loading from a directory:
 
 # %%
 kv_results = json.loads((results_dir() / "kv.json").read_text())
@@ -362,8 +374,11 @@ show_source(PaddleDistributedConnector.save_kv_layer)
 # on devices of its own; this machine cannot show them, and the figure says so.
 
 # %%
+show_source(KVCacheSpec.bytes_per_block.fget)
+
+# %%
 pd = kv_results["paddle_distributed"]
-spec = fleetlab.kv_transfer.KVCacheSpec(model.config.num_layers, BS, model.config.num_kv_heads,
+spec = KVCacheSpec(model.config.num_layers, BS, model.config.num_kv_heads,
                                         model.config.head_dim, "float32")
 formula = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
 mixed = pd["mixed"]
