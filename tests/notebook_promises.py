@@ -650,3 +650,60 @@ for _part, _obj, _vllm, _fd in PARTS:
     assert (_root / _src.path).is_file() and _src.path.startswith("fleetlab/")
     assert _vllm and _fd and "fleetlab" not in _vllm + _fd
 '''
+
+PROMISES["13_kv_beyond_one_engine"] = '''
+_L = model.config.num_layers
+# Section 3: "A saved 15 files: 3 layers for each of the prompt's 4 full blocks, and for the fifth block";
+# "B loaded the prompt's 16 and computed only the last 2 prompt tokens"; "The tokens equal the full forward's"
+assert _L == 3 and len(files) == 15 and len(prompt) == 18
+assert b.kv_connector.stats.loaded_tokens == 16 and prompt_computed == {"A: empty directory": 18,
+                                                                         "B: restarted, loads": 2}
+assert tokens_a == tokens_b == want[0] and b.kv_connector.stats.saved_blocks == 0
+_bars = sorted((p.get_gid(), p.get_width()) for p in fig_restart.axes[0].patches)
+assert _bars == [("computed", 2), ("computed", 18), ("loaded", 16)], _bars
+# Section 4: A's step saves blocks 0-3 in every layer, layer 0 first, after build_connector_meta; B's step loads
+# them layer by layer in wait_for_layer_load and saves nothing
+for _rec, _moving in ((steps["A (producer), step 0"], "save_kv_layer"), (steps["B (consumer), step 0"],
+                                                                        "wait_for_layer_load")):
+    _moved = [(layer, blocks) for call, layer, blocks in _rec if call == _moving]
+    assert [layer for layer, _ in _moved] == list(range(_L)) and all(len(bl) == 4 for _, bl in _moved)
+    _other = "wait_for_layer_load" if _moving == "save_kv_layer" else "save_kv_layer"
+    assert all(not blocks for call, _, blocks in _rec if call == _other)
+    _calls = [call for call, _, _ in _rec]
+    assert _calls.index("build_connector_meta") < _calls.index("start_load_kv") < _calls.index(_moving)
+    assert _calls.index("update_state_after_alloc") < _calls.index("build_connector_meta")
+    # "just before the layer attends": load of layer i, then the save (write) of layer i, then layer i+1
+    _per_layer = [(call, layer) for call, layer, _ in _rec if layer is not None]
+    assert _per_layer == [(c_, i) for i in range(_L) for c_ in ("wait_for_layer_load", "save_kv_layer")]
+_squares = [ln.get_gid() for ax in fig_calls.axes for ln in ax.lines if ln.get_marker() == "s"]
+assert _squares == [f"call:save_kv_layer:{i}" for i in range(_L)] + [f"call:wait_for_layer_load:{i}" for i in range(_L)]
+# Section 5: "its first step ran the last 2 prompt tokens ... (one preemption), and the next step runs all 18";
+# "the same tokens"; "never offered the store again" (one failed load only)
+assert c_steps[:2] == [2, 18] and failed == (1, 1) and tokens_c == want[0] and "disk on fire" in log.getvalue()
+# Section 6: "A and B lie on top of each other"; "5 blocks ..., a sixth in step 3"; "C holds none after its first
+# step ... then the same curve one step later"; every pool ends free
+assert pool_used["A"] == pool_used["B"] == [5, 5, 5, 6, 0] and pool_used["C"] == [0] + pool_used["A"]
+assert all(free == total == 16 for free, total in pool_end.values())
+# "it returns False too": the last line of the excerpt shown
+_pd_src = show_source(PaddleDistributedConnector.request_finished)
+assert _pd_src.lines[-1].strip() == "return False" and "return True" not in str(_pd_src)
+_drawn = {ln.get_gid(): list(ln.get_ydata()) for ln in fig_pools.axes[0].lines}
+assert _drawn == {f"pool:{k}": v for k, v in zip(["A (saves)", "B (loads)", "C (load fails)"], pool_used.values())}
+# Section 7: "each request holds 6 blocks ... the four make 24, twice the pool"; "The pool alone hits nothing";
+# "16 of each repeat's 20 ... a hit rate of 0.4"; "Both runs write the full forward's tokens"
+assert all(len(p_) == 20 for p_ in prompts) and 4 * (20 + 4) // BS == 2 * 12
+assert hit_rates["pool alone"] == {"pool": 0.0, "host tier": 0.0}
+assert hit_rates["pool + offload"]["pool"] == 0.0 and abs(hit_rates["pool + offload"]["host tier"] - 0.4) < 1e-9
+assert all(t == [offload_want[i] for i in order] for t in offload_tokens.values())
+# stored figures as printed: the tier's repeats faster than the pool's; the restarted engine's load faster
+_runs = kv_results["offload"]["runs"]
+assert _runs["pool + offload"]["repeat_ttft_median_ms"] < _runs["pool alone"]["repeat_ttft_median_ms"]
+assert restart["new engine, loading"] < restart["new engine, computing"]
+# Section 9: "Bytes moved per token match 2 x layers x kv_heads x head_dim x dtype bytes exactly";
+# "the wire adds a small header"; "the pair's median inter-token latency is lower ..., but its p99 is worse"
+assert pd["bytes_per_token"] == pd["expected_bytes_per_token"] == formula == 768
+assert pd["bytes_loaded"] < pd["wire_bytes"] < 1.1 * pd["bytes_loaded"]
+assert mixed["pair"]["itl_p50_ms"] < mixed["one engine"]["itl_p50_ms"]
+assert mixed["pair"]["itl_p99_ms"] > mixed["one engine"]["itl_p99_ms"] and mixed["identical_tokens"]
+assert pd["equal_forward"] and pd["equal_single"] and pd["failed_loads"] == 0
+'''

@@ -53,6 +53,7 @@ from fleetlab.viz.blocks import (
 )
 from fleetlab.viz.cost import draw_attention_pattern, draw_cache_cost, draw_pass_cost
 from fleetlab.viz.forks import draw_parallel_sampling, fork_tables
+from fleetlab.viz.kv_transfer import draw_connector_calls, draw_handshake, draw_pool_use  # noqa: F401 (notebook 13)
 from fleetlab.viz.latency import draw_latency
 from fleetlab.viz.layers import PatchedLayer, draw_layer_map, format_patch_table, patch_table
 from fleetlab.viz.parity import ParityReport, draw_logits_parity, greedy_table, logits_parity
