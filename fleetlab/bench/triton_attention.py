@@ -92,6 +92,10 @@ MULTI_SHAPES = ((64, 2048), (8, 8192))
 # (rows, chunk, context)
 PREFILL_SHAPES = ((1, 8192, 0), (8, 2048, 0), (32, 512, 0), (1, 512, 8192))
 PAGE_SIZES = (16, 64, 128)
+# issue #37's other head layouts: (rows, chunk, context, num_heads, num_kv_heads, head_dim)
+PREFILL_LAYOUTS = ((1, 6144, 0, 28, 4, 128), (4, 3072, 0, 32, 8, 128), (16, 700, 0, 32, 8, 128),
+                   (2, 4096, 0, 16, 16, 64), (4, 2048, 0, 16, 4, 256))
+LAYOUT_PAGES = (16, 128)
 # whole decode steps: (batch, context, prefill chunk after the decodes, 0: none)
 STEP_SHAPES = ((4, 4096, 0), (64, 2048, 0), (1, 32768, 0), (32, 2048, 512))
 STEP_LAYERS = 32
@@ -515,6 +519,83 @@ def bench_prefill(case: PrefillCase, tk, sdpa: dict, before=None, knobs: dict | 
     return row
 
 
+def bench_prefill_one_page(shape: tuple) -> dict:
+    """A causal shape with one page per row (``block_size`` = the chunk): every unmasked
+    tile is contiguous, so the gap to the paged rows is what paging costs this kernel."""
+    case = PrefillCase(*shape)
+    return bench_prefill(dataclasses.replace(case, block_size=case.chunk), load_kernels(),
+                         bench_sdpa_prefill(case))
+
+
+def bench_plan_overlap(tk, case: DecodeCase, chunk: int = 0, steps: int = 20, rounds: int = 5,
+                       num_layers: int = STEP_LAYERS) -> dict:
+    """Issue #34 item 5: ``steps`` decode steps of ``num_layers`` layers, each step synced at its
+    end (as an engine reads its sampled tokens), with the step's ``StepPlans`` built in line
+    before its layers (A) against built for step N+1 on a host thread while step N's layers
+    are issued and run (B). The batch is the same each step, so the plans are too; A and B
+    alternate, ``rounds`` each; wall time per step, median over rounds."""
+    import concurrent.futures
+    import torch
+
+    b, layers = _step_layers(case, chunk, num_layers)
+    batch = tk.PagedBatch.from_host(b["block_tables"], b["seq_lens_kv"], b["cu_seqlens_q"], b["slot_mapping"],
+                                    block_size=case.block_size, num_decodes=case.batch,
+                                    cu_seqlens_q_host=b["cu_host"], seq_lens_kv_host=b["lens_host"])
+    scale, known = case.head_dim ** -0.5, {}
+
+    def make_plans():
+        return tk.StepPlans(batch, like=b["seq_lens_kv"], known=known)
+
+    def attend_all(plans):
+        for layer in layers:
+            plan = plans.for_layer(layer["query"], layer["key_cache"])
+            plan.store_kv(layer["key"], layer["value"], layer["key_cache"], layer["value_cache"])
+            plan.run(layer["query"], layer["key_cache"], layer["value_cache"], scale=scale, out=layer["out"])
+
+    def inline():
+        for _ in range(steps):
+            attend_all(make_plans())
+            torch.cuda.synchronize()
+
+    def overlapped(pool):
+        pending = pool.submit(make_plans)
+        for _ in range(steps):
+            plans = pending.result()
+            pending = pool.submit(make_plans)  # step N+1's plan while step N runs
+            attend_all(plans)
+            torch.cuda.synchronize()
+        pending.result()
+
+    def prebuilt(plans):
+        for _ in range(steps):
+            attend_all(plans)
+            torch.cuda.synchronize()
+
+    attend_all(make_plans())
+    torch.cuda.synchronize()
+    plans = make_plans()
+    times: dict = {"inline": [], "overlapped": [], "prebuilt": []}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        for _ in range(rounds):
+            for name, fn in (("inline", inline), ("overlapped", lambda: overlapped(pool)),
+                             ("prebuilt", lambda: prebuilt(plans))):
+                start = time.perf_counter()
+                fn()
+                times[name].append((time.perf_counter() - start) * 1e3 / steps)
+    builds = []
+    for _ in range(20):
+        start = time.perf_counter()
+        make_plans()
+        builds.append((time.perf_counter() - start) * 1e6)
+    row = asdict(case) | {"prefill_chunk": chunk, "num_layers": num_layers, "steps": steps,
+                          "plan_us": statistics.median(builds)}
+    for name, t in times.items():
+        row[f"{name}_step_ms"] = statistics.median(t)
+    row["overlap_saves_ms"] = row["inline_step_ms"] - row["overlapped_step_ms"]
+    row["plan_hidden_fraction"] = row["overlap_saves_ms"] / max(row["inline_step_ms"] - row["prebuilt_step_ms"], 1e-9)
+    return row
+
+
 # ---------------------------------------------------------------------------------
 # A whole decode step: every layer's attention, eager against one CUDA graph
 # ---------------------------------------------------------------------------------
@@ -804,6 +885,10 @@ def goal_check(result: dict) -> dict:
     one_row = [r for r in result.get("decode_bandwidth", []) if r["batch"] == 1 and r["context"] == 32768]
     if one_row:
         check["decode_1x32k_tbps"] = one_row[0]["triton_tbps"]
+    for r in result.get("prefill_layouts", []):
+        if "ratio_vs_sdpa_best" in r:
+            check[f"prefill_{r['rows']}x{r['chunk']}_{r['num_heads']}/{r['num_kv_heads']}d{r['head_dim']}"
+                  f"_page{r['block_size']}_ratio_vs_sdpa_best"] = r["ratio_vs_sdpa_best"]
     for r in result.get("prefill", []):
         if "ratio_vs_sdpa_best" in r:
             check[f"prefill_{r['rows']}x{r['chunk']}+{r['context']}_page{r['block_size']}_ratio_vs_sdpa_best"] = (
@@ -835,11 +920,12 @@ def _decode_table(rows: list[dict]) -> str:
 
 
 def _prefill_table(rows: list[dict]) -> str:
-    head = f"{'prefill':>16} {'page':>4} | {'triton':>6} {'before':>6} {'flash':>6} {'best':>6} TFLOP/s | {'x best':>6}"
+    head = f"{'prefill':>16} {'heads':>5} {'dim':>4} {'page':>5} | {'triton':>6} {'before':>6} {'flash':>6} {'best':>6} TFLOP/s | {'x best':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['rows']:>4} x {r['chunk']:>5} +{r['context']:>5} {r['block_size']:>4} | "
+            f"{r['rows']:>4} x {r['chunk']:>5} +{r['context']:>5} {r['num_heads']:>2}/{r['num_kv_heads']:<2} "
+            f"d{r['head_dim']:<3} {r['block_size']:>5} | "
             f"{_fmt(r.get('triton_tflops'), '>6.0f')} {_fmt(r.get('before_tflops'), '>6.0f')} "
             f"{_fmt(r.get('sdpa_flash_best_tflops'), '>6.0f')} {_fmt(r.get('sdpa_best_tflops'), '>6.0f')}         | "
             f"{_fmt(r.get('ratio_vs_sdpa_best'), '>6.2f')} ({r.get('sdpa_best')})")
@@ -887,7 +973,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also sweep the kernels' knobs (optionally: decode, prefill or both, comma-separated)")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
     parser.add_argument("--sections", default="decode,shapes,issue,multi,prefill,step",
-                        help="comma-separated: decode, shapes, issue, multi, prefill, step (or none)")
+                        help="comma-separated: decode, shapes, issue, multi, prefill, step, and off by default "
+                             "layouts (issue #37's head layouts), onepage (one page per row), overlap "
+                             "(issue #34: plans built on a host thread)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log every row as it is measured")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -940,6 +1028,25 @@ def main(argv: list[str] | None = None) -> int:
             log.info("%s", result["decode_step"][-1])
             bar.update()
             save()
+        if "layouts" in sections:  # issue #37's other head layouts
+            for shape in PREFILL_LAYOUTS:
+                rows, chunk, context, heads, kv_heads, dim = shape
+                sdpa = bench_sdpa_prefill(PrefillCase(rows, chunk, context, heads, kv_heads, dim))
+                for page in LAYOUT_PAGES:
+                    result.setdefault("prefill_layouts", []).append(
+                        bench_prefill(PrefillCase(rows, chunk, context, heads, kv_heads, dim, page), tk, sdpa))
+                    log.info("%s", result["prefill_layouts"][-1])
+                save()
+        if "onepage" in sections:  # the causal shapes with one page per row
+            for shape in PREFILL_SHAPES[:3]:
+                result.setdefault("prefill_one_page", []).append(bench_prefill_one_page(shape))
+                save()
+        if "overlap" in sections:  # issue #34 item 5
+            for batch, context, chunk in STEP_SHAPES[:2]:
+                result.setdefault("plan_overlap", []).append(bench_plan_overlap(tk, DecodeCase(batch, context),
+                                                                                chunk))
+                log.info("%s", result["plan_overlap"][-1])
+                save()
     if args.tune:
         result["tuning"] = {}
         tune(tk, args.quick, result["tuning"], save, tuple(args.tune.split(",")))
@@ -953,8 +1060,11 @@ def main(argv: list[str] | None = None) -> int:
             for r in result.get(s, [])]
     if rows:
         print(_decode_table(rows))
-    if result.get("prefill"):
-        print(_prefill_table(result["prefill"]))
+    for key in ("prefill", "prefill_layouts", "prefill_one_page"):
+        if result.get(key):
+            print(_prefill_table(result[key]))
+    for r in result.get("plan_overlap", []):
+        print(json.dumps(r))
     if result.get("decode_step"):
         print(_step_table(result["decode_step"]))
     print(json.dumps(result["goal_check"]))
