@@ -287,6 +287,54 @@ assert len(frame_s) == len(traces) and np.median(frame_s) < replay.play.interval
 # Section 5: every text the same as the roomy run's, which never preempts
 assert all(t.token_ids == f.token_ids for t, f in zip(outputs, roomy_outputs))
 assert roomy.stats()["num_preemptions"] == 0 and len(roomy.traces) < len(traces)
+# Section 2, the preemption half: the code shown holds what the prose says it does
+running_text = str(running_source)
+assert "self.policy.pick_victim(self.running)" in running_text and "self._preempt(victim, out)" in running_text
+assert "budget += out.num_scheduled_tokens.pop(victim.request_id, 0)" in running_text
+assert "if victim is req:" in running_text and "self.kv.allocate_slots(" in running_text
+assert "min(n, budget" in str(new_tokens_source) and "num_computed_tokens" in str(new_tokens_source)
+assert "return running[-1]" in str(victim_source)
+assert "req.num_computed_tokens = 0" in str(preempt_source) and "self.waiting.append(req)" in str(preempt_source)
+assert "self.kv.free(req)" in str(preempt_source)
+# "After step 6 the pool has no free block. In step 7 request 0 comes first: its next token starts a fourth block
+# ... pick_victim returns request 2 ... frees its three blocks. Request 0 then takes one of them (block 13),
+# request 1 another (block 10), and nobody is admitted: two rows run."
+assert all(i.ref_count > 0 for i in frame6.blocks)
+zero = next(r for r in traces[7].rows if r.request_id == "0")
+assert len(frame6.block_tables["0"]) == 3 and zero.num_computed_tokens == 3 * 4
+assert traces[7].preempted == ["2"] and len(frame6.block_tables["2"]) == 3 and len(traces[7].rows) == 2
+assert set(frame7.block_tables["0"]) - set(frame6.block_tables["0"]) == {13}
+assert set(frame7.block_tables["1"]) - set(frame6.block_tables["1"]) == {10}
+assert {13, 10} < set(frame6.block_tables["2"])
+# Section 4: "of its three blocks only block 9 stays grey (free, still cached): blocks 10 and 13 go straight to
+# requests 1 and 0"; "in step 17 it comes back, takes its block 7 from the cache (outlined) and finishes in the
+# same step, so the panel draws its blocks free again"
+info7 = {i.block_id: i for i in frame7.blocks}
+assert set(frame6.block_tables["2"]) == {9, 10, 13} and info7[9].ref_count == 0 and info7[9].is_cached
+assert outlined_at["pool-step:17"] == {"revived:7"} and "5" in traces[17].finished
+frame17 = next(f for f in pool_frames if f.step == 17)
+assert "5" not in frame17.block_tables and {i.block_id: i for i in frame17.blocks}[7].ref_count == 0
+# the occupancy figure: "the black line is what is still held after the step. The line drops below the bars exactly
+# in the steps where a request finished ... step 9, where requests 0 and 1 finish"
+ax = occupancy.axes[0]
+line = next(ln for ln in ax.lines if ln.get_gid() == "kv:in-use")
+bars = {}
+for patch in ax.patches:
+    if (patch.get_gid() or "").startswith("kv:"):
+        _, _rid, _step = patch.get_gid().split(":")
+        bars[int(_step)] = bars.get(int(_step), 0) + patch.get_height()
+held_after = dict(zip(line.get_xdata(), line.get_ydata()))
+below = sorted(s for s in bars if held_after[s] < bars[s])
+assert below == sorted(t.step for t in traces if t.finished), (below, bars, held_after)
+assert all(held_after[s] <= bars[s] for s in bars) and traces[9].finished == ["0", "1"]
+# Section 6: the reference answer agrees with the engine at every step; "about 45 lines"; preempting the oldest
+# "agrees with the engine until the first step that preempts, and the check stops there"
+import inspect as _inspect
+assert mismatch is None and 40 <= len(_inspect.getsource(toy_schedule).splitlines()) <= 50
+assert not exercise_llm.config.enable_prefix_caching and any(t.preempted for t in exercise_llm.traces)
+first_preemption = next(t for t in exercise_llm.traces if t.preempted)
+assert wrong.step == first_preemption.step and wrong.engine.preempted == first_preemption.preempted
+assert wrong.toy.preempted != first_preemption.preempted
 '''
 
 PROMISES["06_performance"] = '''

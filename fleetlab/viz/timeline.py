@@ -268,7 +268,7 @@ def draw_kv_occupancy(traces: Sequence, *, upto: int | None = None, ax=None, tit
             bottom += n
     if visible:
         ax.step([t.step for t in visible], [t.num_blocks - t.num_free_blocks for t in visible], where="mid",
-                color="black", linewidth=1.2, label="in use after step")
+                color="black", linewidth=1.2, label="held after the step\n(finished ones freed)", gid="kv:in-use")
     capacity_note = ""
     if traces:
         capacity = traces[0].num_blocks
