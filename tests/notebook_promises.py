@@ -602,6 +602,15 @@ for key in ("request_throughput", "ttft_ms", "tpot_ms", "itl_ms"):
         assert all(b >= a for a, b in zip(values, values[1:])), (key, values)
     else:
         assert values[-1] > values[0], (key, values)
+# "in the stored run, 2 and 8 requests per second offered, about as many finished. From 32 on it falls well short of
+# the offered load"; "The bars still never stop growing (in the stored run...)"
+served = {run["rate"]: run["request_throughput"] for run in stored["runs"]}
+assert served[2.0] > 0.85 * 2 and served[8.0] > 0.75 * 8 and served[32.0] < 0.5 * 32
+tok_s = [run["output_throughput"] for run in stored["runs"]]
+assert all(b > a for a, b in zip(tok_s, tok_s[1:])), tok_s
+# Section 4: "HTTP 400 ... naming the field"; "A model the server does not serve is a 404 ... (the second request)"
+assert [code for code, _ in refusals] == [400, 404, 400] and refusals[0][1] == "temperature"
+assert refusals[1][1] == "model" and refusals[2][1] == "max_tokens"
 '''
 
 PROMISES["11_structured_outputs"] = r'''
@@ -649,6 +658,10 @@ marks = {ln.get_gid() for ln in verify_figure.axes[0].lines}
 assert marks == {"draft:0:allowed", "draft:1:allowed", "draft:2:allowed", "draft:3:refused"}
 assert "unused:4" in {p.get_gid() for p in verify_figure.axes[0].patches}
 assert verify["in_matcher"] == verify["committed_before"] == 14
+# the code is shown from the package with its file and line numbers (viz.show_source), as every notebook does;
+# "Unconstrained steps pay one comparison over the rows' structured_output field"; the drafts are "rolled back"
+assert mask_source.path.endswith(".py") and mask_source.first_line > 1 and "structured_output" in str(mask_source)
+assert drafts_source.path.endswith(".py") and "rollback" in str(drafts_source)
 '''
 
 PROMISES["12_read_the_engine"] = '''
