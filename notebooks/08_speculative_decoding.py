@@ -68,8 +68,9 @@ print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in stats.ite
 # Then what this step did: the drafts the target **accepted** (green), the drafts it
 # **rejected** (red, struck through), and the one token the target adds itself: a
 # **bonus** token (blue) when it accepted every draft, or a **recovered** token (purple)
-# in place of the first draft it rejected, drawn in that draft's slot, under it. The first step of each request is its prompt's
-# prefill, which samples one plain token (light blue) and lets the draft model propose.
+# in place of the first draft it rejected, drawn in that draft's slot, under it. The first
+# step of each request is its prompt's prefill, which samples one plain token (light blue)
+# and lets the draft model propose.
 
 # %%
 steps_draft = viz.draw_spec_steps(llm.traces, tokenizer, prompts=dict(zip([o.request_id for o in outputs], prompts)),
