@@ -152,22 +152,32 @@ PROMISES["03_attention_patching"] = '''
 assert md.slot_mapping.numpy()[:5].tolist() == [28, 29, 30, 31, 8]
 # "request i's tokens are [cu_seqlens_q[i], cu_seqlens_q[i + 1]) of the packed sequence"
 assert list(md.cu_seqlens_q_host) == [0, 5, 16, 24]
-# Parity: "the worst difference per step should stay within a few float32 rounding steps (the dashed line)"
+# Parity: "sits a few times above the dashed line, one float32 rounding step at the size of these logits ... and under
+# ten such steps everywhere"; "A layout bug would show as a difference of the logits' own size, about a million
+# times higher"
 report = viz.logits_parity(ref_logits, paged_logits)
-largest = max(float(abs(np.concatenate([a.ravel() for a in ref_logits])).max()), 1.0)
-assert report.max_abs_diff < 20 * np.finfo(np.float32).eps * largest and paged_tokens == ref_tokens
-assert again == ref_tokens and fleet_tokens == fleet_ref_tokens
-# the excerpts the prose reads: "slot_mapping is ... blocks * block_size + positions % block_size, with blocks looked
-# up ... at positions // block_size"; "write ... and only then attend"; the naive loop's gather and causal mask
-build_text = str(build_excerpt)
-assert "blocks.astype(np.int64) * block_size + positions % block_size" in build_text
-assert "positions // block_size" in build_text and "row_of_token = np.repeat" in build_text
-context_text, triton_text, forward_text = (str(e) for e in step_excerpts)
-assert "backend.build_metadata(self.metadata)" in context_text and "StepPlans" in triton_text
-assert forward_text.index("kv_cache.write(") < forward_text.index("self.attend(")
-naive_text = str(naive_excerpt)
-assert "paddle.gather(keys, slots)" in naive_text and "visible = pos.unsqueeze(0) <= q_pos" in naive_text
-assert "return common" in str(viz.show_source(fleetlab.AttentionBackend.build_metadata, body_only=True))
+largest = float(abs(np.concatenate([a.ravel() for a in ref_logits])).max())
+step = np.finfo(np.float32).eps * max(largest, 1e-30)
+worst = [float(max(d)) for d in report.per_step]
+assert all(1 < w / step < 10 for w in worst) and report.max_abs_diff < 10 * step and paged_tokens == ref_tokens
+assert 3e5 < largest / report.max_abs_diff < 3e6, largest / report.max_abs_diff
+legend = [t.get_text() for t in parity_figure.axes[1].get_legend().get_texts()]
+assert legend[1:] == ["request 0", "request 1", "request 2"]
+# The packed mask of step 2: "requests 0 and 1 decode while request 2's 14-token prompt runs its second chunk";
+# "Block-diagonal"; a decode row "sees its whole context"; "The chunk's 6 queries all see the 6 positions cached by
+# step 1 ... a lower triangle"; "Of the 8 x 24 pairs only 7 + 5 + 57 = 69 are visible"
+assert [(r.request_id, r.phase, r.num_scheduled_tokens, r.num_computed_tokens) for r in mixed.rows] == [
+    ("0", "decode", 1, 6), ("1", "decode", 1, 4), ("2", "prefill", 6, 6)] and len(mask_prompts[2]) == 14
+assert len(step_masks) == len(mask_llm.traces) == 3 and mixed.step == 2
+assert not mixed_mask.visible[mixed_mask.query_row[:, None] != mixed_mask.key_row[None, :]].any()
+assert mixed_mask.block(0).all() and mixed_mask.block(1).all()
+chunk = mixed_mask.block(2)
+assert chunk[:, :6].all() and (chunk[:, 6:] == np.tri(6, dtype=bool)).all()
+assert mixed_mask.visible.shape == (8, 24) and mixed_mask.visible.sum() == 7 + 5 + 57 == 69
+# the keys this step writes sit in the slots of the trace's block tables (the mask reads the step's own metadata)
+written = [row.block_ids[p // 4] * 4 + p % 4 for row in mixed.rows
+           for p in range(row.num_computed_tokens, row.num_computed_tokens + row.num_scheduled_tokens)]
+assert [int(x) for x in mixed_mask.key_slot[~mixed_mask.key_cached]] == written
 '''
 
 PROMISES["04_input_batch_reorder"] = '''

@@ -15,6 +15,7 @@ Modules:
   replay   -- the block pool step by step: a light frame for a player, key steps as a static strip
   waiting  -- who waited in the queue, when, and what kept them out (rows, budget, pool)
   parity   -- oracle vs patched logits
+  mask     -- the attention mask of a packed step: block-diagonal over rows, causal, cached prefixes
   latency  -- TTFT / TPOT percentiles of several runs (e.g. scheduling policies)
   layers   -- which attention layer writes which cache layer after patching
   results  -- stored benchmark results (benchmarks/results/*.json)
@@ -54,6 +55,7 @@ from fleetlab.viz.cost import draw_attention_pattern, draw_cache_cost, draw_pass
 from fleetlab.viz.forks import draw_parallel_sampling, fork_tables
 from fleetlab.viz.latency import draw_latency
 from fleetlab.viz.layers import PatchedLayer, draw_layer_map, format_patch_table, patch_table
+from fleetlab.viz.mask import PackedMask, draw_packed_mask, packed_mask
 from fleetlab.viz.parity import ParityReport, draw_logits_parity, greedy_table, logits_parity
 from fleetlab.viz.perf import RunRecord, draw_run_comparison, fastest_runs, run_record
 from fleetlab.viz.replay import draw_pool_step, draw_pool_strip, step_story
@@ -204,4 +206,7 @@ __all__ = [
     "source_excerpt",
     "draw_parallel_sampling",
     "fork_tables",
+    "PackedMask",
+    "packed_mask",
+    "draw_packed_mask",
 ]
