@@ -720,4 +720,13 @@ for _part, _obj, _vllm, _fd in PARTS:
     _src = viz.show_source(_obj)
     assert (_root / _src.path).is_file() and _src.path.startswith("fleetlab/")
     assert _vllm and _fd and "fleetlab" not in _vllm + _fd
+# the naive excerpt starts where the cache becomes one row per slot, which makes the gather read a slot's key
+assert naive_excerpt.lines[0].strip().startswith("keys = key_cache.reshape") and "paddle.gather(keys, slots)" in str(
+    naive_excerpt)
+# the sampler's names the prose explains: raw, taken, lp, blocks, _read (and lp is fleetlab.engine.logprobs)
+sample_text = str(sample_excerpt)
+assert all(name in sample_text for name in ("raw", "self.taken(", "lp.gather(", "blocks", "self._read("))
+import fleetlab.engine.sampler as _sampler_module
+assert _sampler_module.lp.__name__ == "fleetlab.engine.logprobs"
+
 '''
