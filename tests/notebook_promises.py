@@ -30,6 +30,41 @@ assert pass_ms[128] > 1.5 * pass_ms[8] and pass_ms[128] > np.median(decode_ms), 
 # than ten times cheaper"; "a pass of 8 tokens ... costs less than two passes of 1"; "half an operation per byte"
 assert pass_ms[64] < 8 * pass_ms[1] and per_token[1] / per_token[64] > 10, pass_ms
 assert pass_ms[8] < 2 * pass_ms[1], pass_ms
+# Section 3, the timing by measurement: "the engine's forward costs more than a bare pass over a short sequence";
+# "The engine's own work ... is the small part. Most of the difference is the forward itself"; "the lines cross"
+assert engine_forward_ms > bare_ms and engine_forward_ms - bare_ms > sum(host_ms.values()), (engine_forward_ms,
+                                                                                        bare_ms, host_ms)
+assert len(early) >= 10 and set(host_ms) == {"schedule", "batch_update", "metadata", "sample", "update"}
+assert crossing is not None and crossing > 8
+bars = {p.get_gid(): p.get_width() for p in split.axes[0].patches}
+assert abs(bars["split:forward"] - engine_forward_ms) < 1e-9 and abs(bars["split:bare"] - bare_ms) < 1e-9
+# KV bytes per token: "2 x layers x kv_heads x head_dim x bytes per number", the engine's own cache agreeing
+with fleetlab.LLM(model, tokenizer, block_size=4, num_blocks=4) as _small:
+    _k = _small.kv_cache.key_cache(0)
+    _per_token = 2 * cfg.num_hidden_layers * _k.shape[2] * _k.shape[3] * _k.element_size()
+assert kv_bytes_per_token == _per_token == 2048
+assert llama8b_kv == 128 * 2**10 and 4096 * llama8b_kv == 2**29 and 64 * 4096 * llama8b_kv == 32 * 2**30
+# the roofline: the H200's stored bandwidth; "from 32 requests of 4,096 tokens on, the step reads more KV than
+# weights"; "(512) keeps climbing, to about half the ridge at 256 requests; at 4,096 and 32,768 it flattens far
+# below it"; tokens/s "capped by the bandwidth divided by the KV bytes each token's attention reads"
+assert bandwidth == h200["ceilings"]["read_sum_tbps"] * 1e12 and ridge == peak_flops / bandwidth
+assert 16 * 4096 * llama8b_kv < weights < 32 * 4096 * llama8b_kv
+def _intensity(b, c):
+    bytes_read, flops, _ = decode_step(b, c)
+    return flops / bytes_read
+assert 0.4 * ridge < _intensity(256, 512) < 0.6 * ridge and _intensity(256, 512) > 1.4 * _intensity(128, 512)
+for _c in (4096, 32768):
+    assert _intensity(256, _c) < ridge / 5 and _intensity(256, _c) < 1.15 * _intensity(128, _c)
+assert all(b / decode_step(b, c)[2] <= bandwidth / (c * llama8b_kv) for b in batches for c in contexts)
+drawn = {ln.get_gid() for ln in roofline.axes[1].lines if ln.get_gid()}
+assert drawn == {f"intensity:{c}" for c in contexts}
+# Section 4's axes: linear tokens, per-token ticks in plain numbers
+assert all(ax.get_xscale() == "linear" for ax in pass_figure.axes)
+from matplotlib.backends.backend_agg import FigureCanvasAgg as _Canvas
+_Canvas(pass_figure).draw()
+_labels = [t.get_text() for t in pass_figure.axes[1].get_yticklabels(which="both") if t.get_text()]
+assert _labels and not any("10^" in t or "times" in t for t in _labels), _labels
+
 '''
 
 PROMISES["01_tour"] = '''
