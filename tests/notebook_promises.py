@@ -116,6 +116,28 @@ assert rows == [("6", "prefill", 8, 28), ("7", "prefill", 6, 28)]
 step_text = chr(10).join(step_source.lines)
 assert step_text.index("self.scheduler.schedule()") < step_text.index("self._execute(sched)") < step_text.index(
     "self.scheduler.update(sched, result)") < step_text.index("observer.on_step")
+# "the black line is what is still held after each step: it drops below the bars exactly in the steps where a
+# request finished"
+_ax = occupancy.axes[0]
+_line = next(ln for ln in _ax.lines if ln.get_gid() == "kv:in-use")
+_bars = {}
+for _p in _ax.patches:
+    if (_p.get_gid() or "").startswith("kv:"):
+        _bars[int(_p.get_gid().split(":")[2])] = _bars.get(int(_p.get_gid().split(":")[2]), 0) + _p.get_height()
+_after = dict(zip(_line.get_xdata(), _line.get_ydata()))
+_finished_steps = sorted(t.step for t in llm.traces if t.finished and t.step in _bars)
+assert sorted(s for s in _bars if _after[s] < _bars[s]) == _finished_steps, (_bars, _after)
+# "0:p7: request 0 runs a 7-token prefill; 1:d1: request 1 decodes one token"
+assert viz.describe_step(llm.traces[0]).startswith("step 0: rows [0:p7, 1:p7") and "1:d1" in viz.describe_step(
+    llm.traces[1])
+# "white blocks are not always taken first: here some of them wait behind cached ones"
+_free = [i for i in frame.blocks if i.ref_count == 0]
+_white = [i.lru_position for i in _free if not i.is_cached]
+_grey = [i.lru_position for i in _free if i.is_cached]
+assert _white and _grey and max(_white) > min(_grey)
+# "(computed/total in KV cache)"
+assert all(r.num_computed_tokens <= r.num_tokens for r in batch_rows if r.phase != "empty")
+
 '''
 
 PROMISES["02_paged_kv_cache"] = '''
