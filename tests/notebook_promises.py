@@ -202,6 +202,14 @@ for size, empty in ((8, 3), (1, 0), (32, 3)):
     sliders["block_size"].value = size
     hatched = [p for p in explore.figure.axes[0].patches if (p.get_gid() or "").startswith("empty:")]
     assert len(hatched) == empty, (size, len(hatched))
+# section 2: "its 3 full blocks become shareable" (printed, not a bare value)
+assert newly_cached == 3 == len(a) // 4
+# section 6's static figures: "block size 25 with three 64-token prompts: they need 9 blocks (225 slots) and the pool
+# has 8 (200)"; the starting point fits
+_tight = " ".join(t.get_text() for t in paging_tight.axes[0].texts)
+assert "does not fit" in _tight and "9 blocks of 25" in _tight and "(225 slots), the pool has 8" in _tight
+assert "does not fit" not in " ".join(t.get_text() for t in paging_start.axes[0].texts)
+
 '''
 
 PROMISES["03_attention_patching"] = '''
