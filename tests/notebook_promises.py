@@ -532,6 +532,13 @@ assert (prompt_lens["0"], prompt_lens["1"], prompt_lens["7"]) == (47, 36, 49)
 reasons0 = [sw["0", False].reasons[s] for s in sw["0", False].steps]
 assert reasons0[:3] == ["budget"] * 3 and "pool" in reasons0 and "rows" in reasons0 and sw["0", False].end == 16
 assert sw["7", False].end > sw["0", False].end
+# "Both timelines list the requests in the same order (by id, top down)": the same lane is the same request
+def _lanes(ax):
+    return {p.get_gid().split(":")[1]: p.get_y() for p in ax.patches
+            if (p.get_gid() or "").startswith(("prefill:", "decode:"))}
+_l0, _l1 = (_lanes(ax) for ax in policy_figure.axes[:2])
+assert _l0 and {r: round(y) for r, y in _l0.items()} == {r: round(y) for r, y in _l1.items()}
+
 '''
 
 PROMISES["08_speculative_decoding"] = '''
