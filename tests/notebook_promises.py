@@ -668,6 +668,18 @@ mlp = [t.get_text() for ax in (two, four) for t in ax.texts if (t.get_gid() or "
 assert mlp[:4] == ["0-31", "32-63", "64-95", "96-127"] and mlp[4:] == [f"{16 * b}-{16 * b + 15}" for b in range(8)]
 # "Every rank must produce exactly these tokens" (the cell's last family, llama, still in `alone`)
 assert family == "llama" and all(r["families"]["llama"]["tokens"] == alone["tokens"] for r in ranks)
+# Section 1: "0-63 on rank 0 and 64-127 on rank 1"; the lower panel: "8 query heads over the same 2 KV heads, on 4
+# ranks ... Each rank takes two query heads ... KV head 0 is replicated on ranks 0 and 1, KV head 1 on ranks 2 and 3
+# ... the MLP's columns go to the ranks in quarters"
+assert [r.mlp_columns for r in plan2.ranks] == [(0, 64), (64, 128)] and cfg.num_attention_heads == 4
+assert (plan4.num_heads, plan4.num_kv_heads, plan4.tp_size) == (8, 2, 4)
+assert all(len(r.q_heads) == 2 for r in plan4.ranks) and [r.kv_heads for r in plan4.ranks] == [(0,), (0,), (1,), (1,)]
+assert [r.mlp_columns for r in plan4.ranks] == [(0, 32), (32, 64), (64, 96), (96, 128)]
+# Section 5: "the printed shares, between a fifth and four fifths on each rank"
+assert all(0.2 < x < 0.8 for x in share), share
+# the run's temporary folder names this notebook
+assert work.name.startswith("fleetlab-09-")
+
 '''
 
 PROMISES["10_serving"] = '''
