@@ -8,7 +8,7 @@ Four composable pieces, each driven by a notebook:
 4. a decode loop (:class:`Scheduler`, :class:`LLM`).
 
 The extension points are exported here too: :class:`AttentionBackend`,
-:class:`SchedulingPolicy`, :class:`Proposer` and their ``register_*`` functions (one
+:class:`SchedulingPolicy`, :class:`Proposer`, :class:`KVConnector` and their ``register_*`` functions (one
 :class:`Registry` rule set), batch fields (:class:`Field`, :data:`DEFAULT_FIELDS`), and step
 observers (:class:`StepRecorder`).
 
@@ -52,10 +52,13 @@ _LAZY = {
     "FieldRegistry": "fleetlab.engine.batch_fields",
     "DEFAULT_FIELDS": "fleetlab.engine.batch_fields",
     "unpermute": "fleetlab.engine.input_batch",
-    "StepRecorder": "fleetlab.engine.observe",
+    "StepRecorder": "fleetlab.inspect.recorder",
+    "KVConnector": "fleetlab.kv_transfer",
+    "KVTransferConfig": "fleetlab.kv_transfer",
+    "register_kv_connector": "fleetlab.kv_transfer",
 }
 _SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv", "serving", "spec_decode", "lessons",
-               "structured_output"}
+               "structured_output", "inspect", "output", "kv_transfer"}
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 

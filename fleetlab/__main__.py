@@ -17,6 +17,7 @@ COMMANDS = {
     "train-tiny": ("fleetlab.models.train", "train the tiny Llama shipped in fleetlab/models/weights"),
     "serve": ("fleetlab.serving.cli", "an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)"),
     "bench": ("fleetlab.bench.cli", "benchmarks: all, reorder, attention, serve, ..."),
+    "disagg": ("fleetlab.kv_transfer.serving", "prefill and decode engines on two ranks behind one OpenAI server"),
 }
 _VERBOSE = ("-v", "--verbose")
 

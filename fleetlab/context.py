@@ -13,11 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fleetlab.attention.metadata import AttentionMetadata
+from fleetlab.kv_transfer.base import NULL_CONNECTOR
 
 
 @dataclass(slots=True)
 class ForwardContext:
-    """The state of one forward pass: the step's metadata and the paged KV cache.
+    """The state of one forward pass: the step's metadata, the paged KV cache and the KV
+    connector attention calls around each layer's write (the null one unless the engine has one).
 
     ``attn_metadata(backend)`` is the backend's own metadata for the step
     (``backend.build_metadata(metadata)``), built by the first layer that asks and shared by
@@ -26,6 +28,7 @@ class ForwardContext:
 
     metadata: AttentionMetadata
     kv_cache: Any  # fleetlab.PagedKVCache
+    kv_connector: Any = NULL_CONNECTOR  # fleetlab.kv_transfer.KVConnector
     _built: dict = field(default_factory=dict)
 
     def attn_metadata(self, backend) -> Any:
@@ -39,7 +42,7 @@ _STACK: list[ForwardContext] = []
 
 
 @contextlib.contextmanager
-def forward_context(metadata: AttentionMetadata, kv_cache) -> Iterator[ForwardContext]:
+def forward_context(metadata: AttentionMetadata, kv_cache, kv_connector=NULL_CONNECTOR) -> Iterator[ForwardContext]:
     """Make ``metadata`` and ``kv_cache`` visible to patched attention for one forward.
 
     Example::
@@ -47,12 +50,17 @@ def forward_context(metadata: AttentionMetadata, kv_cache) -> Iterator[ForwardCo
         with fleetlab.forward_context(metadata, kv_cache):
             logits = handle.compute_logits(input_ids, positions, logits_indices)
     """
-    ctx = ForwardContext(metadata=metadata, kv_cache=kv_cache)
+    ctx = ForwardContext(metadata=metadata, kv_cache=kv_cache, kv_connector=kv_connector)
     _STACK.append(ctx)
     try:
         yield ctx
     finally:
         _STACK.pop()
+
+
+def current_kv_connector():
+    """The innermost context's KV connector (the null one outside any context)."""
+    return _STACK[-1].kv_connector if _STACK else NULL_CONNECTOR
 
 
 def get_forward_context() -> ForwardContext:

@@ -3,26 +3,22 @@
     llm = fleetlab.LLM(model, tokenizer, block_size=16, max_num_batched_tokens=256)
     outs = llm.generate(["12+7=", "3+4="], fleetlab.SamplingParams(max_tokens=8))
 
-It sits above the engine core (``fleetlab/engine/``, ``kv/``, ``attention/``): it checks what
-users send (:mod:`fleetlab.validation`), patches the model, sizes a paged KV cache and a block
-pool, wires the scheduler, the model runner and speculative decoding together, and turns
-token ids into text. Every :meth:`LLM.step` is three moves: the scheduler plans
-(``SchedulerOutput``), the model runner executes (``ModelRunnerOutput``), the scheduler
-commits and returns the step's outputs. A step applies entirely or not at all: if the runner
-raises, the scheduler rolls the plan back and the runner is reset.
-
-Two things happen here rather than in the core: a request with ``n > 1`` (or ``best_of``) is
-fanned out into child requests and their outputs fanned back in
-(:mod:`fleetlab.engine.parallel_sampling`), and each request's log-probabilities are kept
-across steps (:class:`~fleetlab.engine.logprobs.LogprobsCollector`). Logit bias and penalties
-are a logits processor the engine always installs (:mod:`fleetlab.engine.penalties`).
+It is the front door over two pieces, as in vLLM: the **engine core**
+(:class:`~fleetlab.engine.core.EngineCore`: every step is three moves, the scheduler plans,
+the model runner executes, the scheduler commits) and the **output processor** beside it
+(:class:`~fleetlab.output.processor.OutputProcessor`: stop strings, logprobs, parallel-sampling
+fan-in, text). Here the user's requests are checked (:mod:`fleetlab.validation`) and a request
+with ``n > 1`` (or ``best_of``) is fanned out into child requests
+(:mod:`fleetlab.output.parallel_sampling`); the model is patched, a paged KV cache and a block
+pool sized, and the scheduler, the model runner and speculative decoding wired together. Logit
+bias and penalties are a logits processor the engine always installs
+(:mod:`fleetlab.engine.penalties`). Observers see the steps at ``LLM.hooks``
+(:class:`~fleetlab.engine.hooks.StepHooks`; ``fleetlab.inspect`` has the built-in ones).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import gc
-import logging
 import time
 import weakref
 from collections.abc import Sequence
@@ -32,25 +28,28 @@ from tqdm.auto import tqdm
 from fleetlab.device import check_model_dtype_runs
 from fleetlab.distributed.engine import TensorParallelState
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS
+from fleetlab.engine.core import EngineCore
+from fleetlab.engine.hooks import StepHooks
 from fleetlab.engine.input_batch import InputBatch
-from fleetlab.engine.logprobs import LogprobsCollector
-from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.model_runner import ModelRunner
-from fleetlab.engine.observe import StepRecorder, StepTrace
 from fleetlab.engine.outputs import RequestOutput
-from fleetlab.engine.parallel_sampling import ParentRequest
 from fleetlab.engine.penalties import PenaltiesProcessor
 from fleetlab.engine.sampler import Sampler
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
+from fleetlab.inspect.recorder import StepRecorder, StepTrace
+from fleetlab.inspect.spec_stats import SpecDecodingStats
+from fleetlab.inspect.stats import engine_stats
 from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.manager import KVCacheManager
 from fleetlab.kv.paged_cache import PagedKVCache
+from fleetlab.kv_transfer.config import make_kv_connector
+from fleetlab.output.parallel_sampling import ParentRequest
+from fleetlab.output.processor import OutputProcessor
 from fleetlab.patching import patch_model
 from fleetlab.patching.handle import PatchHandle
 from fleetlab.spec_decode.proposer import PROPOSERS, ProposerContext
 from fleetlab.spec_decode.rejection import RejectionSampler
-from fleetlab.spec_decode.stats import SpecDecodingStats
 from fleetlab.structured_output.processor import StructuredOutputsProcessor
 from fleetlab.validation import (
     InputProcessor,
@@ -60,8 +59,6 @@ from fleetlab.validation import (
     generate_items,
     resolve_max_model_len,
 )
-
-logger = logging.getLogger(__name__)
 
 
 class LLM:
@@ -88,9 +85,8 @@ class LLM:
         self.tensor_parallel = None  # this rank's TensorParallelState; every rank runs the scheduler
         if cfg.tensor_parallel_size > 1:
             self.tensor_parallel = TensorParallelState.prepare(model, cfg.tensor_parallel_size)
-        self._parents: dict[str, ParentRequest] = {}  # parallel sampling: child request id -> its parent
-        self._parent_ids: dict[str, ParentRequest] = {}  # parent id -> parent, while a child runs
-        self._logprobs = LogprobsCollector()
+        self.hooks = StepHooks()  # where observers see the steps
+        self.observers = self.hooks.observers  # anything with on_step(scheduler_output, runner_output, outputs)
         self._owns_handle = not isinstance(model, PatchHandle)
         self.handle = patch_model(model, backend=cfg.backend) if self._owns_handle else model
         # Closing happens once, on close() or when the LLM is garbage-collected (a notebook
@@ -103,11 +99,6 @@ class LLM:
         except Exception:
             self.close()  # a failed construction leaves the models as they were
             raise
-        # What exists now (the model, its cache, the engine) lives as long as the engine: move it out of
-        # the garbage collector's sight, so that a full collection during a step walks only what steps
-        # made (vLLM's engine core freezes its startup heap for the same reason: pause times).
-        gc.collect()
-        gc.freeze()
 
     def _build(self, cfg, batch_fields: list, processors: list) -> None:
         check_model_dtype_runs(self.handle.dtype)
@@ -122,18 +113,15 @@ class LLM:
         # A verify row carries k + 1 query tokens: still a decode for the reorder and the kernels.
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         decode_threshold = max(backend_cls.reorder_threshold, k + 1)
-        self.proposer = None
-        if self.spec_config:
-            context = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
-                                      self.handle.vocab_size, decode_threshold)
-            self.proposer = PROPOSERS.get(self.spec_config.method)(self.spec_config, context)
-            self._closables.append(self.proposer)
+        self.proposer = self._build_proposer(cfg, num_blocks, decode_threshold) if self.spec_config else None
         lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
+        self.kv_connector = make_kv_connector(cfg.kv_transfer_config, self.kv_cache)  # the null one by default
+        self._closables.append(self.kv_connector)
         self.scheduler = Scheduler(
             KVCacheManager(self.pool), max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
             enable_chunked_prefill=cfg.enable_chunked_prefill, policy=cfg.scheduling_policy,
-            num_lookahead_tokens=lookahead)
+            num_lookahead_tokens=lookahead, kv_connector=self.kv_connector)
         # Grammar masks come first, before any other processor changes the logits (built lazily:
         # an engine that never sees a constraint never loads the grammar library).
         self.structured_outputs = StructuredOutputsProcessor(
@@ -149,19 +137,33 @@ class LLM:
         self.runner = ModelRunner(self.handle, self.kv_cache, batch, reorder=backend_cls.requires_reorder
                                   if cfg.reorder is None else cfg.reorder, decode_threshold=decode_threshold,
                                   sampler=(RejectionSampler if self.proposer else Sampler)(processors),
-                                  proposer=self.proposer)
+                                  proposer=self.proposer, hooks=self.hooks, kv_connector=self.kv_connector)
         if self.tensor_parallel is not None:
             self.runner = self.tensor_parallel.wrap_runner(self.runner)
+        self._build_edges(cfg, batch, num_blocks, processors, lookahead)
+
+    def _build_proposer(self, cfg, num_blocks: int, decode_threshold: int):
+        context = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
+                                  self.handle.vocab_size, decode_threshold)
+        proposer = PROPOSERS.get(self.spec_config.method)(self.spec_config, context)
+        self._closables.append(proposer)
+        return proposer
+
+    def _build_edges(self, cfg, batch: InputBatch, num_blocks: int, processors: list, lookahead: int) -> None:
+        """The checks in front of the core, the core's step, the output side and the observers."""
         self.processor = InputProcessor(
             self.tokenizer, vocab_size=self.handle.vocab_size, max_model_len=self.max_model_len,
             eos_token_id=self.handle.eos_token_id, hidden_size=self.handle.hidden_size, block_size=cfg.block_size,
             num_blocks=num_blocks, max_stop_ids=batch.sizes["max_stop_ids"], batch_fields=batch.fields,
             processors=processors, num_lookahead_tokens=lookahead,
             seed=cfg.seed, structured_outputs=self.structured_outputs)
-        self.observers: list = []  # anything with on_step(scheduler_output, runner_output, outputs)
+        self.core = EngineCore(self.scheduler, self.runner, self.hooks)  # the step (an overlapped loop: another core)
+        self.output_processor = OutputProcessor(self.tokenizer, self.handle.eos_token_id)
         self.spec_stats = SpecDecodingStats() if self.proposer else None
         self.recorder = StepRecorder(self) if cfg.record_traces else None
-        self.observers += [o for o in (self.spec_stats, self.recorder) if o is not None]
+        for observer in (self.spec_stats, self.recorder):
+            if observer is not None:
+                self.hooks.attach(observer)
 
     def _num_blocks(self) -> int:
         cfg, h = self.config, self.handle
@@ -202,7 +204,7 @@ class LLM:
         model's vocabulary ends the request with ``finish_reason="error"`` once it runs
         (``generate`` and the server refuse it before anything is queued).
         """
-        live = _LiveIds(self.scheduler.requests, self._parent_ids)
+        live = _LiveIds(self.scheduler.requests, self.output_processor.parents)
         req = self.processor.process(prompt, sampling_params, prompt_token_ids, request_id, live, priority,
                                      prompt_embeds, extra)
         self._queue(*self._fan_out(req, live))
@@ -220,12 +222,9 @@ class LLM:
                         for i, cid in enumerate(parent.child_ids)]
 
     def _queue(self, parent: ParentRequest | None, reqs: list) -> None:
-        if parent is not None:
-            self._parent_ids[parent.request_id] = parent
+        self.handle.check_live()  # a stale LLM (its model closed or re-patched) queues nothing
         for req in reqs:
-            if parent is not None:
-                self._parents[req.request_id] = parent
-            self._logprobs.add(req)
+            self.output_processor.add(req, parent)
             self.scheduler.add_request(req)
 
     # ----- the loop -----
@@ -233,62 +232,23 @@ class LLM:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """One engine step: plan, run, commit. Returns a ``RequestOutput`` for every request
-        that gained tokens or finished in it (``new_token_ids`` holds what it gained)."""
-        self.handle.check_live()  # before planning: a stale LLM must not touch its queues
-        sched = self.scheduler.schedule()
-        if not sched.num_scheduled_tokens:
-            self._wait_for_waiting()
-        result = self._execute(sched)
-        outputs = self.scheduler.update(sched, result)
-        for observer in self.observers:
-            observer.on_step(sched, result, outputs)
-        return self._finish_outputs(outputs, result)
-
-    def _finish_outputs(self, outputs: list[RequestOutput], result: ModelRunnerOutput | None) -> list[RequestOutput]:
-        """Logprobs attached, children's outputs as their parent's, finished ones given their text."""
-        self._logprobs.collect(outputs, result)
-        if self._parents:
-            fanned_in = []
-            for out in outputs:
-                parent = self._parents.get(out.request_id)
-                if parent is None:
-                    fanned_in.append(out)
-                    continue
-                if out.finished:
-                    del self._parents[out.request_id]
-                fanned_in += parent.process(out)
-                if parent.finished:
-                    del self._parent_ids[parent.request_id]
-            outputs = fanned_in
-        return self._detokenize(outputs)
-
-    def _wait_for_waiting(self, timeout: float = 0.05) -> None:
-        """Nothing could run: if requests wait on something (a grammar's compile), give it up to
-        ``timeout`` seconds rather than spin through empty steps."""
-        pending = [r.waiting_on for r in self.scheduler.waiting if not r.is_ready]
-        if pending:
-            concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
-
-    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the plan; on any exception undo it (scheduler rollback, runner reset) and re-raise."""
-        if not sched.num_scheduled_tokens:
-            return ModelRunnerOutput()
-        try:
-            return self.runner.execute(sched)
-        except BaseException:
-            logger.debug("step %d failed: rolling it back", sched.step)
-            self.scheduler.rollback(sched)
-            self.runner.reset()
-            raise
-
-    def _detokenize(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """Give finished outputs their text (a stream decodes its deltas itself)."""
-        if self.tokenizer is not None:
-            for out in outputs:
-                if out.finished:
-                    out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        """One engine step: the core plans, runs and commits it (:meth:`EngineCore.step`), the output
+        processor makes its outputs the user's. Returns a ``RequestOutput`` for every request that
+        gained tokens or finished in it (``new_token_ids`` holds what it gained)."""
+        outputs, result = self.core.step()
+        outputs, stopped = self.output_processor.process(outputs, result)
+        self.scheduler.abort(stopped)  # ended by a stop string: their blocks are freed now
         return outputs
+
+    def wait_until_runnable(self, timeout: float = 0.05) -> None:
+        """Between steps: if nothing runs and every waiting request waits on something (its
+        grammar's compile, on a thread), give them up to ``timeout`` seconds rather than spin
+        through empty steps (a loop over ``step`` calls this; the step itself never waits)."""
+        waiting = self.scheduler.waiting
+        if self.scheduler.running or not waiting or any(r.is_ready for r in waiting):
+            return
+        concurrent.futures.wait([r.waiting_on for r in waiting], timeout=timeout,
+                                return_when=concurrent.futures.FIRST_COMPLETED)
 
     def abort(self, request_ids) -> list[RequestOutput]:
         """Stop the named requests now (``str`` or an iterable of ids; a parallel-sampling
@@ -297,11 +257,12 @@ class LLM:
         are ignored."""
         now = time.perf_counter()
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        ids = [cid for rid in ids for cid in (self._parent_ids[rid].child_ids if rid in self._parent_ids else [rid])]
+        parents = self.output_processor.parents
+        ids = [cid for rid in ids for cid in (parents[rid].child_ids if rid in parents else [rid])]
         aborted = self.scheduler.abort(ids)
         for req in aborted:
             req.finish_time = now
-        return self._finish_outputs([RequestOutput.from_request(req, []) for req in aborted], None)
+        return self.output_processor.process([RequestOutput.from_request(req, []) for req in aborted])[0]
 
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = True):
         """Run every prompt to completion; returns ``RequestOutput`` s in input order (with
@@ -313,7 +274,7 @@ class LLM:
         any runs, so a bad one raises ``ValueError`` and nothing is queued. If the loop is
         interrupted (an exception, Ctrl-C), this call's requests are aborted first.
         """
-        live = set(self.scheduler.requests) | set(self._parent_ids)
+        live = set(self.scheduler.requests) | set(self.output_processor.parents)
         queued = []
         for prompt, ids, sp in generate_items(prompts, prompt_token_ids, sampling_params):
             req = self.processor.process(prompt, sp, ids, None, live)
@@ -330,6 +291,7 @@ class LLM:
         bar = tqdm(total=sum(n for _, n, _, _ in queued), disable=not use_tqdm, desc="requests", unit="req")
         try:
             while self.has_unfinished_requests():
+                self.wait_until_runnable()
                 for out in self.step():
                     if out.finished:
                         done[out.request_id, out.index] = out
@@ -358,28 +320,9 @@ class LLM:
         return {r.request_id: self.scheduler.kv.get_block_ids(r.request_id) for r in self.scheduler.running}
 
     def stats(self) -> dict:
-        """Pool and cache figures: blocks, free blocks, hit rate, preemptions, utilization,
-        steps, generated tokens, the requests running and waiting now, and with speculation
-        the drafts verified and accepted (see :class:`~fleetlab.spec_decode.stats.SpecDecodingStats`)."""
-        s = self.pool.stats()
-        used = s.num_blocks - s.num_free_blocks
-        tokens_held = sum(r.num_computed_tokens for r in self.scheduler.running)
-        stats = {
-            "num_blocks": s.num_blocks,
-            "num_free_blocks": s.num_free_blocks,
-            "prefix_cache_hit_rate": s.hit_rate,
-            "prefix_cache_queries": s.queries,
-            "prefix_cache_query_tokens": s.query_tokens,
-            "prefix_cache_hit_tokens": s.hit_tokens,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "kv_cache_utilization": used / s.num_blocks,
-            "kv_token_fill": tokens_held / max(1, used * self.pool.block_size),
-            "num_generated_tokens": self.scheduler.num_generated_tokens,
-            "num_steps": self.scheduler.step_count,
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-        }
-        return stats if self.spec_stats is None else {**stats, **self.spec_stats.as_dict()}
+        """Pool and cache figures (:func:`fleetlab.inspect.stats.engine_stats`: blocks, hit rate,
+        preemptions, steps, requests running and waiting; drafts accepted with speculation)."""
+        return engine_stats(self)
 
 
 class _LiveIds:

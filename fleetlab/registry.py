@@ -1,4 +1,5 @@
-"""``Registry``: one way to name every pluggable kind (attention backends, proposers, policies).
+"""``Registry``: one way to name every pluggable kind (attention backends, proposers, policies,
+KV connectors).
 
 Each kind is a base class and a registry of its subclasses by name. Wherever fleetlab takes
 one (``LLM(backend=...)``, ``scheduling_policy=...``, ``speculative_config={"method": ...}``)

@@ -102,6 +102,16 @@ def bool_field(where: str, name: str, value) -> bool:
     return bool(value)
 
 
+def stop_strings_field(where: str, value) -> tuple[str, ...]:
+    """``SamplingParams.stop`` as a tuple of non-empty strings (None: none; a str: that one)."""
+    items = () if value is None else (value,) if isinstance(value, str) else value
+    if not is_sequence(items) or not all(isinstance(s, str) for s in items):
+        raise FieldTypeError(f"{where} stop={_short(value)} must be a string or a list of strings")
+    if not all(items):
+        raise ValueError(f"{where} stop={_short(value)}: a stop string cannot be empty")
+    return tuple(items)
+
+
 def is_sequence(value) -> bool:
     """A list-like of items: a list, tuple, range or numpy array of >= 1 dimension (a str is
     text, a mapping is keyed, a 0-d array is a scalar)."""
@@ -155,7 +165,9 @@ def check_sampling_params(sp, request_id: str = "?"):
     seed = None if sp.seed is None else int_field(where, "seed", sp.seed, 0, seed_high)
     ignore_eos = bool_field(where, "ignore_eos", sp.ignore_eos)
     return replace(sp, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
-                   stop_token_ids=tuple(stop), ignore_eos=ignore_eos,
+                   stop_token_ids=tuple(stop), ignore_eos=ignore_eos, stop=stop_strings_field(where, sp.stop),
+                   include_stop_str_in_output=bool_field(where, "include_stop_str_in_output",
+                                                         sp.include_stop_str_in_output),
                    min_tokens=int_field(where, "min_tokens", sp.min_tokens, 0, max_tokens), n=n,
                    best_of=None if sp.best_of is None else best_of,
                    presence_penalty=float_field(where, "presence_penalty", sp.presence_penalty, -2.0, 2.0),
@@ -250,6 +262,12 @@ def engine_config(**kwargs) -> EngineConfig:
             raise FieldTypeError(f"{where} {name}={getattr(cfg, name)!r:.60}: {exc}") from None
         except ValueError as exc:
             raise ValueError(f"{where} {name}: {exc}") from None
+    if cfg.kv_transfer_config is not None:
+        from fleetlab.kv_transfer.config import check_kv_transfer_config
+
+        cfg.kv_transfer_config = check_kv_transfer_config(cfg.kv_transfer_config)
+        if cfg.tensor_parallel_size > 1:
+            raise ValueError(f"{where} kv_transfer_config with tensor_parallel_size > 1 is not supported")
     return cfg
 
 
@@ -354,6 +372,8 @@ class InputProcessor:
             raise FieldTypeError(f"request {rid!r}: sampling_params must be a fleetlab.SamplingParams, "
                                  f"not {type(sp).__name__}")
         sp = self._bound(rid, ids, check_sampling_params(sp, rid))
+        if sp.stop and self.tokenizer is None:
+            raise ValueError(f"request {rid!r}: sampling field stop: stop strings need a tokenizer; the LLM has none")
         extra = self._extra(rid, extra, prompt_embeds, len(ids))
         for processor in self.processors:
             extra.update(processor.request_values(sp))

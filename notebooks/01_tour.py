@@ -100,15 +100,19 @@ for trace in llm.traces[:4]:
 print(llm.stats())
 
 # %% [markdown]
-# Every box of that timeline is one call of `LLM.step`, read here from the installed
-# package: the scheduler plans (`schedule()`: who runs, how many tokens each), the model
-# runner executes the plan (`_execute`, which calls `runner.execute` and undoes the plan if it
-# fails), and the scheduler commits what came back (`update`), the only place a request
-# advances. The observers after it are how `record_traces=True` got the traces drawn above.
-# Notebook 05 opens `schedule`, and notebook 12 follows one request through all three.
+# Every box of that timeline is one call of `LLM.step`: one step of the engine core
+# (`EngineCore.step`, read here from the installed package), whose outputs the output
+# processor then finishes (stop strings, logprobs, text). The scheduler plans (`schedule()`:
+# who runs, how many tokens each), the model runner executes the plan (`_execute`, which
+# calls `runner.execute` and undoes the plan if it fails), and the scheduler commits what came
+# back (`update`), the only place a request advances. The observers after it are how
+# `record_traces=True` got the traces drawn above. Notebook 05 opens `schedule`, and
+# notebook 12 follows one request through all three.
 
 # %%
-step_source = viz.show_source(fleetlab.LLM.step, body_only=True)
+from fleetlab.engine.core import EngineCore
+
+step_source = viz.show_source(EngineCore.step, body_only=True)
 step_source
 
 # %% [markdown]

@@ -176,12 +176,24 @@ viz.show_source(ModelRunner.execute, body_only=True)
 # `update_batch` drops rows the plan does not schedule, adds **b** in a new row, writes
 # **a**'s new token into its row, condenses and (for backends that ask) reorders the rows
 # decode-first. Here the naive backend does not ask, so the order stays: **a** in row 0,
-# **b** in row 1.
+# **b** in row 1. The rows before the reorder are what the runner shows its observers
+# (`llm.hooks`, the `on_batch_order` point); after it, the batch's own order.
 
 # %%
+class RowOrder:
+    """An observer of the runner's rows, condensed, before the decode-first reorder."""
+
+    def on_batch_order(self, req_ids):
+        self.req_ids = req_ids
+
+
+row_order = RowOrder()
+llm.hooks.attach(row_order)
 result = llm.runner.update_batch(plan)
+llm.hooks.detach(row_order)
 rows = llm.runner.batch.snapshot()
-print("rows before / after the reorder:", result.order_before, result.order_after)
+order_before, order_after = row_order.req_ids, llm.runner.batch.req_ids
+print("rows before / after the reorder:", order_before, order_after)
 rows_figure = viz.draw_batch(rows)
 rows_figure
 
@@ -297,11 +309,16 @@ print("b now:", b_now)
 
 # %% [markdown]
 # **b** has computed its 6 prompt tokens and holds its first output token, `1`; **a** has its
-# third. `LLM.step` is these three moves plus what happens around them: the observers
-# (traces, speculative-decoding statistics) and, for the caller, the children of an `n > 1`
-# request folded back into their parent and the text of finished requests.
+# third. These three moves are the engine core's step (`EngineCore.step`), with the observers
+# after them (traces, speculative-decoding statistics). `LLM.step` runs it and hands what it
+# returns to the output processor beside the core (`fleetlab/output/`): stop strings cut,
+# logprobs attached, the children of an `n > 1` request folded back into their parent, and
+# the text of finished requests.
 
 # %%
+from fleetlab.engine.core import EngineCore
+
+display(viz.show_source(EngineCore.step, body_only=True))
 viz.show_source(LLM.step, body_only=True)
 
 # %%
@@ -336,8 +353,8 @@ from IPython.display import Markdown
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.messages import SchedulerOutput
 from fleetlab.engine.outputs import RequestOutput
-from fleetlab.engine.parallel_sampling import ParentRequest
 from fleetlab.engine.request import Request
+from fleetlab.output.parallel_sampling import ParentRequest
 from fleetlab.spec_decode.rejection import RejectionSampler
 
 # part, fleetlab, vLLM v1, FastDeploy

@@ -786,7 +786,7 @@ assert sum(1 for i in pool_now if i.ref_count == 0 and not i.is_cached) == 1
 cached = plan.scheduled_cached_reqs
 assert cached.req_ids == ["a"] and tokenizer.decode(cached.new_token_ids[0]) == "8" and cached.new_block_ids == [[]]
 # Section 5: "a in row 0, b in row 1", no reorder
-assert result.order_before == result.order_after == ["a", "b"] and [r.req_id for r in rows] == ["a", "b"]
+assert order_before == order_after == ["a", "b"] and [r.req_id for r in rows] == ["a", "b"]
 # Section 6: "a's one decode token at position 7 and b's prompt at positions 0-5, each with its slot"; two scored
 assert md.positions.numpy().tolist() == [7, 0, 1, 2, 3, 4, 5]
 for pos, slot, row in zip(md.positions.numpy(), md.slot_mapping.numpy(), row_of_token):

@@ -18,7 +18,7 @@ from fleetlab.bench.workloads import (
     padded_batches,
     shared_prefix_workload,
 )
-from fleetlab.engine.observe import RowTrace, StepTrace
+from fleetlab.inspect.recorder import RowTrace, StepTrace
 
 STEP_PARTS = ("schedule", "batch_update", "metadata", "forward", "sample", "propose", "update", "other")
 

@@ -6,7 +6,7 @@ import pytest
 from conftest import random_prompts
 
 from fleetlab import LLM, SamplingParams
-from fleetlab.engine.observe import StepRecorder
+from fleetlab.inspect.recorder import StepRecorder
 from fleetlab.patching.parity import reference_greedy
 
 
@@ -138,7 +138,7 @@ def test_an_error_found_mid_run_finishes_only_that_request(llm, monkeypatch):
 def test_step_by_hand_and_stats(llm):
     llm.add_request(prompt_token_ids=[3, 4, 5], sampling_params=SamplingParams(max_tokens=2, ignore_eos=True))
     recorder = StepRecorder(llm)  # an observer: a StepTrace of every step from now on
-    llm.observers.append(recorder)
+    llm.hooks.attach(recorder)
     outs = llm.step()
     trace = recorder.traces[-1]
     assert trace.rows[0].phase == "prefill" and trace.num_batched_tokens == 3

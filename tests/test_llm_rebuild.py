@@ -72,3 +72,30 @@ def test_context_manager_closes_the_draft_models_patch_too():
         run(llm)
         assert PATCH_ATTR in draft.__dict__
     assert PATCH_ATTR not in draft.__dict__ and PATCH_ATTR not in target.__dict__
+
+
+@pytest.mark.parametrize("kind", ["traces", "draft", "grammar"])
+def test_a_dropped_llm_is_collected_and_its_models_unpatched(kind):
+    """An LLM dropped without close() (a notebook cell re-run) is garbage: nothing keeps it alive
+    (no recorder holding it, no frozen heap), and collecting it unpatches its models."""
+    import weakref
+
+    from fleetlab.models.json_tiny import json_tokenizer
+
+    tok = json_tokenizer()
+    model, draft = tiny("llama", vocab_size=tok.vocab_size), tiny("llama", vocab_size=tok.vocab_size)
+    config = {"traces": dict(record_traces=True),
+              "draft": dict(record_traces=True, speculative_config={"method": "draft", "num_speculative_tokens": 2,
+                                                                     "model": draft}),
+              "grammar": dict(record_traces=True)}[kind]
+    sp = SamplingParams(max_tokens=6, structured_outputs={"choice": ["yes", "no"]} if kind == "grammar" else None)
+    frozen = gc.get_freeze_count()
+    llm = LLM(model, tok, block_size=4, **config)
+    out = llm.generate(prompt_token_ids=[[tok.bos_token_id, 20, 21]], sampling_params=sp, use_tqdm=False)[0]
+    assert out.finished and llm.traces
+    gone = weakref.ref(llm)
+    del llm, out
+    gc.collect()
+    assert gone() is None, "a dropped LLM is still referenced"
+    assert PATCH_ATTR not in model.__dict__ and PATCH_ATTR not in draft.__dict__
+    assert gc.get_freeze_count() == frozen  # a library constructor freezes nothing

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from fleetlab import LLM, SamplingParams, viz
 from fleetlab.bench.latency import LatencyStats, Percentiles, latency_stats, latency_table, token_steps
-from fleetlab.engine.observe import StepTrace
 from fleetlab.engine.outputs import RequestOutput
+from fleetlab.inspect.recorder import StepTrace
 
 
 def output(rid, n_tokens, arrival=None, first=None, finish=None):

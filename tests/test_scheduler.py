@@ -13,9 +13,9 @@ from fleetlab.engine.messages import ModelRunnerOutput
 from fleetlab.engine.request import Request, RequestStatus
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
+from fleetlab.inspect.spec_stats import SpecDecodingStats
 from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.manager import KVCacheManager
-from fleetlab.spec_decode.stats import SpecDecodingStats
 
 BS = 4
 

@@ -5,6 +5,7 @@ import json
 import math
 import re
 import signal
+import time
 
 import pytest
 
@@ -95,6 +96,28 @@ def test_sigterm_lets_requests_finish_and_verbose_shows_uvicorn_and_fleetlab_lin
     assert re.search(r'INFO: .*"POST /v1/completions HTTP/1.1" 200', log)  # uvicorn's access lines
     assert "INFO:     Waiting for application startup." in log  # uvicorn's own INFO lines
     assert "INFO fleetlab.serving.app: shutdown: waiting up to 60.0 s for 3 requests to finish" in log
+
+
+def test_a_second_ctrl_c_during_the_drain_ends_every_stream_at_once_quietly():
+    with ServerProcess(["--model", "tiny", "--shutdown-timeout", "60"], timeout=120) as server:
+        async def run():
+            client, responses = await _open_streams(server.url, 20, 100)
+            server.process.send_signal(signal.SIGINT)  # the drain: up to 60 s for the streams to finish
+            await asyncio.sleep(0.5)
+            t0 = time.monotonic()
+            server.process.send_signal(signal.SIGINT)  # do not wait
+            events = await asyncio.gather(*(_events(r) for r in responses))
+            await client.aclose()
+            return events, time.monotonic() - t0
+
+        events, waited = asyncio.run(run())
+        assert server.process.wait(30) == 0
+    assert waited < 20  # not the 60 s of the drain
+    for stream in events:
+        assert stream[-1] == "[DONE]" and json.loads(stream[-2])["error"]["code"] == "shutting_down", stream[-2:]
+    log = server.log_text()
+    assert not UNCLEAN.search(log), log[-3000:]
+    assert [line for line in log.splitlines() if line.strip()][1:] == [], log  # the address line, nothing else
 
 
 def test_serve_options_reach_the_engine():

@@ -399,7 +399,6 @@ REFUSED = [
     ("completions", {"allowed_token_ids": [5]}, "allowed_token_ids", "sampler"),
     ("completions", {"suffix": "x"}, "suffix", "fill in the middle"),
     ("completions", {"bad_words": ["x"]}, "bad_words", "sampler"),
-    ("completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output", "vLLM extension"),
     ("chat/completions", {"echo": True}, "echo", "completions field"),
     ("completions", {"min_p": 0.1}, "min_p", "sampler"),
     ("completions", {"guided_regex": "[0-9]+"}, "guided_regex", "structured outputs"),
@@ -518,4 +517,14 @@ def test_speculative_decoding_streams_the_same_text(offline):
                                                stream=True))
             got.append("".join(ch.choices[0].text for ch in chunks if ch.choices))
         assert got == want
-        assert metrics(s)["fleetlab:num_requests_running"] == 0
+        m = metrics(s)
+        assert m["fleetlab:num_requests_running"] == 0
+        # vLLM's speculative-decoding counters, equal to the engine's own counts
+        spec = engine.llm.spec_stats
+        assert m["fleetlab:spec_decode_num_drafts_total"] == spec.num_drafts > 0
+        drafted = m["fleetlab:spec_decode_num_draft_tokens_total"]
+        assert drafted == spec.num_draft_tokens == sum(spec.drafted_per_position)
+        assert m["fleetlab:spec_decode_num_accepted_tokens_total"] == spec.num_accepted_tokens > 0
+        per_pos = [m[f"fleetlab:spec_decode_num_accepted_tokens_per_pos_total{{position={i}}}"] for i in range(4)]
+        assert per_pos == spec.accepted_per_position and sum(per_pos) == spec.num_accepted_tokens
+        assert per_pos == sorted(per_pos, reverse=True)  # a draft is accepted only after the ones before it

@@ -11,8 +11,8 @@ from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
 from fleetlab import LLM, BlockPool, InputBatch, SamplingParams, viz
-from fleetlab.engine.observe import RowTrace, StepTrace
 from fleetlab.engine.outputs import RequestOutput
+from fleetlab.inspect.recorder import RowTrace, StepTrace
 from fleetlab.viz._style import CACHED_FREE_COLOR, FREE_COLOR, PALETTE
 
 

@@ -7,7 +7,7 @@ from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
 from fleetlab import LLM, InputBatch, SamplingParams, viz
-from fleetlab.engine.observe import RowTrace, StepTrace
+from fleetlab.inspect.recorder import RowTrace, StepTrace
 from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
 from fleetlab.viz._style import ALERT_COLOR
 from fleetlab.viz.spec import TOKEN_KINDS

@@ -25,6 +25,7 @@ PATH = [
     ("fleetlab/llm.py", "`LLM.add_request`: the front door takes a prompt"),
     ("fleetlab/validation.py", "`InputProcessor.process`: every check, once, at the edge"),
     ("fleetlab/engine/request.py", "`Request`: the scheduler's record of it"),
+    ("fleetlab/engine/core.py", "`EngineCore.step`: schedule, execute, update"),
     ("fleetlab/engine/scheduler.py", "`Scheduler.schedule`: admitted under the token budget"),
     ("fleetlab/kv/manager.py", "`KVCacheManager.allocate_slots`: prefix-cache hits, then new blocks"),
     ("fleetlab/kv/block_pool.py", "`BlockPool`: reference counts, LRU free queue, chained block keys"),
@@ -39,13 +40,16 @@ PATH = [
     ("fleetlab/attention/naive.py", "`naive_paged_attention`: the attention to read (`tiled.py` batches it)"),
     ("fleetlab/engine/sampler.py", "`Sampler`: its next token, in the step's one device read"),
     ("fleetlab/engine/outputs.py", "`RequestOutput`: what `Scheduler.update` hands back"),
-    ("fleetlab/engine/observe.py", "`StepRecorder`: what `LLM.step` shows its observers"),
+    ("fleetlab/engine/hooks.py", "`StepHooks`: where observers see the step"),
+    ("fleetlab/output/processor.py", "`OutputProcessor`: stop strings, logprobs, fan-in, text (beside the core)"),
+    ("fleetlab/inspect/recorder.py", "`StepRecorder`: a trace of every step (beside the core)"),
 ]
-# A request asking for more than one sequence, logprobs or penalties also passes through these.
+# A request asking for more than one sequence, logprobs, penalties or stop strings also passes through these.
 SAMPLING_PATH = [
-    ("fleetlab/engine/parallel_sampling.py", "`ParentRequest`: `n` children sharing the prompt's blocks"),
+    ("fleetlab/output/parallel_sampling.py", "`ParentRequest`: `n` children sharing the prompt's blocks"),
     ("fleetlab/engine/penalties.py", "`PenaltiesProcessor`: penalties and `logit_bias`, a logits processor"),
     ("fleetlab/engine/logprobs.py", "log-probabilities, in the step's one read"),
+    ("fleetlab/output/stop.py", "stop strings, where the text is decoded"),
 ]
 # With speculative decoding, the request also passes through these.
 SPEC_PATH = [
@@ -88,20 +92,26 @@ def core_files() -> list[Path]:
     return files
 
 
+def package_lines(folder: str) -> int:
+    return sum(code_lines(p) for p in sorted((ROOT / folder).rglob("*.py")))
+
+
 def table() -> str:
     """The reading guide as Markdown."""
     rows = ["| # | file | what happens to the request there | code lines | lines |", "|---|---|---|---|---|"]
     for i, (name, what) in enumerate(PATH + SAMPLING_PATH + SPEC_PATH, 1):
         path = ROOT / name
         note = (" (speculative decoding)" if (name, what) in SPEC_PATH else
-                " (`n`, logprobs, penalties)" if (name, what) in SAMPLING_PATH else "")
+                " (`n`, logprobs, penalties, stop strings)" if (name, what) in SAMPLING_PATH else "")
         rows.append(f"| {i} | `{name}` | {what}{note} | {code_lines(path)} | "
                     f"{len(path.read_text(encoding='utf-8').splitlines())} |")
     files = core_files()
     total = sum(code_lines(p) for p in files)
     rows.append(f"\nThe whole core (engine/, kv/, attention's naive, tiled, metadata and backend, context.py, "
                 f"spec_decode/, the front door and its registry): **{total} code lines in {len(files)} files**; the "
-                f"checks at the edge (`fleetlab/validation.py`) add {code_lines(ROOT / 'fleetlab/validation.py')}.")
+                f"checks at the edge (`fleetlab/validation.py`) add {code_lines(ROOT / 'fleetlab/validation.py')}; "
+                f"beside it, the output side (`fleetlab/output/`) {package_lines('fleetlab/output')} and inspection "
+                f"(`fleetlab/inspect/`) {package_lines('fleetlab/inspect')}.")
     return "\n".join(rows)
 
 

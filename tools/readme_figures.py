@@ -298,6 +298,58 @@ def step_host_block(r: dict | None) -> str:
     return f"{intro}\n\n" + "\n".join(table) + f"\n\n{after}"
 
 
+def kv_block(r: dict | None) -> str:
+    title = "KV beyond one engine"
+    cmd = "python -m fleetlab bench kv"
+    if r is None:
+        return not_measured(title, cmd, "kv.json")
+    c, o, s, d = r["config"], r["offload"], r["shared_storage"], r["paddle_distributed"]
+    pool, tier = o["runs"]["pool alone"], o["runs"]["pool + offload"]
+    t = s["ttft_median_ms"]
+    same = all((o["identical_tokens"], s["identical_tokens"], d["equal_single"], d["equal_forward"]))
+    intro = fill(
+        f"**{title}** — `{command(r, cmd)}` (writes `benchmarks/results/kv.json`): a random Llama "
+        f"({c['model'].get('num_hidden_layers', 'tiny')} layers), prompts of {c['prompt_len']} tokens, blocks of "
+        f"{c['block_size']}, requests one after another, engines built in turns ({c['turns']} each); tokens "
+        f"{'identical' if same else 'NOT identical'} across every mode and section. Measured on "
+        f"{describe(r['machine'])}:")
+    table = ["| figure | value |", "|---|---|",
+             f"| offload, {c['prompts']} prompts x {c['rounds']} rounds on a pool of {o['num_blocks']} blocks "
+             f"(half the working set): pool hit rate alone / host tier hit rate | {pool['pool_hit_rate']:.2f} / "
+             f"{tier['tier_hit_rate']:.2f} |",
+             f"| offload: TTFT of the repeats, pool alone / with the tier (median) | "
+             f"{ms(pool['repeat_ttft_median_ms'])} / {ms(tier['repeat_ttft_median_ms'])} ms |",
+             f"| shared storage: a new engine's TTFT, computing / loading {s['loaded_tokens']} of {s['prompt_len']} "
+             f"tokens (median) | {ms(t['new engine, computing'])} / {ms(t['new engine, loading'])} ms |",
+             f"| prefill rank -> decode rank ({d['num_prompts']} requests on the tiny Fleet-style model, gloo): "
+             f"bytes per loaded token / `2 x layers x kv_heads x head_dim x 4` | {d['bytes_per_token']:.0f} / "
+             f"{d['expected_bytes_per_token']} |",
+             f"| prefill rank -> decode rank: decode side's time receiving, per request | "
+             f"{ms(d['recv_ms_per_request'])} ms |"]
+    m = d.get("mixed")
+    if m:
+        mc, pair, one = m["config"], m["pair"], m["one engine"]
+        table += [f"| mixed ({mc['short']} short requests decoding {mc['short_tokens']} tokens, {mc['long']} "
+                  f"prompts of {mc['long_len']} arriving): decode ITL p50 / p99, one engine (chunked prefill) | "
+                  f"{ms(one['itl_p50_ms'])} / {ms(one['itl_p99_ms'])} ms |",
+                  f"| mixed: decode ITL p50 / p99, prefill rank + decode rank | {ms(pair['itl_p50_ms'])} / "
+                  f"{ms(pair['itl_p99_ms'])} ms |",
+                  f"| mixed: the long prompts' TTFT, one engine / the pair (median) | "
+                  f"{ms(one['long_ttft_median_ms'])} / {ms(pair['long_ttft_median_ms'])} ms |"]
+    after = fill(
+        f"With the host tier the repeats' TTFT is "
+        f"{compare(tier['repeat_ttft_median_ms'], pool['repeat_ttft_median_ms'])} than with the pool alone, and a "
+        f"new engine loading from the directory answers "
+        f"{compare(t['new engine, loading'], t['new engine, computing'])} than one computing, in this run. The "
+        f"receive time includes waiting for the prefill rank to compute (the two overlap layer by layer)."
+        + (f" On the mixed workload the decode requests' ITL p99 is {ms(pair['itl_p99_ms'])} ms on the pair against "
+           f"{ms(one['itl_p99_ms'])} ms on one engine." if m else "")
+        + (" fleetlab's decode rank waits for a prompt's K/V inside its step, so each whole prefill on the other "
+           "rank stalls its rows, where one engine's chunked prefill spreads it over several steps."
+           if m and pair["itl_p99_ms"] > 1.05 * one["itl_p99_ms"] else ""))
+    return f"{intro}\n\n" + "\n".join(table) + f"\n\n{after}"
+
+
 # name -> (results file, renderer); the renderer gets the parsed file, or None if there is none
 BLOCKS = {
     "engine": (RESULTS / "bench.json", engine_block),
@@ -309,6 +361,7 @@ BLOCKS = {
     "tp": (RESULTS / "tp.json", tp_block),
     "gpu-tp": (RESULTS / "gpu_tp_costs.json", gpu_tp_block),
     "spec": (RESULTS / "spec.json", spec_block),
+    "kv": (RESULTS / "kv.json", kv_block),
 }
 _BLOCK = re.compile(r"<!-- figures (?P<name>[\w-]+) -->\n(?:(?P<body>.*?)\n)?<!-- /figures (?P=name) -->", re.S)
 

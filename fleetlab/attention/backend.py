@@ -15,6 +15,7 @@ from typing import ClassVar
 import paddle
 
 from fleetlab.attention.metadata import AttentionMetadata
+from fleetlab.context import current_kv_connector
 from fleetlab.registry import Registry
 
 
@@ -61,8 +62,12 @@ class AttentionBackend:
                 metadata: AttentionMetadata, *, scale: float, sliding_window: int | None = None,
                 sinks: paddle.Tensor | None = None) -> paddle.Tensor:
         """Store this step's K/V in the cache, then attend over it (every layer writes before it
-        reads, so a row can read a block another row of the same step fills)."""
+        reads, so a row can read a block another row of the same step fills). A KV connector's
+        loads for the layer land first; its save of the layer follows the write."""
+        connector = current_kv_connector()
+        connector.wait_for_layer_load(layer_id)
         kv_cache.write(layer_id, key, value, metadata.slot_mapping)
+        connector.save_kv_layer(layer_id, kv_cache, metadata)
         out = self.attend(query, kv_cache.key_cache(layer_id), kv_cache.value_cache(layer_id), metadata,
                           layer_id=layer_id, scale=scale, sliding_window=sliding_window, sinks=sinks)
         if out.shape != query.shape:

@@ -29,6 +29,7 @@ import paddle
 
 from fleetlab.attention.backend import AttentionBackend
 from fleetlab.attention.metadata import AttentionMetadata
+from fleetlab.context import current_kv_connector
 
 
 @dataclass(slots=True)
@@ -98,7 +99,10 @@ class TritonBackend(AttentionBackend):
         key_cache, value_cache = kv_cache.key_cache(layer_id), kv_cache.value_cache(layer_id)
         query = query.contiguous()
         plan = self._plan(query, key_cache, metadata, sliding_window, sinks)
+        connector = current_kv_connector()  # GPU path: written, unrun here (no Paddle GPU)
+        connector.wait_for_layer_load(layer_id)
         plan.store_kv(key.contiguous(), value.contiguous(), key_cache, value_cache)
+        connector.save_kv_layer(layer_id, kv_cache, metadata)
         return plan.run(query, key_cache, value_cache, scale=scale, sinks=sinks)
 
     def attend(self, query, key_cache, value_cache, metadata, *, layer_id, scale, sliding_window=None,

@@ -10,7 +10,9 @@ tensor-parallel processes: step time and the share spent in all-reduce), ``spec`
 (speculative decoding on the shipped tiny model with its draft, and ngram on a repetitive
 workload: acceptance, target forwards per output token, engine steps, wall-clock speed-up),
 ``structured`` (structured outputs outside the model: grammar compile time per constraint,
-bitmask fill per row, masking).
+bitmask fill per row, masking), ``kv`` (KV connectors: the offload tier's hit rate and TTFT
+against the pool alone, a new engine loading from shared storage, bytes moved between a
+prefill rank and a decode rank).
 
 Each but ``triton`` writes its figures to ``benchmarks/results/`` (``--out`` for another folder),
 records the machine's threads and load there (:mod:`fleetlab.bench.machine`), and shows a
@@ -33,6 +35,7 @@ BENCHES = {
     "tp": "fleetlab.bench.tp",
     "spec": "fleetlab.bench.spec",
     "structured": "fleetlab.bench.structured",
+    "kv": "fleetlab.bench.kv",
 }
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure  # a bare Figure, not pyplot: no global backend switch, nothing left open
 
-from fleetlab.engine.observe import STEP_TIMING_PARTS
+from fleetlab.inspect.recorder import STEP_TIMING_PARTS
 
 # The parts of an engine step that ``StepTrace.timings`` records (plus "other", the rest).
 STEP_KEYS = STEP_TIMING_PARTS

@@ -30,6 +30,8 @@ class EngineConfig:
     tensor_parallel_size: ranks the model is split over (Megatron-style heads and MLP
       columns); > 1 needs a program started by ``python -m paddle.distributed.launch
       --nproc_per_node N`` (see ``fleetlab.distributed``).
+    kv_transfer_config: None, or ``{"connector": NAME, "role": "producer" | "consumer" | "both",
+      ...options}``: KV loaded from / saved outside the engine (see :mod:`fleetlab.kv_transfer`).
 
     Bounds (checked by ``fleetlab.validation.engine_config``; a refusal names the field): ``block_size``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``tensor_parallel_size``, ``num_blocks`` and
@@ -56,3 +58,4 @@ class EngineConfig:
     record_traces: bool = False
     speculative_config: dict | None = None
     tensor_parallel_size: int = 1
+    kv_transfer_config: object = None

@@ -95,6 +95,7 @@ class SchedulerOutput:
       ``len(drafts)`` of its scheduled tokens).
     finished_req_ids: requests that finished or were aborted since the last step.
     preempted_req_ids: requests preempted while this step was planned.
+    kv_connector_metadata: the KV connector's plan of the step's loads and saves (None without one).
     """
 
     step: int
@@ -104,6 +105,7 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: list[str] = field(default_factory=list)
+    kv_connector_metadata: object = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -124,8 +126,7 @@ class ModelRunnerOutput:
       prompt tokens this step's chunk predicts (requests that asked for ``prompt_logprobs``).
     spec_token_ids: request id -> drafts proposed for the next step.
     errors: request id -> message (e.g. non-finite logits); those requests stop.
-    order_before / order_after: request ids by batch row before and after the reorder;
-    num_decodes: leading rows the attention backend treats as decodes.
+    finished_sending / kv_load_failed_block_ids: the KV connector's report (``get_finished``).
     """
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -133,7 +134,5 @@ class ModelRunnerOutput:
     logprobs: dict[str, list] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
-    order_before: list[str] = field(default_factory=list)
-    order_after: list[str] = field(default_factory=list)
-    num_decodes: int = 0
-    reordered: bool = False
+    finished_sending: set[str] = field(default_factory=set)
+    kv_load_failed_block_ids: set[int] = field(default_factory=set)

@@ -24,10 +24,12 @@ import paddle
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import forward_context
 from fleetlab.device import upload, upload_packed
+from fleetlab.engine.hooks import StepHooks
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.sampler import Sampler, SamplingTensors
 from fleetlab.engine.side_data import chunk_embeds
+from fleetlab.kv_transfer.base import NULL_CONNECTOR
 
 
 @dataclass(slots=True)
@@ -65,10 +67,14 @@ class ModelRunner:
       sampler: turns scored logits into each row's tokens (default :class:`Sampler`; with
         speculation, :class:`~fleetlab.spec_decode.rejection.RejectionSampler`).
       proposer: drafts the next step's tokens (a :class:`~fleetlab.spec_decode.proposer.Proposer`), or None.
+      hooks: where observers see inside the step (:class:`~fleetlab.engine.hooks.StepHooks`).
+      kv_connector: loads K/V from outside before and during the forward, saves it per layer
+        (:class:`~fleetlab.kv_transfer.KVConnector`; default: the null connector).
     """
 
     def __init__(self, handle, kv_cache, input_batch: InputBatch, *, reorder: bool, decode_threshold: int = 1,
-                 sampler: Sampler | None = None, proposer=None):
+                 sampler: Sampler | None = None, proposer=None, hooks: StepHooks | None = None,
+                 kv_connector=NULL_CONNECTOR):
         self.handle = handle
         self.kv_cache = kv_cache
         self.batch = input_batch
@@ -77,17 +83,28 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.sampler = sampler or Sampler()
         self.proposer = proposer
+        self.hooks = hooks or StepHooks()
+        self.kv_connector = kv_connector
         if proposer is not None:
             proposer.bind(input_batch)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run the step ``so`` plans (at least one request)."""
-        out = self.update_batch(so)
-        inputs = self.prepare_inputs()
-        logits = self.forward(inputs)
-        self.sample(logits, inputs, out)
+        """Run the step ``so`` plans (at least one request); each part is a phase observers may time."""
+        phase = self.hooks.phase
+        with phase("batch_update"):
+            out = self.update_batch(so)
+        with phase("metadata"):
+            inputs = self.prepare_inputs()
+        with phase("forward"):
+            self.kv_connector.start_load_kv(so.kv_connector_metadata, self.kv_cache)
+            logits = self.forward(inputs)  # each attention layer: wait_for_layer_load, write, save_kv_layer
+            self.kv_connector.wait_for_save()
+            out.finished_sending, out.kv_load_failed_block_ids = self.kv_connector.get_finished(so.finished_req_ids)
+        with phase("sample"):
+            self.sample(logits, inputs, out)
         if self.proposer is not None:
-            out.spec_token_ids = self.proposer.propose(self.batch, out.sampled_token_ids)
+            with phase("propose"):
+                out.spec_token_ids = self.proposer.propose(self.batch, out.sampled_token_ids)
         return out
 
     def reset(self) -> None:
@@ -100,7 +117,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ batch update
     def update_batch(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Apply the message to the batch, condense, reorder; the row orders go in the output."""
+        """Apply the message to the batch, condense, reorder (observers see the rows before it)."""
         b = self.batch
         scheduled = so.num_scheduled_tokens
         resent = {new.req_id for new in so.scheduled_new_reqs}
@@ -119,12 +136,11 @@ class ModelRunner:
             b.set_spec_tokens(req_id, drafts)
         b.condense()
         b.set_num_scheduled(scheduled)
-        out = ModelRunnerOutput(order_before=list(b.req_ids), reordered=self.reorder)
+        self.hooks.batch_order(b.req_ids)
         if self.reorder:
-            _, out.num_decodes = b.reorder_split_prefill_and_decode(self.decode_threshold)
-        out.order_after = list(b.req_ids)
+            b.reorder_split_prefill_and_decode(self.decode_threshold)
         b.sync_to_device()  # at most one copy per device field, after every row has moved
-        return out
+        return ModelRunnerOutput()
 
     # ------------------------------------------------------------------ inputs and forward
     def prepare_inputs(self) -> StepInputs:
@@ -171,7 +187,7 @@ class ModelRunner:
             index, vectors = inputs.embeds
             own = self.handle.embed(inputs.input_ids)[0]
             embeds = paddle.scatter(own, upload(index), upload(vectors).astype(own.dtype)).unsqueeze(0)
-        with paddle.no_grad(), forward_context(md, self.kv_cache):
+        with paddle.no_grad(), forward_context(md, self.kv_cache, self.kv_connector):
             logits = self.handle.compute_logits(inputs.input_ids, md.positions.reshape([1, -1]),
                                                 inputs.logits_indices, inputs_embeds=embeds)
         return logits.astype("float32") if logits.dtype != paddle.float32 else logits

@@ -14,9 +14,11 @@ class RequestOutput:
       the outputs ``generate`` returns.
     text: ``token_ids`` decoded without special tokens, once the request has finished and
       when the engine has a tokenizer (a stream decodes its ``new_token_ids`` itself).
-    finish_reason: ``"stop"`` (EOS or a stop token), ``"length"`` (max_tokens or the
+    finish_reason: ``"stop"`` (EOS, a stop token or a stop string), ``"length"`` (max_tokens or the
       model's maximum length), ``"abort"`` (``LLM.abort``), ``"error"`` (see ``error``),
       or None while unfinished.
+    stop_reason: what stopped it with ``"stop"``: the stop string, or the stop token id
+      (``stop_token_ids``); None at EOS (vLLM's meaning).
     metrics: arrival / first-scheduled / first-token / finish times and each output token's
       time (``token_times``; ``time.perf_counter`` seconds), and ``num_preemptions``.
     index: which of the request's ``n`` sequences this is (``SamplingParams.n``; 0 when n = 1).
@@ -38,6 +40,7 @@ class RequestOutput:
     logprobs: list | None = None
     prompt_logprobs: list | None = None
     cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None
 
     @property
     def finished(self) -> bool:

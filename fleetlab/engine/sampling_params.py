@@ -30,11 +30,15 @@ class SamplingParams:
       token's index, not a shared generator).
     stop_token_ids: token ids (a sequence of ints >= 0, inside the vocabulary; at most the
       batch's ``max_stop_ids``): generation stops after emitting one (it stays in token_ids).
+    stop: strings that end the output where one appears in its text (a string or a list of
+      non-empty strings; needs a tokenizer): ``finish_reason="stop"`` and ``stop_reason`` the
+      string; the text is cut before it (see :mod:`fleetlab.output.stop`).
+    include_stop_str_in_output: keep the stop string at the end of the text (True or False).
     ignore_eos: keep going past the model's EOS token (True or False).
     min_tokens: EOS and stop tokens are masked out until this many tokens exist; an int in
       ``[0, max_tokens]`` (clamped with ``max_tokens``).
     n: how many sequences to generate from the prompt (an int >= 1). The engine fans the
-      request out into ``n`` child requests (:mod:`fleetlab.engine.parallel_sampling`) that
+      request out into ``n`` child requests (:mod:`fleetlab.output.parallel_sampling`) that
       share the prompt's full KV blocks through the prefix cache; child ``i`` draws with
       seed ``seed + i`` (reproducible) and its outputs carry ``index = i``.
     best_of: None (= ``n``) or an int >= ``n``: generate ``best_of`` sequences and return the
@@ -72,6 +76,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    stop: tuple[str, ...] | list[str] | str | None = None
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
     n: int = 1

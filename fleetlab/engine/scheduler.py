@@ -31,6 +31,7 @@ from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.policies import POLICIES, SchedulingPolicy
 from fleetlab.engine.request import Request, RequestStatus
 from fleetlab.kv.manager import KVCacheManager
+from fleetlab.kv_transfer.base import NULL_CONNECTOR, KVConnector, requests_to_recompute
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +47,14 @@ class Scheduler:
       policy: a :class:`SchedulingPolicy` instance or class, or its registered name.
       num_lookahead_tokens: slots reserved past a request's last token when it samples
         (a draft model writes its proposals there).
+      kv_connector: a :class:`~fleetlab.kv_transfer.KVConnector` (tokens loadable from outside
+        at admission, blocks kept until a save is done); default: the null connector.
     """
 
     def __init__(self, kv_manager: KVCacheManager, *, max_num_batched_tokens: int, max_num_seqs: int,
                  max_model_len: int, enable_chunked_prefill: bool = True,
-                 policy: SchedulingPolicy | str = "fcfs", num_lookahead_tokens: int = 0):
+                 policy: SchedulingPolicy | str = "fcfs", num_lookahead_tokens: int = 0,
+                 kv_connector: KVConnector = NULL_CONNECTOR):
         self.kv = kv_manager
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -58,6 +62,8 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_lookahead_tokens = num_lookahead_tokens
         self.policy = POLICIES.make(policy)
+        self.connector = kv_connector
+        self._held: dict[str, Request] = {}  # retired, blocks kept until the connector's save is done
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -100,6 +106,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         self._fill_request_data(out)
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()
+        out.kv_connector_metadata = self.connector.build_connector_meta(out, self)
         self.step_count += 1
         return out
 
@@ -152,16 +159,19 @@ class Scheduler:
                 break
             req = min(ready, key=lambda r: self.policy.admission_key(r, self.step_count))
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            remaining = req.num_tokens - num_hit_tokens
+            num_external = self.connector.get_num_new_matched_tokens(req, num_hit_tokens)  # loaded, not computed
+            remaining = req.num_tokens - num_hit_tokens - num_external
             if remaining > budget and not self.enable_chunked_prefill:
                 break
             n = min(remaining, budget)
-            if self.kv.allocate_slots(req, n, self._lookahead(req, n + num_hit_tokens), hits,
-                                      max_num_tokens=self.max_model_len) is None:
+            if self.kv.allocate_slots(req, num_external + n, self._lookahead(req, n + num_hit_tokens + num_external),
+                                      hits, max_num_tokens=self.max_model_len) is None:
                 break
             if self.kv.enable_prefix_caching:  # counted once per admission, not once per retry
                 self.kv.record_lookup(req, num_hit_tokens)
-            req.num_computed_tokens = num_hit_tokens
+            req.num_computed_tokens = num_hit_tokens + num_external
+            self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_hit_tokens,
+                                                    num_external)
             req.first_scheduled_time = req.first_scheduled_time or time.perf_counter()
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
@@ -221,10 +231,17 @@ class Scheduler:
         where plain decoding would. Finished requests free their blocks.
         """
         now = time.perf_counter() if now is None else now
+        redo = requests_to_recompute(self.kv, out.num_scheduled_tokens, result.kv_load_failed_block_ids)
+        for rid in redo:  # a KV load failed: recompute, as after a preemption (before commit drops its cache entries)
+            self._preempt(self.requests[rid], out)
         self.kv.commit_step()
+        for rid in result.finished_sending & self._held.keys():  # the connector's save is done: free what it kept
+            self.kv.free(self._held.pop(rid))
         outputs = []
         for rid, n in out.num_scheduled_tokens.items():
             req = self.requests[rid]
+            if rid in redo:
+                continue
             req.num_computed_tokens += n
             tokens = result.sampled_token_ids.get(rid)
             if rid in result.errors:
@@ -287,7 +304,10 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.spec_token_ids = []
-        self.kv.free(req)
+        if self.connector.request_finished(req, self.kv.get_block_ids(req.request_id)):
+            self._held[req.request_id] = req  # freed once get_finished names it
+        else:
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)
         self._sent.pop(req.request_id, None)
         self._finished_ids.add(req.request_id)

@@ -3,10 +3,12 @@
 One concept per module:
 
 - :mod:`~fleetlab.serving.async_llm`: ``AsyncLLM``, the engine thread and per-request streams;
+- :mod:`~fleetlab.serving.engine_stats`: what ``/metrics`` reads of the engine beyond ``LLM.stats()``;
 - :mod:`~fleetlab.serving.protocol`: OpenAI's request models and response / chunk shapes;
 - :mod:`~fleetlab.serving.refused`: the fields the server knows but does not apply, and why;
 - :mod:`~fleetlab.serving.detokenizer`: incremental detokenization and stop strings;
 - :mod:`~fleetlab.serving.chat_template`: chat messages -> prompt token ids;
+- :mod:`~fleetlab.serving.tokenization`: ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` (vLLM's shapes);
 - :mod:`~fleetlab.serving.errors`: OpenAI-style error bodies (400 / 401 / 404 / 503);
 - :mod:`~fleetlab.serving.metrics`: ``/metrics`` in Prometheus' format;
 - :mod:`~fleetlab.serving.app`: the FastAPI app (``build_app``);

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP app (FastAPI): ``build_app(engine, model_name, api_key=None)``.
+"""The OpenAI-compatible HTTP app (FastAPI): ``build_app(engine, model_name, api_key=None, cors=None)``.
 
 Endpoints:
 
@@ -8,10 +8,17 @@ Endpoints:
   for any other id);
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI's request and response
   shapes (:mod:`fleetlab.serving.protocol`), ``stream=true`` answered with server-sent events;
-- ``GET  /metrics``: Prometheus text (:mod:`fleetlab.serving.metrics`).
+- ``GET  /metrics``: Prometheus text (:mod:`fleetlab.serving.metrics`);
+- ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``: vLLM's tokenizer routes
+  (:mod:`fleetlab.serving.tokenization`); ``GET /version``: ``{"version": fleetlab's}``.
 
-With ``api_key`` set, every ``/v1`` route wants ``Authorization: Bearer <api_key>`` and answers
-401 without it (as vLLM's ``--api-key``); ``/health`` and ``/metrics`` stay open.
+Any other path is a 404 whose message lists the routes there are.
+
+With ``api_key`` set, every ``/v1`` route and the tokenizer routes want ``Authorization: Bearer
+<api_key>`` and answer 401 without it (as vLLM's ``--api-key``); ``/health``, ``/metrics`` and
+``/version`` stay open. ``cors``: keywords of Starlette's ``CORSMiddleware`` (``allow_origins``,
+``allow_methods``, ``allow_headers``, ``allow_credentials``; ``serve --allowed-origins ...``);
+None: no cross-origin headers, so a browser page from elsewhere cannot read the answers.
 
 A request's life: parse the body as JSON and validate it (pydantic, then :meth:`check_supported`:
 a field fleetlab would not apply is refused), tokenize here on the asyncio side (so the prompt
@@ -23,7 +30,7 @@ the engine request. A client that hangs up, mid-stream or while waiting for a wh
 aborts its requests: their KV blocks are free before the next engine step.
 
 Choices: each of a prompt's ``n`` (or ``best_of``) choices is its own engine request, with the
-settings of child ``i`` of :mod:`fleetlab.engine.parallel_sampling` (seed ``seed + i``), so
+settings of child ``i`` of :mod:`fleetlab.output.parallel_sampling` (seed ``seed + i``), so
 they stream, stop and abort one by one; queued in one engine turn, they are admitted in the
 same step and share the prompt's full KV blocks through the prefix cache, as ``LLM``'s own
 ``n`` does. Choice ``index`` is ``prompt index * n + i``, as in OpenAI's API. With ``best_of >
@@ -35,8 +42,9 @@ shutdown timeout; then each one left is aborted and ends with an error event and
 [DONE]`` (a whole response: a 503), so no handler is cancelled mid-way.
 
 Errors are OpenAI-shaped (:mod:`fleetlab.serving.errors`): bad JSON, bad types, out-of-range
-values, a prompt that does not fit, unsupported fields -> 400 naming the field; an unknown model
--> 404; a full queue -> 503. An unexpected exception is a 500 and is logged; the server goes on.
+values, a prompt that does not fit, unsupported fields, more sequences than the server could ever
+hold -> 400 naming the field; an unknown model -> 404; a full queue now -> 503. An unexpected
+exception is a 500 and is logged; the server goes on.
 """
 
 from __future__ import annotations
@@ -53,12 +61,15 @@ from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fleetlab.engine.parallel_sampling import child_sampling_params, select_best
+import fleetlab
 from fleetlab.engine.sampling_params import SamplingParams
+from fleetlab.output.parallel_sampling import child_sampling_params, select_best
 from fleetlab.serving import protocol as P
+from fleetlab.serving import tokenization
 from fleetlab.serving.async_llm import AsyncLLM, RequestStream
 from fleetlab.serving.chat_template import chat_prompt_ids, encode_text
 from fleetlab.serving.detokenizer import TextStream
@@ -79,8 +90,8 @@ from fleetlab.validation import check_sampling_params
 logger = logging.getLogger(__name__)
 
 
-def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) -> FastAPI:
-    """A FastAPI app serving ``engine`` under the name ``model_name``.
+def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None, cors: dict | None = None) -> FastAPI:
+    """A FastAPI app serving ``engine`` under the name ``model_name`` (see the module docstring).
 
     The app starts the engine thread when it starts; it does not shut the engine down (its
     owner does: ``engine.shutdown()``), so one engine can outlive a server in tests.
@@ -96,8 +107,11 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) -> 
     server = OpenAIServing(engine, model_name, metrics)
     app.state.engine, app.state.metrics, app.state.serving = engine, metrics, server
     _add_error_handlers(app, metrics)
+    if cors is not None:
+        app.add_middleware(CORSMiddleware, **cors)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.head("/health", include_in_schema=False)  # HEAD too (load balancers' probes)
+    @app.get("/health")
     async def health():
         if server.draining:
             raise ShuttingDown("the server is shutting down", code="shutting_down")
@@ -109,7 +123,13 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) -> 
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_bearer_check(api_key))] if api_key else [])
+    @app.get("/version")
+    async def version():
+        return {"version": fleetlab.__version__}
+
+    keyed = [Depends(_bearer_check(api_key))] if api_key else []
+    app.include_router(_tokenizer_routes(server, keyed))
+    v1 = APIRouter(prefix="/v1", dependencies=keyed)
 
     @v1.get("/models")
     async def models():
@@ -134,6 +154,27 @@ def build_app(engine: AsyncLLM, model_name: str, api_key: str | None = None) -> 
     return app
 
 
+def _tokenizer_routes(server: OpenAIServing, dependencies: list) -> APIRouter:
+    """``/tokenize``, ``/detokenize``, ``/tokenizer_info`` (:mod:`fleetlab.serving.tokenization`)."""
+    router, engine = APIRouter(dependencies=dependencies), server.engine
+
+    @router.post("/tokenize")
+    async def tokenize(raw_request: Request):
+        body = await raw_request.body()
+        return tokenization.tokenize(server.tokenizer("prompt"), body, engine.max_model_len, server.check_model)
+
+    @router.post("/detokenize")
+    async def detokenize(raw_request: Request):
+        body = await raw_request.body()
+        return tokenization.detokenize(server.tokenizer("tokens"), body, engine.vocab_size, server.check_model)
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info():
+        return tokenization.tokenizer_info(server.tokenizer(None))
+
+    return router
+
+
 def _bearer_check(api_key: str):
     """A FastAPI dependency: 401 unless the request carries ``Authorization: Bearer <api_key>``."""
     expected = f"Bearer {api_key}".encode()
@@ -156,7 +197,9 @@ class _Choice:
     ``sampling``: its engine request's settings; ``prompt_index``: which prompt it continues;
     ``want_logprobs``: the client asked for logprobs (a ``best_of`` choice computes them anyway,
     to be ranked); ``echo``: the prompt's text to send before the first token (``echo=true``);
-    ``logprobs``: ``(token id, TokenLogprobs or None)`` per position sent so far.
+    ``logprobs``: ``(token id, TokenLogprobs or None)`` per position sent so far;
+    ``echo_only``: ``echo`` with ``max_tokens=0``: the engine makes one token, which is not sent;
+    ``stop_reason``: vLLM's (the stop string or stop token id that ended it, else None).
     """
 
     index: int
@@ -166,8 +209,10 @@ class _Choice:
     prompt_index: int = 0
     want_logprobs: bool = False
     echo: str | None = None
+    echo_only: bool = False
     stream: RequestStream | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     content: list[str] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     cumulative_logprob: float | None = None
@@ -192,6 +237,12 @@ class OpenAIServing:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "fleetlab",
                 "max_model_len": self.engine.max_model_len}
 
+    def tokenizer(self, param: str | None):
+        """The engine's tokenizer (400 naming ``param`` when the server has none)."""
+        if self.engine.tokenizer is None:
+            raise BadRequest("this server has no tokenizer", param, "unsupported")
+        return self.engine.tokenizer
+
     def check_model(self, name: str | None) -> None:
         """404 ``model_not_found`` unless ``name`` is the served model (None: the served model)."""
         if name is not None and name != self.model_name:
@@ -205,10 +256,12 @@ class OpenAIServing:
         prompts = [p if isinstance(p, list) else self._encode(p) for p in req.prompts]
         max_tokens = 16 if req.max_tokens is None else req.max_tokens
         choices = [self._choice(i, ids, req, "prompt") for i, ids in enumerate(prompts)]
-        sp = self._sampling_params(req, max_tokens, choices, "prompt")
+        # max_tokens=0 (with echo): the prompt's logprobs need a forward, so one token is made and not sent
+        sp = self._sampling_params(req, max(max_tokens, 1), choices, "prompt")
         if req.echo:
             for c, p in zip(choices, req.prompts):
                 c.echo = p if isinstance(p, str) else self._decode(c.prompt_ids)
+                c.echo_only = max_tokens == 0
         return await self._run(req, "cmpl", "text_completion", self._fan_out(choices, sp, req), sp, "prompt")
 
     async def chat(self, req: P.ChatCompletionRequest):
@@ -229,10 +282,11 @@ class OpenAIServing:
     def _fan_out(self, prompts: list[_Choice], sp: SamplingParams, req) -> list[_Choice]:
         """Each prompt's ``best_of`` (default ``n``) choices, child ``i`` with its own settings."""
         best_of = sp.best_of or sp.n
-        return [_Choice(p.index * best_of + i, p.prompt_ids, TextStream(self.engine.tokenizer, p.prompt_ids,
-                                                                       req.stop_strings),
+        return [_Choice(p.index * best_of + i, p.prompt_ids,
+                        TextStream(self.engine.tokenizer, p.prompt_ids, req.stop_strings,
+                                   req.include_stop_str_in_output),
                         sampling=child_sampling_params(sp, i), prompt_index=p.index,
-                        want_logprobs=req.num_logprobs is not None, echo=p.echo)
+                        want_logprobs=req.num_logprobs is not None, echo=p.echo, echo_only=p.echo_only)
                 for p in prompts for i in range(best_of)]
 
     # ----- request checks -----
@@ -255,18 +309,22 @@ class OpenAIServing:
         limit = self.engine.max_model_len
         if not ids:
             raise BadRequest(f"{prompt_field} is empty", prompt_field, "invalid_value")
+        outside = [t for t in ids if not 0 <= t < self.engine.vocab_size]
+        if outside:  # checked here too: echo decodes the prompt before the engine sees it
+            raise BadRequest(f"{prompt_field} holds token ids outside the vocabulary [0, {self.engine.vocab_size}): "
+                             f"{outside[:5]}", prompt_field, "invalid_value")
         if len(ids) >= limit:
             raise BadRequest(f"this model's maximum context length is {limit} tokens; the {prompt_field} has "
                              f"{len(ids)} tokens, which leaves no room for an answer", prompt_field,
                              "context_length_exceeded")
-        return _Choice(index, ids, TextStream(self.engine.tokenizer, ids, req.stop_strings))
+        return _Choice(index, ids, TextStream(self.engine.tokenizer, ids))  # a prompt: _fan_out makes its choices
 
     def _sampling_params(self, req, max_tokens: int, choices: list[_Choice], prompt_field: str) -> SamplingParams:
         limit = self.engine.max_model_len
         longest = max(len(c.prompt_ids) for c in choices)
         if longest + max_tokens > limit:
             raise BadRequest(f"this model's maximum context length is {limit} tokens; you asked for {longest} "
-                             f"{prompt_field} tokens + {max_tokens} output tokens", "max_tokens",
+                             f"{prompt_field} tokens + max_tokens={max_tokens} output tokens", "max_tokens",
                              "context_length_exceeded")
         echo_logprobs = getattr(req, "echo", False) and req.num_logprobs is not None
         constraint, _ = req.structured_outputs_fields()
@@ -291,18 +349,21 @@ class OpenAIServing:
         from (``response_format...`` or ``structured_outputs``); a vocabulary that cannot spell it
         is ``unsupported`` (this model cannot serve it; another might)."""
         text = re.sub(r"^request '[^']*': ", "", str(error))
-        if not text.startswith("structured_outputs"):
-            return bad_request_from_engine(error, prompt_field)
-        where = req.structured_outputs_fields()[1]
+        constraint, where = req.structured_outputs_fields()
+        refusal = bad_request_from_engine(error, prompt_field)
+        if not text.startswith("structured_outputs") and (refusal.param is not None or constraint is None):
+            return refusal
+        # a grammar library's own message names no field: the constraint is the field it refused
         if "cannot be spelled" in text:
             return BadRequest(f"{where}: the served model cannot write these structured outputs: {text}", where,
                               "unsupported")
-        return BadRequest(text if where == "structured_outputs" else f"{where}: {text}", where, "invalid_value")
+        return BadRequest(text if text.startswith(where) else f"{where}: {text}", where, "invalid_value")
 
     # ----- running -----
     async def _run(self, req, prefix: str, obj: str, choices: list[_Choice], sp: SamplingParams, prompt_field: str):
         if self.draining:
             raise ShuttingDown("the server is shutting down; it takes no new requests", code="shutting_down")
+        self._check_fits(choices, req, prompt_field)
         response_id = f"{prefix}-{uuid.uuid4().hex}"
         requests = [{"sampling_params": c.sampling, "prompt_token_ids": c.prompt_ids,
                      "request_id": response_id if len(choices) == 1 else f"{response_id}-{c.index}"}
@@ -311,9 +372,7 @@ class OpenAIServing:
             streams = await self.engine.add_requests(requests)
         except ValueError as e:
             raise self._bad_request(e, prompt_field, req) from e
-        for c, stream in zip(choices, streams):
-            c.stream = stream
-            self.live.add(stream)
+        self._attach(choices, streams, sp)
         if self.closing:  # queued while the server stopped waiting for requests to finish
             self._close(choices)
             raise ShuttingDown("the server is shutting down; it takes no new requests", code="shutting_down")
@@ -335,11 +394,32 @@ class OpenAIServing:
         choices = self._best(choices, sp.n)
         tokenizer = self.engine.tokenizer
         body = [{"index": c.index, "text": "".join(c.content), "finish_reason": c.finish_reason,
+                 "stop_reason": c.stop_reason,
                  "logprobs": None if not c.want_logprobs else chat_logprobs(tokenizer, c.logprobs) if chat
                  else completion_logprobs(tokenizer, c.logprobs)} for c in choices]
         use = self._usage(choices)
         build = P.chat_response if chat else P.completion_response
         return JSONResponse(build(response_id, created, self.model_name, body, use))
+
+    def _attach(self, choices: list[_Choice], streams: list[RequestStream], sp: SamplingParams) -> None:
+        """The queued requests' streams on their choices, and each prompt's parameters in ``/metrics``."""
+        for c, stream in zip(choices, streams):
+            c.stream = stream
+            self.live.add(stream)
+        for _ in {c.prompt_index for c in choices}:
+            self.metrics.observe_params(sp.n, 0 if choices[0].echo_only else sp.max_tokens)
+
+    def _check_fits(self, choices: list[_Choice], req, prompt_field: str) -> None:
+        """400 for a request that could never be queued, however long it waited (a full queue
+        now is a 503: retry later)."""
+        capacity = self.engine.capacity
+        if capacity is None or len(choices) <= capacity:
+            return
+        per_prompt = len(choices) // (1 + max(c.prompt_index for c in choices))
+        param = prompt_field if per_prompt <= capacity else "best_of" if req.best_of else "n"
+        raise BadRequest(f"this request needs {len(choices)} sequences ({len(choices) // per_prompt} prompt(s) x "
+                         f"{per_prompt}); the server holds at most {capacity} at once (max_num_seqs + "
+                         f"max_queue_len), so it can never be served: send fewer {param}", param, "invalid_value")
 
     @staticmethod
     def _best(choices: list[_Choice], n: int) -> list[_Choice]:
@@ -366,13 +446,13 @@ class OpenAIServing:
                 delta = {"content": text} if text or not finish else {}
                 logprobs = chat_logprobs(tokenizer, positions) if c.want_logprobs else None
                 return P.sse(P.chat_chunk(response_id, created, self.model_name, c.index, delta, finish, include_usage,
-                                          logprobs))
+                                          logprobs, c.stop_reason))
             logprobs = None
             if c.want_logprobs:
                 logprobs = completion_logprobs(tokenizer, positions, c.text_offset)
                 c.text_offset += sum(len(t) for t in logprobs["tokens"])
             return P.sse(P.completion_chunk(response_id, created, self.model_name, c.index, text, finish,
-                                            include_usage, logprobs))
+                                            include_usage, logprobs, c.stop_reason))
 
         try:
             if chat:  # the role first, as OpenAI does
@@ -402,13 +482,14 @@ class OpenAIServing:
         finished; ``new positions``: ``(token id, TokenLogprobs or None)`` of the tokens the
         output added (after the prompt's, with echo), when the client asked for logprobs.
 
-        Sets ``finish_reason`` on the choice whose output finished it (the engine's, or
-        ``"stop"`` when a stop string appeared: that request is aborted at once).
+        Sets ``finish_reason`` and ``stop_reason`` on the choice whose output finished it (the
+        engine's, or ``"stop"`` when a stop string appeared: that request is aborted at once).
         """
         async for c, out in _merge(choices):
             if c.finish_reason is not None:
                 continue  # outputs after a stop string (the abort's) are dropped
-            text = c.text.push(out.new_token_ids)
+            on_token = out.finished and out.finish_reason == "stop" and bool(out.new_token_ids)
+            text = "" if c.echo_only else c.text.push(out.new_token_ids, stopped_on_token=on_token)
             positions = self._new_positions(c, out)
             if c.echo is not None:
                 text, c.echo = c.echo + text, None
@@ -417,10 +498,11 @@ class OpenAIServing:
                 self.metrics.observe_first_token(c.stream.times)
             c.gaps_observed = self.metrics.observe_token_gaps(c.stream.times, c.gaps_observed)
             if c.text.stopped:
-                c.finish_reason = "stop"
+                c.finish_reason, c.stop_reason = "stop", c.text.stop_reason
                 c.stream.abort()
             elif out.finished:
-                c.finish_reason = out.finish_reason
+                c.finish_reason = "length" if c.echo_only else out.finish_reason
+                c.stop_reason = None if c.echo_only else out.stop_reason  # the stop token's id, None for EOS
                 text += c.text.finish()
             c.content.append(text)
             yield c, text, positions
@@ -433,7 +515,7 @@ class OpenAIServing:
         c.cumulative_logprob = out.cumulative_logprob
         if not c.want_logprobs:
             return []
-        new = out.new_token_ids
+        new = [] if c.echo_only else out.new_token_ids
         items = (out.logprobs or [])[len(out.logprobs or []) - len(new):] if new else []
         positions = list(zip(new, items))
         if c.echo is not None:
@@ -538,6 +620,12 @@ async def _disconnected(request: Request) -> None:
 
 
 # ----- errors -----
+def _routes(app: FastAPI) -> str:
+    """``"GET /health, POST /v1/completions, ..."``: the app's routes, as its OpenAPI schema lists them."""
+    paths = app.openapi()["paths"]  # built once, then cached by FastAPI
+    return ", ".join(f"{'|'.join(m.upper() for m in methods)} {path}" for path, methods in paths.items())
+
+
 def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     """OpenAI-shaped error bodies; ``request_errors_total`` counts the refusals of the API's own
     routes (an unknown path or method is nobody's request to the model: not counted)."""
@@ -564,7 +652,10 @@ def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, exc: StarletteHTTPException):  # 404 route, 405 method...
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return answer(exc.status_code, error_body(str(exc.detail), kind), getattr(exc, "headers", None), count=False)
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):
+            message = f"{message}: {request.method} {request.url.path}; this server answers {_routes(app)}"
+        return answer(exc.status_code, error_body(message, kind), getattr(exc, "headers", None), count=False)
 
     @app.exception_handler(Exception)
     async def unexpected(request, exc: Exception):

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.sampling_params import SamplingParams
+from fleetlab.serving.engine_stats import IterationTokens, iteration_buckets, snapshot
 from fleetlab.serving.errors import EngineDead, Overloaded
 
 logger = logging.getLogger(__name__)
@@ -177,14 +178,17 @@ class AsyncLLM:
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
+        self.vocab_size = llm.handle.vocab_size
         self.max_queue_len = max_queue_len
         self._capacity = None if max_queue_len is None else llm.config.max_num_seqs + max_queue_len
+        self._iteration_tokens = IterationTokens(iteration_buckets(llm.config.max_num_batched_tokens))
+        llm.observers.append(self._iteration_tokens)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._num_unfinished = 0  # accepted by add_request, not finished yet (guarded by _lock)
         self._thread: threading.Thread | None = None
-        self._stats = self.llm.stats()
+        self._stats = snapshot(self.llm, self._iteration_tokens)
         self.error: BaseException | None = None  # what killed the engine loop, if anything
         self._closed = False
 
@@ -211,7 +215,7 @@ class AsyncLLM:
             if getattr(sp, "n", 1) != 1 or (getattr(sp, "best_of", None) or 1) > 1:
                 raise ValueError(f"request {kw.get('request_id')!r}: sampling field n={sp.n} (best_of={sp.best_of}): "
                                  "a stream carries one sequence; queue one request per sequence with "
-                                 "fleetlab.engine.parallel_sampling.child_sampling_params(sp, i), as the server does")
+                                 "fleetlab.output.parallel_sampling.child_sampling_params(sp, i), as the server does")
         n = len(requests)
         if not n:
             return []
@@ -267,8 +271,14 @@ class AsyncLLM:
         self._inbox.put(_Abort(str(request_id)))
 
     def stats(self) -> dict:
-        """``LLM.stats()`` as of the engine thread's last loop turn (a snapshot; any thread)."""
+        """``LLM.stats()`` as of the engine thread's last loop turn, and the counts ``/metrics``
+        needs beyond it (a snapshot; any thread; :mod:`fleetlab.serving.engine_stats`)."""
         return dict(self._stats)
+
+    @property
+    def capacity(self) -> int | None:
+        """The most requests it holds at once, ``max_num_seqs + max_queue_len`` (None: no limit)."""
+        return self._capacity
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -321,8 +331,9 @@ class AsyncLLM:
                 if not self._take_commands(streams, block=idle):
                     break
                 if self.llm.has_unfinished_requests():
+                    self.llm.wait_until_runnable()  # nothing runnable (a grammar compiling): wait a little
                     self._step(streams)
-                self._stats = self.llm.stats()
+                self._stats = snapshot(self.llm, self._iteration_tokens)
         except Exception as e:  # a bug in a step: fail every request, keep the server answering
             logger.exception("fleetlab engine loop stopped")
             self.error = e
@@ -436,7 +447,7 @@ class AsyncLLM:
         try:
             if streams:
                 self._route(streams, self._abort(list(streams)))
-            self._stats = self.llm.stats()
+            self._stats = snapshot(self.llm, self._iteration_tokens)
         except Exception:
             logger.exception("fleetlab engine: aborting the remaining requests failed")
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 MINIMAL_TEMPLATE = "each message's text on its own line (roles not written); the answer follows the last line"
+MINIMAL_TEMPLATE_JINJA = "{% for m in messages %}{{ m['content'] }}{% if not loop.last %}\n{% endif %}{% endfor %}"
+"""The same layout as a Jinja chat template (``/tokenizer_info`` sends it, for clients that render prompts)."""
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -29,20 +31,33 @@ def render_minimal(messages: Sequence[dict]) -> str:
     return "\n".join(m["content"] for m in messages)
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[dict]) -> list[int]:
+def chat_prompt_ids(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
     """Prompt token ids for ``messages`` (``[{"role": ..., "content": str}, ...]``).
 
     The tokenizer's own template when it has one, else :func:`render_minimal` encoded by the
-    tokenizer (which adds its BOS, as for a completion prompt).
+    tokenizer (which adds its BOS, as for a completion prompt; it appends no generation prompt).
     """
     if has_chat_template(tokenizer):
-        return _as_ids(tokenizer.apply_chat_template(list(messages), tokenize=True, add_generation_prompt=True))
+        return _as_ids(tokenizer.apply_chat_template(list(messages), tokenize=True,
+                                                     add_generation_prompt=add_generation_prompt))
     return encode_text(tokenizer, render_minimal(messages))
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
-    """``tokenizer.encode(text)`` as a list of ints (a tokenizer may return a dict or a batch)."""
-    return _as_ids(tokenizer.encode(text))
+def chat_template_text(tokenizer) -> str:
+    """The chat template the server renders with, as Jinja text."""
+    return tokenizer.chat_template if has_chat_template(tokenizer) else MINIMAL_TEMPLATE_JINJA
+
+
+def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``tokenizer.encode(text)`` as a list of ints (a tokenizer may return a dict or a batch);
+    ``add_special_tokens=False``: without the BOS a tokenizer adds (Hugging Face's keyword, or
+    fleetlab's ``CharTokenizer``'s ``add_bos``)."""
+    if add_special_tokens:
+        return _as_ids(tokenizer.encode(text))
+    try:
+        return _as_ids(tokenizer.encode(text, add_special_tokens=False))
+    except TypeError:  # not a Hugging Face-style tokenizer
+        return _as_ids(tokenizer.encode(text, add_bos=False))
 
 
 def _as_ids(ids) -> list[int]:

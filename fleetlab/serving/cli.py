@@ -4,6 +4,7 @@
     python -m fleetlab serve --model tiny --model-impl fleet --max-num-seqs 32 --max-queue-len 64
     python -m fleetlab serve --model /path/to/checkpoint --backend triton --api-key KEY
     python -m fleetlab -v serve --model tiny --shutdown-timeout 30
+    python -m fleetlab serve --model tiny --allowed-origins '["http://localhost:3000"]'
 
 The engine options are ``LLM``'s (``fleetlab.EngineConfig``); ``--speculative-config JSON`` is
 handed to ``LLM(speculative_config=...)``, its ``"model"`` (a draft) loaded by name. ``--port 0``
@@ -12,7 +13,13 @@ fleetlab's INFO lines (access lines included); warnings always show.
 
 Ctrl-C (SIGINT) or SIGTERM stops the server (:mod:`fleetlab.serving.shutdown`): requests still
 running may finish for ``--shutdown-timeout`` seconds, then each one left ends with an error
-(a stream: an error event and ``data: [DONE]``); the exit status is 0.
+(a stream: an error event and ``data: [DONE]``); the exit status is 0. A second Ctrl-C ends
+them at once.
+
+``--allowed-origins`` (vLLM's flag, a JSON list; with ``--allowed-methods``,
+``--allowed-headers``, ``--allow-credentials``) lets web pages from those origins call the
+server (CORS). Unlike vLLM, which allows every origin by default, fleetlab allows none unless
+told: a page on any site could otherwise drive a server on ``localhost``.
 """
 
 from __future__ import annotations
@@ -55,13 +62,41 @@ def build_parser() -> argparse.ArgumentParser:
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' or "
                         "'{\"method\": \"draft\", \"num_speculative_tokens\": 4, \"model\": \"tiny\"}' "
                         "(\"tiny\": the shipped draft; else a checkpoint directory)")
+    p.add_argument("--kv-role", choices=("prefill", "decode", "by-rank"), default=None,
+                   help="disaggregated serving (fleetlab.kv_transfer.serving; `python -m fleetlab disagg` starts "
+                        "both): decode serves HTTP and pulls each prompt's K/V from the prefill rank")
     p.add_argument("--max-queue-len", type=int, default=256,
                    help="requests that may wait beyond --max-num-seqs; one more is answered 503 at once")
     p.add_argument("--api-key", default=None,
                    help="answer /v1 requests only with the header 'Authorization: Bearer KEY' (else 401)")
     p.add_argument("--shutdown-timeout", type=float, default=0.0, metavar="SECONDS",
                    help="on Ctrl-C / SIGTERM, let running requests finish for this long before ending them")
+    c = p.add_argument_group("CORS (cross-origin requests from web pages; vLLM's flags)")
+    c.add_argument("--allowed-origins", type=_json_list, default=None, metavar="JSON",
+                   help='origins allowed, e.g. \'["http://localhost:3000"]\' or \'["*"]\' (default: none)')
+    c.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON")
+    c.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON")
+    c.add_argument("--allow-credentials", action="store_true", help="allow cookies and auth headers cross-origin")
     return p
+
+
+def _json_list(text: str) -> list[str]:
+    """A JSON list of strings (argparse reports the ValueError as a bad option value)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON list of strings, e.g. '[\"http://localhost:3000\"]'")
+    return value
+
+
+def cors_options(args) -> dict | None:
+    """``build_app(cors=...)`` from the CORS flags (None without ``--allowed-origins``)."""
+    if args.allowed_origins is None:
+        return None
+    return {"allow_origins": args.allowed_origins, "allow_methods": args.allowed_methods,
+            "allow_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
 
 
 def engine_config(args) -> dict:
@@ -72,6 +107,10 @@ def engine_config(args) -> dict:
            "enable_prefix_caching": args.enable_prefix_caching, "seed": args.seed}
     if args.speculative_config is not None:
         cfg["speculative_config"] = resolve_draft(args.speculative_config)
+    if args.kv_role is not None:
+        from fleetlab.kv_transfer.serving import kv_role_config
+
+        cfg["kv_transfer_config"] = kv_role_config(args.kv_role)
     return cfg
 
 
@@ -92,6 +131,10 @@ def make_engine(args):
 
     model, tokenizer = load_model(args.model, args.model_impl)
     llm = LLM(model, tokenizer, **engine_config(args))
+    if args.kv_role is not None:  # the decode side of `disagg`: its idle engine keeps the prefill rank's link up
+        from fleetlab.kv_transfer.serving import keepalive_engine
+
+        return keepalive_engine(llm, max_queue_len=args.max_queue_len), args.served_model_name or args.model
     return AsyncLLM(llm, max_queue_len=args.max_queue_len), args.served_model_name or args.model
 
 
@@ -128,6 +171,11 @@ def main(argv=None) -> int:
         print(f"fleetlab serve: --shutdown-timeout {args.shutdown_timeout} must be >= 0", file=sys.stderr)
         return 2
     verbose = logging.getLogger("fleetlab").isEnabledFor(logging.INFO)  # `python -m fleetlab -v`
+    if args.kv_role is not None:
+        from fleetlab.kv_transfer.serving import resolve_role, run_prefill
+
+        if resolve_role(args.kv_role) == "prefill":
+            return run_prefill(args, engine_config)
     try:
         sock = bind(args.host, args.port)
     except OSError as e:
@@ -143,7 +191,8 @@ def main(argv=None) -> int:
     from fleetlab.serving.app import build_app
 
     host, port = sock.getsockname()[:2]
-    server = uvicorn_server(build_app(engine, name, api_key=args.api_key), verbose, args.shutdown_timeout)
+    app = build_app(engine, name, api_key=args.api_key, cors=cors_options(args))
+    server = uvicorn_server(app, verbose, args.shutdown_timeout)
     print(f"fleetlab serve: {name!r} ({args.model_impl}, {args.backend} attention) on http://{host}:{port}/v1 "
           f"-- Ctrl-C stops", flush=True)
     # uvicorn takes SIGINT / SIGTERM while it runs; once stopped it raises the signal again, for the

@@ -14,13 +14,25 @@ until the next token completes it. Decoding only a window keeps each push O(wind
 
 :class:`StopStrings` then holds back the end of the text that could be the start of a stop
 string (at most ``len(longest stop) - 1`` characters), so that a stop string split over two
-steps is never half sent, and cuts the text where one appears (OpenAI's ``stop``: the stop
-string itself is not returned). :class:`TextStream` chains the two.
+steps is never half sent, and cuts the text where one appears. :class:`TextStream` chains the two.
+
+vLLM's meaning of stopping, which the server follows:
+
+- a stop string (``stop``) is cut from the text, or kept at its end with
+  ``include_stop_str_in_output``; ``stop_reason`` is the string;
+- a stop token (EOS, or one of ``stop_token_ids``) stays in the token ids (and the usage
+  count), but its text is not output unless ``include_stop_str_in_output``; ``stop_reason`` is
+  the token id, or None for EOS (the engine's ``RequestOutput.stop_reason``).
+
+The search for stop strings is the engine's own, :func:`fleetlab.output.stop.find_stop_string`
+(the server detokenizes its streams itself, so it searches each delta with it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from fleetlab.output.stop import find_stop_string
 
 # How many prompt tokens seed the window, so the first output token decodes in context.
 _PROMPT_CONTEXT = 5
@@ -73,26 +85,30 @@ class StopStrings:
     """Cut a text stream at the first of ``stop`` and hold back what could begin one.
 
     ``push(delta)`` returns the text that is safe to send now; once a stop string is seen,
-    ``stopped`` is True, ``text`` ends just before it, and later pushes return nothing.
-    ``flush()`` returns the held-back rest (call it when the request ends for another reason).
+    ``stopped`` is True, ``reason`` is that string, ``text`` ends just before it (after it with
+    ``include``), and later pushes return nothing. ``flush()`` returns the held-back rest (call
+    it when the request ends for another reason).
     """
 
-    def __init__(self, stop: Sequence[str] = ()):
+    def __init__(self, stop: Sequence[str] = (), include: bool = False):
         self.stop = [s for s in stop if s]
-        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.include = include
+        # what must wait: the end that may begin a stop string (nothing when it is kept anyway)
+        self.hold = 0 if include else max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.sent = 0
         self.stopped = False
+        self.reason: str | None = None
 
     def push(self, delta: str) -> str:
         """Add ``delta``; return the text that can be sent now."""
         if self.stopped or not delta:
             return ""
-        start = max(0, len(self.text) - self.hold)  # a new match must end inside delta
         self.text += delta
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[:min(hits)]
+        found = find_stop_string(self.text, self.stop, len(delta), self.include)
+        if found is not None:
+            self.reason, keep = found
+            self.text = self.text[:keep]
             self.stopped = True
             return self.flush()
         safe = len(self.text) - self._partial_match()
@@ -118,14 +134,18 @@ class StopStrings:
 class TextStream:
     """One choice's text: token ids in, sendable text out, stop strings applied.
 
-    ``push(new_token_ids) -> str`` each step; ``finish() -> str`` when the engine says the
-    request is done. ``stopped``: a stop string ended it (the server then aborts the request).
-    ``num_tokens``: how many output tokens were pushed (the usage count).
+    ``push(new_token_ids, stopped_on_token) -> str`` each step (``stopped_on_token``: the engine
+    stopped the request on the last of them, EOS or a stop token: its text is dropped unless
+    ``include_stop``); ``finish() -> str`` when the engine says the request is done.
+    ``stopped``: a stop string ended it (the server then aborts the request); ``stop_reason``:
+    that string. ``num_tokens``: how many output tokens were pushed (the usage count).
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int] = (), stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
+                 include_stop: bool = False):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        self.stops = StopStrings(stop)
+        self.stops = StopStrings(stop, include_stop)
+        self.include_stop = include_stop
         self.num_tokens = 0
 
     @property
@@ -134,15 +154,22 @@ class TextStream:
         return self.stops.stopped
 
     @property
+    def stop_reason(self) -> str | None:
+        """The stop string that ended the text (None if none did)."""
+        return self.stops.reason
+
+    @property
     def text(self) -> str:
         """The text so far (cut at the stop string once one appeared)."""
         return self.stops.text
 
-    def push(self, new_token_ids: Sequence[int]) -> str:
+    def push(self, new_token_ids: Sequence[int], stopped_on_token: bool = False) -> str:
         """One step's new tokens in; the text that can be sent now out."""
         if self.stopped:
             return ""
         self.num_tokens += len(new_token_ids)
+        if stopped_on_token and not self.include_stop:
+            new_token_ids = list(new_token_ids)[:-1]
         return self.stops.push(self.detokenizer.push(new_token_ids))
 
     def finish(self) -> str:

@@ -45,17 +45,18 @@ class ServerThread(_Server):
       engine: an ``AsyncLLM``; stopped by :meth:`stop` only with ``shutdown_engine=True``.
       model_name: the name clients use.
       host, port: where to listen (port 0: any free port; ``url`` says which).
-      api_key: as ``serve --api-key``; shutdown_timeout: as ``serve --shutdown-timeout``.
+      api_key: as ``serve --api-key``; shutdown_timeout: as ``serve --shutdown-timeout``;
+      cors: ``build_app``'s (``CORSMiddleware`` keywords, as ``serve --allowed-origins ...``).
     """
 
     def __init__(self, engine, model_name: str = "tiny", host: str = "127.0.0.1", port: int = 0,
                  shutdown_engine: bool = True, verbose: bool = False, timeout: float = 30.0,
-                 api_key: str | None = None, shutdown_timeout: float = 0.0):
+                 api_key: str | None = None, shutdown_timeout: float = 0.0, cors: dict | None = None):
         from fleetlab.serving.app import build_app
         from fleetlab.serving.cli import bind, uvicorn_server
 
         self.engine, self.shutdown_engine = engine, shutdown_engine
-        self.app = build_app(engine, model_name, api_key=api_key)
+        self.app = build_app(engine, model_name, api_key=api_key, cors=cors)
         self._sock = bind(host, port)
         host, port = self._sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"

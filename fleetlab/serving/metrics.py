@@ -10,7 +10,11 @@ vLLM's means, except where marked *fleetlab's*. Every series carries a ``model_n
   KV blocks in use, 0-1), ``prefix_cache_hit_rate`` (*fleetlab's*: hits over queries since start);
 - counters ``num_preemptions``, ``prefix_cache_queries`` and ``prefix_cache_hits`` (in tokens: the
   prompt tokens looked up, and those found cached), ``engine_steps`` (*fleetlab's*);
-- ``cache_config_info``: a gauge always 1 whose labels are the KV cache's settings.
+- ``cache_config_info``: a gauge always 1 whose labels are the KV cache's settings;
+- ``iteration_tokens_total``: a histogram of the tokens each engine step ran;
+- with speculative decoding, counters ``spec_decode_num_drafts`` (verify rows),
+  ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
+  ``spec_decode_num_accepted_tokens_per_pos{position}`` (drafts accepted at position 0, 1...).
 
 **Per request**, observed by the app from the request's :class:`~fleetlab.serving.async_llm.StreamTimes`
 (engine-thread stamps, like vLLM's engine-core timestamps; ``arrival`` is when the server queued it):
@@ -23,6 +27,8 @@ vLLM's means, except where marked *fleetlab's*. Every series carries a ``model_n
   (first to last token), ``request_inference_time_seconds`` (first scheduled to last token),
   ``request_time_per_output_token_seconds`` (the request's mean gap), ``request_prompt_tokens``
   and ``request_generation_tokens``;
+- histograms ``request_params_n`` and ``request_params_max_tokens``: each prompt's ``n`` and
+  ``max_tokens`` (observed when it is queued);
 - counters ``prompt_tokens``, ``generation_tokens``, ``request_success{finished_reason}`` (every
   request that ended, ``abort`` included) and ``request_errors{status}`` (*fleetlab's*: requests
   the API refused with a 4xx/5xx; an unknown path is not counted).
@@ -34,7 +40,7 @@ has none, and neither has this one (:class:`_WithoutCreated`).
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -86,6 +92,31 @@ class _EngineCollector:
                                  labels=["model_name", *self.cache_config])
         info.add_metric([self.model_name, *self.cache_config.values()], 1.0)
         yield info
+        yield self._iteration_tokens(s["iteration_tokens"])
+        if "spec_num_drafts" in s:
+            yield from self._spec_decode(s)
+
+    def _iteration_tokens(self, h: dict) -> HistogramMetricFamily:
+        family = HistogramMetricFamily("fleetlab:iteration_tokens_total", "Tokens an engine step ran.",
+                                       labels=["model_name"])
+        cumulative, running = [], 0
+        for bound, count in zip([*(str(float(b)) for b in h["bounds"]), "+Inf"], h["counts"]):
+            running += count
+            cumulative.append((bound, running))
+        family.add_metric([self.model_name], cumulative, h["sum"])
+        return family
+
+    def _spec_decode(self, s: dict):
+        for name, doc, value in (
+                ("spec_decode_num_drafts", "Verify rows (a request's drafts checked in a step).", s["spec_num_drafts"]),
+                ("spec_decode_num_draft_tokens", "Draft tokens verified.", s["num_draft_tokens"]),
+                ("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s["num_accepted_tokens"])):
+            yield self._family(CounterMetricFamily, name, doc, value)
+        family = CounterMetricFamily("fleetlab:spec_decode_num_accepted_tokens_per_pos",
+                                     "Draft tokens accepted at each position.", labels=["model_name", "position"])
+        for position, value in enumerate(s["spec_accepted_per_position"]):
+            family.add_metric([self.model_name, str(position)], float(value))
+        yield family
 
     def _family(self, cls, name: str, doc: str, value):
         family = cls(f"fleetlab:{name}", doc, labels=["model_name"])
@@ -137,12 +168,20 @@ class ServerMetrics:
         self.prompt_lengths = histogram("request_prompt_tokens", "Prompt tokens of a finished request.", lengths)
         self.generation_lengths = histogram("request_generation_tokens", "Output tokens of a finished request.",
                                             lengths)
+        self.params_n = histogram("request_params_n", "The n of each prompt queued.", (1, 2, 5, 10, 20))
+        self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens of each prompt queued.",
+                                           lengths)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests that ended.")
         self.generation_tokens = counter("generation_tokens", "Output tokens sent.")
         self._success = Counter("fleetlab:request_success", "Requests ended, by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._errors = Counter("fleetlab:request_errors", "Requests refused, by HTTP status.",
                                ["model_name", "status"], registry=self.registry)
+
+    def observe_params(self, n: int, max_tokens: int) -> None:
+        """A prompt was queued with these ``n`` and ``max_tokens``."""
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(max_tokens)
 
     def observe_first_token(self, times) -> None:
         """A request's first token arrived (``times``: a ``StreamTimes``)."""

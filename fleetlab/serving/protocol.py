@@ -4,10 +4,14 @@ Requests: :class:`CompletionRequest` (``POST /v1/completions``) and :class:`Chat
 (``POST /v1/chat/completions``), read from the body by :func:`parse_request` (JSON whatever the
 ``Content-Type`` says, as OpenAI's and vLLM's servers read it). Their fields are the ones fleetlab
 applies; ranges follow OpenAI's API (``temperature`` in [0, 2], ``top_p`` in (0, 1], ``max_tokens``
->= 1, ``presence_penalty`` and ``frequency_penalty`` in [-2, 2], ``logprobs`` / ``top_logprobs``
-<= 20...) and a value out of range is answered 400 naming the field. Like vLLM, a few engine
+>= 1 -- or 0 with ``echo``, vLLM's scoring idiom: the prompt and its logprobs, nothing generated --,
+``presence_penalty`` and ``frequency_penalty`` in [-2, 2], ``logprobs`` / ``top_logprobs`` <= 20...)
+and a value out of range is answered 400 naming the field. Types are strict (pydantic's strict
+mode): ``max_tokens="4"``, ``max_tokens=true`` or completions' ``logprobs=true`` are refused, not
+coerced (an integer is a number, so ``temperature=1`` is fine). Like vLLM, a few engine
 settings are accepted as extra body fields: ``top_k`` (0 or -1: no limit), ``min_tokens``,
-``ignore_eos``, ``stop_token_ids``, ``repetition_penalty``, ``best_of`` in chat too, and
+``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``, ``repetition_penalty``, ``best_of`` in
+chat too, and
 ``structured_outputs`` (vLLM's constraint fields), which OpenAI's ``response_format``
 (``json_object``, ``json_schema``) is merged into. Every other field is refused by
 :meth:`check_supported` unless its value changes nothing (:mod:`fleetlab.serving.refused` says
@@ -24,6 +28,7 @@ earlier chunk then carries ``"usage": null``) and a final ``data: [DONE]``. A ch
 from __future__ import annotations
 
 import json
+import re
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -35,7 +40,7 @@ from fleetlab.serving.errors import BadRequest
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the request's token counts."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM's; refused when true
 
@@ -44,7 +49,7 @@ class JsonSchemaFormat(BaseModel):
     """``response_format.json_schema``: OpenAI's ``name``, ``description``, ``schema``, ``strict``
     (the output always follows the schema here; ``strict`` changes nothing)."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, strict=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     json_schema: dict | bool | None = Field(None, alias="schema")
@@ -55,7 +60,7 @@ class ResponseFormat(BaseModel):
     """``response_format``: ``{"type": "text"}`` (no constraint), ``{"type": "json_object"}`` (any
     JSON object) or ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -63,11 +68,11 @@ class ResponseFormat(BaseModel):
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat: the model, sampling and stopping settings, streaming."""
 
-    model_config = ConfigDict(extra="allow")  # kept in model_extra for check_supported to refuse
+    model_config = ConfigDict(extra="allow", strict=True)  # extras kept in model_extra for check_supported to refuse
     REFUSED: ClassVar[dict[str, refused.Refusal]] = {}  # per endpoint: refused.COMPLETION or refused.CHAT
 
     model: str | None = None  # None: the served model
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0: only with echo (completions)
     temperature: float | None = Field(None, ge=0, le=2)  # None: OpenAI's default, 1.0
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # extension; 0 or -1: no limit
@@ -80,13 +85,14 @@ class _SamplingRequest(BaseModel):
     best_of: int | None = Field(None, ge=1)  # generate best_of, return the n of highest cumulative logprob
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None  # {token id as a string: bias}, biases clamped to [-100, 100]
+    logit_bias: dict[str, float] | None = None  # {token id (a string): bias}, read into int keys
     repetition_penalty: float | None = Field(None, gt=0)  # vLLM's extension
     response_format: ResponseFormat | None = None
     # fleetlab (and vLLM) extensions
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text)
     structured_outputs: dict | None = None  # vLLM's StructuredOutputsParams fields
 
     @field_validator("stop")
@@ -98,6 +104,15 @@ class _SamplingRequest(BaseModel):
         if any(s == "" for s in strings):
             raise ValueError("stop strings must not be empty")
         return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value):
+        """JSON keys are strings: each must spell a token id in ASCII digits (``"²"`` passes ``isdigit``)."""
+        for key in value or {}:
+            if not re.fullmatch(r"\s*[0-9]+\s*", key):
+                raise ValueError(f"key {key!r} is not a token id (a non-negative integer in ASCII digits)")
+        return None if value is None else {int(k): v for k, v in value.items()}
 
     @field_validator("stop_token_ids")
     @classmethod
@@ -169,6 +184,12 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequest("max_tokens=0 generates nothing: it is only allowed with echo=true (the prompt and, "
+                             "with logprobs, its logprobs: vLLM's way to score a text)", "max_tokens", "invalid_value")
+        if self.max_tokens == 0 and (self.best_of or self.n) > self.n:
+            raise BadRequest("best_of ranks generated sequences; max_tokens=0 generates none", "best_of",
+                             "invalid_value")
         if isinstance(self.prompt, list) and not self.prompt:
             raise BadRequest("prompt is an empty list", "prompt", "invalid_value")
         if any(isinstance(p, list) and not p for p in self.prompts):
@@ -189,7 +210,7 @@ class ContentPart(BaseModel):
     """One part of a message's content: ``{"type": "text", "text": ...}``; other types
     (``image_url``, ``input_audio``...) are refused by :meth:`ChatMessage.check_supported`."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     type: str
     text: str | None = None
 
@@ -197,7 +218,7 @@ class ContentPart(BaseModel):
 class ChatMessage(BaseModel):
     """One chat message: a role and its text (a string or a list of text parts)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
@@ -233,6 +254,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.max_tokens == 0:
+            raise BadRequest("max_tokens=0 generates nothing (completions take it with echo=true)", "max_tokens",
+                             "invalid_value")
         for i, message in enumerate(self.messages):
             message.check_supported(f"messages[{i}]")
         if self.top_logprobs and not self.logprobs:
@@ -248,9 +272,14 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def parse_request(cls: type[_SamplingRequest], body: bytes) -> _SamplingRequest:
+def parse_request(cls: type[BaseModel], body: bytes) -> BaseModel:
     """The request in ``body``: UTF-8 JSON, whatever the ``Content-Type`` header says (``curl -d``
     sends ``application/x-www-form-urlencoded``); :class:`BadRequest` naming what is wrong."""
+    return validate(cls, read_json(body))
+
+
+def read_json(body: bytes) -> dict:
+    """``body`` as a JSON object (:class:`BadRequest` when it is empty, not UTF-8, not JSON or not an object)."""
     if not body.strip():
         raise BadRequest("the body is empty: send a JSON object", None, "missing_body")
     try:
@@ -260,10 +289,15 @@ def parse_request(cls: type[_SamplingRequest], body: bytes) -> _SamplingRequest:
                          "invalid_encoding") from None
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested deeper than Python's stack
         raise BadRequest(f"the body is not valid JSON: {e}", None, "json_invalid") from None
     if not isinstance(data, dict):
         raise BadRequest(f"the body must be a JSON object, not a JSON {type(data).__name__}", None, "invalid_type")
+    return data
+
+
+def validate(cls: type[BaseModel], data: dict) -> BaseModel:
+    """``cls`` validated from ``data``; pydantic's first error as a :class:`BadRequest`."""
     try:
         return cls.model_validate(data)
     except ValidationError as e:
@@ -296,6 +330,8 @@ def field_path(loc) -> str:
     for item in loc:
         if isinstance(item, int):
             out += f"[{item}]"
+        elif not out and isinstance(item, str):  # the top-level field ("model" is one, not a union tag)
+            out = item
         elif isinstance(item, str) and item.isidentifier() and item.lower() not in _TYPE_WORDS:
             out += f".{item}" if out else item
         elif out:
@@ -311,10 +347,11 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_response(response_id: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
-    """A whole ``text_completion``; ``choices``: ``{"index", "text", "finish_reason"}`` dicts (and
-    ``"logprobs"`` where asked for)."""
+    """A whole ``text_completion``; ``choices``: ``{"index", "text", "finish_reason", "stop_reason"}``
+    dicts (and ``"logprobs"`` where asked for)."""
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{**c, "logprobs": c.get("logprobs")} for c in choices], "usage": use}
+            "choices": [{**c, "stop_reason": c.get("stop_reason"), "logprobs": c.get("logprobs")} for c in choices],
+            "usage": use}
 
 
 def chat_response(response_id: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
@@ -322,26 +359,31 @@ def chat_response(response_id: str, created: int, model: str, choices: list[dict
     ``"logprobs"`` where asked for)."""
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                         "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"]} for c in choices],
+                         "logprobs": c.get("logprobs"), "finish_reason": c["finish_reason"],
+                         "stop_reason": c.get("stop_reason")} for c in choices],
             "usage": use}
 
 
 def completion_chunk(response_id: str, created: int, model: str, index: int, text: str,
-                     finish_reason: str | None, with_usage: bool, logprobs: dict | None = None) -> dict:
+                     finish_reason: str | None, with_usage: bool, logprobs: dict | None = None,
+                     stop_reason: int | str | None = None) -> dict:
     """One streamed ``text_completion`` chunk (``"usage": null`` when the stream ends with usage)."""
     chunk = {"id": response_id, "object": "text_completion", "created": created, "model": model,
-             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+                          "stop_reason": stop_reason}]}
     if with_usage:
         chunk["usage"] = None
     return chunk
 
 
 def chat_chunk(response_id: str, created: int, model: str, index: int, delta: dict,
-               finish_reason: str | None, with_usage: bool, logprobs: dict | None = None) -> dict:
+               finish_reason: str | None, with_usage: bool, logprobs: dict | None = None,
+               stop_reason: int | str | None = None) -> dict:
     """One streamed ``chat.completion.chunk``; ``delta`` is ``{"role": "assistant", "content": ""}`` in
     the first chunk, ``{"content": text}`` after, ``{}`` in the one that only finishes."""
     chunk = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                          "stop_reason": stop_reason}]}
     if with_usage:
         chunk["usage"] = None
     return chunk

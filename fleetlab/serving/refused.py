@@ -76,7 +76,6 @@ _COMMON = {
     "guided_decoding_backend": Refusal(_NO_OP_NONE, "vLLM removed guided_decoding_backend in 0.12 (the server "
                                                     "chooses the grammar backend): remove it"),
     "structural_tag": Refusal(_NO_OP_NONE, _STRUCTURAL_TAG),
-    "include_stop_str_in_output": Refusal(_NO_OP_FALSE, _VLLM),
     "skip_special_tokens": Refusal(unset_or(True), _VLLM + " (special tokens are always skipped)"),
     "spaces_between_special_tokens": Refusal(unset_or(True), _VLLM),
     "truncate_prompt_tokens": Refusal(_NO_OP_NONE, _VLLM),

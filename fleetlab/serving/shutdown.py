@@ -13,10 +13,17 @@ uvicorn's own wait:
    ``data: [DONE]``, a whole response is a 503 (:meth:`OpenAIServing.drain`).
 
 Then every handler returns on its own and uvicorn's wait ends at once: nothing is cancelled,
-nothing logged per request. A second Ctrl-C skips the wait of stage 2.
+nothing logged per request. A second Ctrl-C skips the wait of stage 2, quietly: uvicorn, told
+to force its exit, would stop waiting for the handlers and skip the app's lifespan shutdown,
+whose task asyncio then cancels with a ``CancelledError`` traceback; here the handlers, already
+ended by stage 3, are given their moment to send their last event, and the lifespan is shut
+down all the same.
 """
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import uvicorn
 
@@ -38,4 +45,13 @@ class DrainingServer(uvicorn.Server):
         for sock in sockets or []:
             sock.close()
         await self.serving.drain(self.shutdown_timeout, lambda: self.force_exit)
+        await self._handlers_done(self.config.timeout_graceful_shutdown)
         await super().shutdown(sockets)
+        if self.force_exit:  # uvicorn skipped it (see the module docstring)
+            await self.lifespan.shutdown()
+
+    async def _handlers_done(self, timeout: float) -> None:
+        """Wait (up to ``timeout`` seconds) for the request handlers, each ended by the drain, to return."""
+        deadline = time.monotonic() + timeout
+        while self.server_state.tasks and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)

@@ -29,7 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
-from fleetlab.engine.observe import STEP_TIMING_PARTS
+from fleetlab.inspect.recorder import STEP_TIMING_PARTS
 from fleetlab.viz._style import (
     ALERT_COLOR,
     EDGE_COLOR,

@@ -1,0 +1,68 @@
+"""``StepHooks``: the named points where an observer sees an engine step, without a branch in it.
+
+Three points, each a list of listeners (:meth:`StepHooks.attach` puts an observer on every
+point it has a method for):
+
+- ``on_step(scheduler_output, runner_output, outputs)``: the step's three messages, once the
+  scheduler has committed it (``LLM.observers`` is this list);
+- ``on_phase(name, seconds)``: each part of the step (``with hooks.phase(name):`` in the
+  engine core and the model runner; the names are ``PHASES``), timed only while someone listens;
+- ``on_batch_order(req_ids)``: the runner's rows, condensed, before the decode-first reorder.
+
+``fleetlab.inspect`` holds the observers (the ``StepRecorder`` of ``record_traces=True``, the
+speculative-decoding counts); a profiler range or a metrics exporter plugs in the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+# The parts of a step, in the order they run.
+PHASES = ("schedule", "batch_update", "metadata", "forward", "sample", "propose", "update")
+_UNTIMED = contextlib.nullcontext()
+
+
+class _Timed:
+    __slots__ = ("listeners", "name", "start")
+
+    def __init__(self, listeners: list, name: str):
+        self.listeners, self.name = listeners, name
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        seconds = time.perf_counter() - self.start
+        for listener in self.listeners:
+            listener.on_phase(self.name, seconds)
+
+
+class StepHooks:
+    """The listeners of one engine's steps (see the module docstring)."""
+
+    POINTS = ("on_step", "on_phase", "on_batch_order")
+
+    def __init__(self):
+        self.listeners: dict[str, list] = {point: [] for point in self.POINTS}
+        self.observers = self.listeners["on_step"]
+
+    def attach(self, observer) -> None:
+        """Let ``observer`` see every point it has a method for."""
+        for point, listeners in self.listeners.items():
+            if hasattr(observer, point):
+                listeners.append(observer)
+
+    def detach(self, observer) -> None:
+        for listeners in self.listeners.values():
+            if observer in listeners:
+                listeners.remove(observer)
+
+    def phase(self, name: str):
+        """A context manager around the step's part ``name`` (it costs nothing while no one times)."""
+        listeners = self.listeners["on_phase"]
+        return _Timed(listeners, name) if listeners else _UNTIMED
+
+    def batch_order(self, req_ids) -> None:
+        for listener in self.listeners["on_batch_order"]:
+            listener.on_batch_order(list(req_ids))

@@ -1,0 +1,10 @@
+"""Looking inside an engine without a line in its core: observers of its steps and its figures.
+
+- :mod:`~fleetlab.inspect.recorder`: :class:`StepRecorder` (``record_traces=True``), a
+  :class:`StepTrace` of every step, with its rows and the time each part took;
+- :mod:`~fleetlab.inspect.spec_stats`: :class:`SpecDecodingStats`, the drafts verified and
+  accepted, counted from the steps' messages;
+- :mod:`~fleetlab.inspect.stats`: :func:`engine_stats`, what ``LLM.stats()`` returns.
+
+Each observer plugs in at the engine's named hooks (:class:`~fleetlab.engine.hooks.StepHooks`).
+"""

@@ -1,0 +1,29 @@
+"""``engine_stats``: an engine's pool, cache and scheduling figures, as ``LLM.stats()`` returns them."""
+
+from __future__ import annotations
+
+
+def engine_stats(llm) -> dict:
+    """Pool and cache figures: blocks, free blocks, hit rate, preemptions, utilization, steps,
+    generated tokens, the requests running and waiting now, and with speculation the drafts
+    verified and accepted (see :class:`~fleetlab.inspect.spec_stats.SpecDecodingStats`)."""
+    pool, scheduler = llm.pool, llm.scheduler
+    s = pool.stats()
+    used = s.num_blocks - s.num_free_blocks
+    tokens_held = sum(r.num_computed_tokens for r in scheduler.running)
+    stats = {
+        "num_blocks": s.num_blocks,
+        "num_free_blocks": s.num_free_blocks,
+        "prefix_cache_hit_rate": s.hit_rate,
+        "prefix_cache_queries": s.queries,
+        "prefix_cache_query_tokens": s.query_tokens,
+        "prefix_cache_hit_tokens": s.hit_tokens,
+        "num_preemptions": scheduler.num_preemptions,
+        "kv_cache_utilization": used / s.num_blocks,
+        "kv_token_fill": tokens_held / max(1, used * pool.block_size),
+        "num_generated_tokens": scheduler.num_generated_tokens,
+        "num_steps": scheduler.step_count,
+        "num_requests_running": len(scheduler.running),
+        "num_requests_waiting": len(scheduler.waiting),
+    }
+    return stats if llm.spec_stats is None else {**stats, **llm.spec_stats.as_dict()}
