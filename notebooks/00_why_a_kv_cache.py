@@ -230,6 +230,11 @@ print(f"a Llama-3-8B-shaped model in bf16: {llama8b_kv:,} bytes = {llama8b_kv / 
       f"a 4,096-token request holds {4096 * llama8b_kv / 2**30:.2f} GiB, "
       f"64 of them {64 * 4096 * llama8b_kv / 2**30:.0f} GiB")
 
+# %% [markdown]
+# Here 2 KiB per token (float32, tiny); for a real 8B model 128 KiB, so 64 requests of
+# 4,096 tokens hold 32 GiB of cache next to 16 GB of weights. The cache, not the model, is
+# what runs out first as requests grow: the scarce resource every later notebook manages.
+#
 # ## 4. Prefill against decode
 #
 # The same measurement, read the other way: one forward pass over `n` tokens, and its cost

@@ -43,6 +43,8 @@ with fleetlab.LLM(model, tokenizer, block_size=4, num_blocks=4) as _small:
     _k = _small.kv_cache.key_cache(0)
     _per_token = 2 * cfg.num_hidden_layers * _k.shape[2] * _k.shape[3] * _k.element_size()
 assert kv_bytes_per_token == _per_token == 2048
+# "64 requests of 4,096 tokens hold 32 GiB of cache next to 16 GB of weights"
+assert weights == 16e9
 assert llama8b_kv == 128 * 2**10 and 4096 * llama8b_kv == 2**29 and 64 * 4096 * llama8b_kv == 32 * 2**30
 # the roofline: the H200's stored bandwidth; "from 32 requests of 4,096 tokens on, the step reads more KV than
 # weights"; "(512) keeps climbing, to about half the ridge at 256 requests; at 4,096 and 32,768 it flattens far
