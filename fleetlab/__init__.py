@@ -47,6 +47,8 @@ _LAZY = {
     "register_policy": "fleetlab.engine.policies",
     "Proposer": "fleetlab.spec_decode.proposer",
     "register_proposer": "fleetlab.spec_decode.proposer",
+    "PrefixCache": "fleetlab.prefix_cache",
+    "register_prefix_cache": "fleetlab.prefix_cache",
     "Registry": "fleetlab.registry",
     "Field": "fleetlab.engine.batch_fields",
     "FieldRegistry": "fleetlab.engine.batch_fields",
@@ -58,7 +60,7 @@ _LAZY = {
     "register_kv_connector": "fleetlab.kv_transfer",
 }
 _SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv", "serving", "spec_decode", "lessons",
-               "structured_output", "inspect", "output", "kv_transfer"}
+               "structured_output", "prefix_cache", "inspect", "output", "kv_transfer"}
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 

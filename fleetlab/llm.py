@@ -43,11 +43,13 @@ from fleetlab.inspect.stats import engine_stats
 from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.manager import KVCacheManager
 from fleetlab.kv.paged_cache import PagedKVCache
+from fleetlab.kv_sizing import size_kv_cache
 from fleetlab.kv_transfer.config import make_kv_connector
 from fleetlab.output.parallel_sampling import ParentRequest
 from fleetlab.output.processor import OutputProcessor
 from fleetlab.patching import patch_model
 from fleetlab.patching.handle import PatchHandle
+from fleetlab.prefix_cache import build_prefix_cache
 from fleetlab.spec_decode.proposer import PROPOSERS, ProposerContext
 from fleetlab.spec_decode.rejection import RejectionSampler
 from fleetlab.structured_output.processor import StructuredOutputsProcessor
@@ -107,9 +109,10 @@ class LLM:
             self.tensor_parallel.adapt_handle(self.handle)  # this rank's KV heads size the cache
         check_backend_fits(cfg, backend_cls)
         self.max_model_len = resolve_max_model_len(cfg, self.handle.max_model_len)
-        num_blocks = self._num_blocks()
+        self.kv_sizing = size_kv_cache(self.handle, cfg, self.max_model_len)
+        num_blocks = self.kv_sizing.num_blocks
         self.kv_cache = PagedKVCache.for_handle(self.handle, num_blocks, cfg.block_size)
-        self.pool = BlockPool(num_blocks, cfg.block_size, enable_prefix_caching=cfg.enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, cfg.block_size, build_prefix_cache(cfg.prefix_cache, cfg.block_size))
         # A verify row carries k + 1 query tokens: still a decode for the reorder and the kernels.
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         decode_threshold = max(backend_cls.reorder_threshold, k + 1)
@@ -164,15 +167,6 @@ class LLM:
         for observer in (self.spec_stats, self.recorder):
             if observer is not None:
                 self.hooks.attach(observer)
-
-    def _num_blocks(self) -> int:
-        cfg, h = self.config, self.handle
-        if cfg.num_blocks is not None:
-            return cfg.num_blocks
-        if cfg.kv_cache_memory_bytes is not None:
-            return PagedKVCache.num_blocks_for_budget(cfg.kv_cache_memory_bytes, h.num_layers, h.num_kv_heads,
-                                                      h.head_dim, cfg.block_size, h.dtype or "float32")
-        return cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
 
     def close(self) -> None:
         """Let go of the model's patch (and the draft model's): once every ``LLM`` on a model

@@ -27,6 +27,7 @@ from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.policies import POLICIES
 from fleetlab.engine.request import Request
 from fleetlab.engine.sampling_params import SamplingParams
+from fleetlab.prefix_cache import PREFIX_CACHES
 from fleetlab.spec_decode.config import SpeculativeConfig
 from fleetlab.spec_decode.proposer import PROPOSERS
 
@@ -247,7 +248,8 @@ def engine_config(**kwargs) -> EngineConfig:
     where = "engine config:"
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
         setattr(cfg, name, int_field(where, name, getattr(cfg, name), 1, INT32_MAX))
-    for name, high in (("num_blocks", INT32_MAX), ("max_model_len", INT32_MAX), ("kv_cache_memory_bytes", INT64_MAX)):
+    for name, high in (("num_blocks", INT32_MAX), ("max_model_len", INT32_MAX), ("kv_cache_memory_bytes", INT64_MAX),
+                       ("memory_budget_bytes", INT64_MAX)):
         if getattr(cfg, name) is not None:
             setattr(cfg, name, int_field(where, name, getattr(cfg, name), 1, high))
     cfg.seed = int_field(where, "seed", cfg.seed, 0, INT64_MAX)
@@ -255,7 +257,23 @@ def engine_config(**kwargs) -> EngineConfig:
         setattr(cfg, name, bool_field(where, name, getattr(cfg, name)))
     if cfg.reorder is not None:
         cfg.reorder = bool_field(where, "reorder", cfg.reorder)  # None: the backend decides
-    for name, registry in (("backend", ATTENTION_BACKENDS), ("scheduling_policy", POLICIES)):
+    if cfg.memory_utilization is not None:
+        cfg.memory_utilization = float_field(where, "memory_utilization", cfg.memory_utilization, 0.0, 1.0,
+                                             low_open=True)
+        sized = [name for name in ("num_blocks", "kv_cache_memory_bytes") if getattr(cfg, name) is not None]
+        if sized:
+            raise ValueError(f"{where} memory_utilization sizes the pool, and so does {sized[0]}: give one")
+    elif cfg.memory_budget_bytes is not None:
+        raise ValueError(f"{where} memory_budget_bytes is the memory memory_utilization shares out; "
+                         "it needs memory_utilization")
+    if not cfg.enable_prefix_caching and cfg.prefix_cache not in (None, "hash"):
+        raise ValueError(f"{where} enable_prefix_caching=False contradicts prefix_cache={cfg.prefix_cache!r:.60}")
+    if cfg.prefix_cache is None or not cfg.enable_prefix_caching:  # one spelling of "no prefix cache"
+        cfg.prefix_cache, cfg.enable_prefix_caching = None, False
+    for name, registry in (("backend", ATTENTION_BACKENDS), ("scheduling_policy", POLICIES),
+                           ("prefix_cache", PREFIX_CACHES)):
+        if getattr(cfg, name) is None:
+            continue
         try:
             registry.resolve(getattr(cfg, name))
         except TypeError as exc:

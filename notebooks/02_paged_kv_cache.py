@@ -10,7 +10,11 @@
 #   for each (`KVCacheManager.allocate_slots`, `BlockPool.allocate` and `free`);
 # - one prompt with three answers (`n = 3`): the children's block tables sharing the prompt,
 #   beside the paged-attention paper's copy-on-write fork;
-# - how much memory paging wastes compared with padding, with sliders to explore it.
+# - the other prefix-cache design, a radix tree (`prefix_cache="radix"`), drawn from a live
+#   engine as requests insert and split it, beside the hash chain on the same requests, and
+#   where each wins;
+# - how much memory paging wastes compared with padding, and how many blocks a memory budget
+#   buys, with sliders to explore it.
 
 # %%
 # %matplotlib inline
@@ -21,12 +25,14 @@ from matplotlib.figure import Figure
 
 import fleetlab
 from fleetlab import viz
+from fleetlab.prefix_cache.hash_chain import HashChainCache
 
 # %% [markdown]
 # ## 1. Blocks, block tables, slots
 #
 # The cache is cut into blocks of `block_size` token slots. A `BlockPool` hands out block
-# ids and counts their owners. A request owns a list of block ids, its **block table**:
+# ids and counts their owners; a prefix cache beside it (here vLLM's hash chain) remembers
+# which blocks hold which prompt prefix. A request owns a list of block ids, its **block table**:
 # logical block `j` of the request (its tokens `j * block_size` onwards) lives in physical
 # block `block_table[j]`. So token `p` lives in slot
 # `block_table[p // block_size] * block_size + p % block_size`.
@@ -36,7 +42,8 @@ from fleetlab import viz
 # order. Then request **a**, 13 tokens long, gets its 4 blocks.
 
 # %%
-pool = fleetlab.BlockPool(num_blocks=16, block_size=4)
+cache = HashChainCache(block_size=4)
+pool = fleetlab.BlockPool(num_blocks=16, block_size=4, prefix_cache=cache)
 history = pool.allocate(16)
 random.Random(0).shuffle(history)
 pool.free(history)  # the free queue is now in a random order
@@ -59,13 +66,13 @@ viz.draw_block_mapping({"a": a_blocks}, pool, num_tokens={"a": len(a)}, block_si
 #
 # ## 2. Sharing a prefix
 #
-# A request's life in the pool: `lookup` (which of my prompt's full blocks are already
-# cached?), `touch` (take a reference on those), `allocate` the rest, and once the model
-# has written a block full, `cache_blocks` so later requests can find it. The model has
+# A request's life in the pool: `cache.lookup` (which of my prompt's full blocks are already
+# cached?), `pool.touch` (take a reference on those), `pool.allocate` the rest, and once the
+# model has written a block full, `cache.cache_blocks` so later requests can find it. The model has
 # now written **a**'s K/V: its 3 full blocks become shareable.
 
 # %%
-newly_cached = pool.cache_blocks(a, a_blocks, num_cached_blocks=0, num_full_blocks=len(a) // 4)
+newly_cached = cache.cache_blocks(a, a_blocks, num_cached_blocks=0, num_full_blocks=len(a) // 4)
 print(f"{newly_cached} of a's blocks are now cached (findable by their tokens)")
 
 # %% [markdown]
@@ -76,7 +83,7 @@ print(f"{newly_cached} of a's blocks are now cached (findable by their tokens)")
 
 # %%
 b = system + [7, 8, 9, 9, 9]
-hits = pool.lookup(b)
+hits = cache.lookup(b)
 pool.touch(hits)
 b_blocks = hits + pool.allocate(-(-len(b) // 4) - len(hits))
 print("b reuses", hits, "and holds", b_blocks)
@@ -126,16 +133,18 @@ viz.draw_block_pool(pool, title="a and b finished: free, but still cached")
 # %% [markdown]
 # The two methods behind that, from the pool's file: `free` drops one reference per block,
 # walking the table backwards (`reversed(ids)`), and a block whose count reaches 0 joins the
-# tail of the free queue, still holding its cached key. `allocate` pops blocks from the head of
-# the queue (`popitem(last=False)`: the least recently freed) and only then drops whatever
-# cached key a block still had (`_evict`): eviction is lazy, it happens when the block is
-# reused.
+# tail of the free queue (unless the prefix cache `keeps` it: the radix tree of section 5
+# does), still holding its cached key. `allocate` pops blocks from the head of the queue
+# (`popitem(last=False)`: the least recently freed) and only then tells the prefix cache to
+# drop whatever key a block still had (`forget`): eviction is lazy, it happens when the block
+# is reused.
 
 # %%
 from IPython.display import display
 
 free_source = viz.show_source(fleetlab.BlockPool.free, start="for block_id in reversed(ids)")
-allocate_source = viz.show_source(fleetlab.BlockPool.allocate, start="for _ in range(n)", stop="blocks.append(")
+allocate_source = viz.show_source(fleetlab.BlockPool.allocate, start="blocks = [self._free.popitem",
+                                  stop="evicted = self.prefix_cache.evict(")
 display(free_source, allocate_source)
 
 # %% [markdown]
@@ -146,7 +155,7 @@ display(free_source, allocate_source)
 
 # %%
 c = system + [4, 4]
-hits = pool.lookup(c)
+hits = cache.lookup(c)
 pool.touch(hits)  # revives them: out of the free queue, reference count 1
 c_blocks = hits + pool.allocate(-(-len(c) // 4) - len(hits))
 print("c found", hits, "still cached after a and b left")
@@ -222,7 +231,103 @@ print({i: prompt + answers[i] for i in sorted(answers)})
 #   block boundary: a cache hit never covers a whole prompt).
 
 # %% [markdown]
-# ## 5. Memory: paging against padding
+# ## 5. The other design: a radix tree
+#
+# The hash chain keeps one key per full block. SGLang's RadixAttention keeps the same
+# knowledge as a **radix tree** over token ids: each node's edge is a run of whole blocks
+# (pages) and holds their block ids; the path from the root spells the prefix their K/V
+# belong to. `LLM(prefix_cache="radix")` swaps it in (`"hash"` is the default, `None` turns
+# sharing off); the pool, the scheduler and the attention are the same.
+#
+# Three requests arrive one after the other: **p** (a sentence), **q** (the same sentence,
+# another ending), **r** (a different sentence, same first words). Each is drawn one step
+# after its arrival, while it runs (its prompt computed, its full blocks inserted): a node a
+# running request holds is blue, a node only the cache keeps is grey. **q**'s insert *splits*
+# p's edge after the 4 blocks they share (`<bos>the old man sat`); **r**'s splits it again
+# after 2.
+
+# %%
+from fleetlab.viz.radix import draw_prefix_tree, hash_chain_nodes, radix_nodes
+
+model, tokenizer = fleetlab.models.load_tiny()
+tree_prompts = {"p": "the old man sat by the road.", "q": "the old man sat on a bench.",
+                "r": "the old dog ran far away."}
+engines = {design: fleetlab.LLM(model, tokenizer, block_size=4, num_blocks=64, prefix_cache=design)
+           for design in ("radix", "hash")}
+tree_figure = Figure(figsize=(12, 3.4), layout="constrained")
+tree_axes = tree_figure.subplots(1, 3, width_ratios=[1, 1.6, 2.2])
+trees = {}
+for ax, (rid, text) in zip(tree_axes, tree_prompts.items()):
+    for design, engine in engines.items():
+        engine.add_request(text, fleetlab.SamplingParams(max_tokens=3, ignore_eos=True), request_id=rid)
+        engine.step()  # the prompt is computed and its full blocks inserted: drawn while it runs
+        nodes = (radix_nodes if design == "radix" else hash_chain_nodes)(engine.pool.prefix_cache, engine.pool)
+        trees[design, rid] = nodes
+        while engine.has_unfinished_requests():
+            engine.step()
+    draw_prefix_tree(trees["radix", rid], ax=ax, decode=tokenizer.decode, title=f"radix tree once {rid!r} runs")
+tree_figure
+
+# %% [markdown]
+# The same three requests through the hash chain: the same tree, one node per block. What
+# the radix tree stores as one edge (`' sat by the road.'` over 4 blocks) is a chain of 4 keys
+# here, each naming its parent.
+
+# %%
+draw_prefix_tree(trees["hash", "r"], decode=tokenizer.decode, title="hash chain after p, q, r")
+
+# %%
+design_hits = {}
+for design, engine in engines.items():
+    s = engine.stats()
+    design_hits[design] = s["prefix_cache_hit_tokens"]
+    print(f"{design:>5}: hit {s['prefix_cache_hit_tokens']} of {s['prefix_cache_query_tokens']} prompt tokens, "
+          f"{engine.pool.stats().num_cached_blocks} blocks cached")
+    engine.close()
+
+# %% [markdown]
+# Both found the same blocks: fleetlab matches at **page granularity** in both designs, as
+# SGLang does with `page_size > 1`. A match that ends inside a block is served by its whole
+# blocks and the rest is recomputed: r shares 9 tokens with p (`<bos>the old `), 2 blocks and
+# one token of the third, so that token runs again (q: 17 shared, 4 blocks, 1 recomputed); at
+# most `block_size - 1` tokens a request. The alternative is to copy the matched part of the
+# block into a fresh block before the request writes the rest of it: one block copy through
+# every layer instead of a few tokens of prefill (the benchmark below measures both).
+#
+# The tree's pieces, from `fleetlab/prefix_cache/radix.py`: `cache_blocks` walks the tree and
+# hangs new pages where the walk stops, `_split` cuts an edge in two, and `evict` gives back
+# unreferenced pages from the least recently released leaves, tail first.
+
+# %%
+from fleetlab.prefix_cache.radix import RadixCache
+
+display(viz.show_source(RadixCache._split, body_only=True), viz.show_source(RadixCache.evict, body_only=True))
+
+# %% [markdown]
+# **Where each design wins**, measured side by side in one run (`python -m fleetlab bench
+# prefix`, stored in `benchmarks/results/prefix.json`): on few-shot prompts sharing a long
+# prefix and on multi-turn chats both designs compute the same tokens (page granularity),
+# and on unrelated prompts neither helps (their throughputs, below, were timed on a shared
+# machine: README gives its load). What moves the numbers is the **scheduler**: with groups of
+# requests sharing a prefix arriving interleaved into a pool too small for every prefix,
+# admitting the longest cached prefix first (`scheduling_policy="lpm"`) keeps each prefix
+# in use while its group runs, where first-come-first-served evicts it between them.
+
+# %%
+import json
+from pathlib import Path
+
+results_file = Path(fleetlab.__file__).resolve().parents[1] / "benchmarks" / "results" / "prefix.json"
+if results_file.exists():
+    stored = json.loads(results_file.read_text())
+    print(f"{'workload/cache/policy':>24} {'prefill computed':>17} {'hit rate':>9} {'out tok/s':>10} {'TTFT ms':>8}")
+    for key, r in stored["runs"].items():
+        print(f"{key:>24} {r['prefill_tokens_computed']:>8.0f} / {r['prompt_tokens']:<6.0f} {r['hit_rate']:>9.2f} "
+              f"{r['output_tokens_per_s']:>10.1f} {r['ttft_median_ms']:>8.0f}")
+
+
+# %% [markdown]
+# ## 6. Memory: paging against padding
 #
 # Without paging, an engine either pads every request of a batch to the longest one or
 # reserves `max_model_len` slots per request up front. Paging rounds each request up to
@@ -242,9 +347,29 @@ for name, (layers, kv_heads, head_dim, dtype) in {
     per_token = fleetlab.PagedKVCache.bytes_per_block(layers, kv_heads, head_dim, 1, dtype)
     print(f"{name:>10}: {per_token / 1024:.0f} KiB per token")
 
+# %% [markdown]
+# So the pool's size follows from memory. `LLM(memory_utilization=u)` does what vLLM's
+# `gpu_memory_utilization` does: of the device's memory (on a CPU, of a `memory_budget_bytes`
+# you state) the engine may use the share `u`; it runs one forward of
+# `max_num_batched_tokens` tokens to find the peak of everything else (weights, activations)
+# and gives the rest to blocks of `bytes_per_block = block_size x bytes per token`. Left
+# alone, the pool holds `max_num_seqs` sequences of `max_model_len` tokens (README "Sizing
+# the pool" says why).
+
+# %%
+with fleetlab.LLM(model, tokenizer, block_size=16, max_num_batched_tokens=256, memory_utilization=0.5,
+                  memory_budget_bytes=64 * 2**20) as sized:
+    sizing, sized_stats = sized.kv_sizing, sized.stats()
+per_token = sizing.bytes_per_block // 16
+left = sizing.budget_bytes - sizing.profile_peak_bytes
+print(f"0.5 x 64 MiB = {sizing.budget_bytes / 2**20:.1f} MiB; a forward of {sizing.profiled_tokens} tokens peaks at "
+      f"{sizing.profile_peak_bytes / 2**20:.1f} MiB (the weights included)")
+print(f"left for KV: {left / 2**20:.1f} MiB / ({per_token} bytes a token x 16) = {sizing.num_blocks} blocks, "
+      f"{sizing.num_blocks * 16} tokens")
+
 
 # %% [markdown]
-# ## 6. Explore
+# ## 7. Explore
 #
 # Move the sliders: block size and three prompt lengths. The pool gets
 # `ceil(192 / block_size)` blocks: 192 token slots when the block size divides 192, a few
@@ -266,7 +391,7 @@ def paging_picture(block_size, prompt_a, prompt_b, prompt_c):
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     ax_pool, ax_waste = fig.subplots(1, 2, width_ratios=[2.2, 1])
     title = f"pool: {pool.num_blocks} blocks x {block_size} = {pool.num_blocks * block_size} token slots"
-    if pool.can_allocate(sum(need.values())):
+    if sum(need.values()) <= pool.num_free_blocks:
         tables = {req: pool.allocate(n) for req, n in need.items()}
         # each request's last block holds only what is left of its prompt: shade the rest as empty
         last = {tables[req][-1]: (n - (need[req] - 1) * block_size) / block_size for req, n in lengths.items()}
@@ -322,7 +447,8 @@ explore
 # >   naturally; the hash chain finds a block with one dictionary lookup, allocates and frees
 # >   whole blocks, and lets kernels read a block's slots as one contiguous run instead of
 # >   one index per token. With a page size above 1, SGLang's tree matches whole pages only,
-# >   as the hash chain matches whole blocks.
+# >   as the hash chain matches whole blocks: that is fleetlab's `prefix_cache="radix"`
+# >   (section 5), and SGLang's `lpm` schedule policy is fleetlab's `scheduling_policy="lpm"`.
 
 # %% [markdown]
 # ## Try next

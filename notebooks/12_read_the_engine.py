@@ -29,6 +29,7 @@ from fleetlab.attention.naive import naive_paged_attention
 from fleetlab.context import ForwardContext
 from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.sampler import Sampler
+from fleetlab.inspect.pool import pool_snapshot
 from fleetlab.kv.manager import KVCacheManager
 from fleetlab.validation import InputProcessor
 
@@ -136,7 +137,7 @@ print("num_scheduled_tokens:", plan.num_scheduled_tokens, "| total:", plan.total
 viz.show_source(KVCacheManager.allocate_slots, body_only=True)
 
 # %%
-tables, pool_now, pool_stats = llm.block_tables(), llm.pool.snapshot(), llm.pool.stats()
+tables, pool_now, pool_stats = llm.block_tables(), pool_snapshot(llm.pool), llm.pool.stats()
 print("block tables:", tables)
 print(llm.pool)
 tokens_after = {rid: llm.scheduler.requests[rid].num_computed_tokens + n

@@ -166,7 +166,20 @@ assert slots_text.index("self.pool.touch(hits)") < slots_text.index("self.pool.a
     slots_text.index("self._cache_known_blocks(") and "return None" in slots_text
 assert "for block_id in reversed(ids):" in str(free_source)
 _alloc = str(allocate_source)
-assert _alloc.index("self._free.popitem(last=False)") < _alloc.index("self._evict(block_id)")
+assert _alloc.index("self._free.popitem(last=False)") < _alloc.index("self.prefix_cache.forget(block_id)")
+# Section 5: q's insert splits p's edge after 4 blocks, r's after 2; the hash chain holds the same tree, a node a block;
+# "Both found the same blocks"; r "shares 9 tokens with p", q 17
+assert [len(trees["radix", rid]) for rid in "pqr"] == [1, 3, 5]
+assert [n.block_ids for n in trees["radix", "q"]][0] == (0, 1, 2, 3)
+assert [n.block_ids for n in trees["radix", "r"]][0] == (0, 1)
+assert len(trees["hash", "r"]) == sum(len(n.block_ids) for n in trees["radix", "r"])
+assert all(n.held for n in trees["radix", "r"] if n.block_ids[0] in (0, 12))
+assert design_hits["radix"] == design_hits["hash"] > 0
+_ids = {rid: tokenizer.encode(text) for rid, text in tree_prompts.items()}
+_common = lambda x, y: next(i for i, (s, t) in enumerate(zip(x, y)) if s != t)  # noqa: E731
+assert _common(_ids["p"], _ids["r"]) == 9 and _common(_ids["p"], _ids["q"]) == 17
+# Section 6: "the rest to blocks of bytes_per_block"
+assert sizing.num_blocks == left // sizing.bytes_per_block == sized_stats["num_blocks"]
 # Section 4, n = 3: "a red cat is 10 tokens: 2 full blocks of 4, and 2 more in a third, partial block"; "the first
 # child computed all 10 prompt tokens, the other two only the last 2"; blocks 0 and 1 held by all three, a third block
 # each of its own; "10 prompt tokens instead of 14"; copy-on-write's fork: all three point at the same three blocks

@@ -5,6 +5,7 @@ import pytest
 from conftest import random_prompts
 
 from fleetlab import LLM, SamplingParams
+from fleetlab.inspect.pool import check_pool
 from fleetlab.patching.parity import reference_greedy
 
 MAX_NEW = 6
@@ -20,7 +21,7 @@ def run(model, prompts, **config):
     try:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy(), use_tqdm=False)
         stats = llm.stats()
-        llm.pool.check_invariants()
+        check_pool(llm.pool)
         return [o.token_ids for o in outs], outs, stats, llm
     finally:
         llm.handle.unpatch()

@@ -14,6 +14,7 @@ from fleetlab import LLM, SamplingParams
 from fleetlab.engine.batch_fields import Field
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.sampler import Sampler
+from fleetlab.inspect.pool import check_kv_manager
 from fleetlab.models import tiny
 from fleetlab.patching.parity import reference_greedy
 
@@ -30,7 +31,7 @@ def assert_idle(llm):
     """Nothing queued, every block back, the pool's books consistent."""
     assert not llm.has_unfinished_requests() and llm.scheduler.requests == {}
     assert llm.pool.num_free_blocks == llm.pool.num_blocks
-    llm.scheduler.kv.check_consistent([])
+    check_kv_manager(llm.scheduler.kv, [])
 
 
 def embedding_weight(model):

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetlab.kv.paged_cache import PagedKVCache
+from fleetlab.lessons.kv_memory import bytes_for_tokens
 
 
 def _cache(**kw):
@@ -140,14 +141,14 @@ def test_bad_layer_in_getters_and_bad_args():
 def test_memory_accounting():
     cache = _cache(dtype="bfloat16")
     per_token = 2 * 2 * 2 * 3 * 2  # K+V x layers x heads x dim x bytes
-    assert cache.bytes_for_tokens(0) == 0
-    assert cache.bytes_for_tokens(7) == 7 * per_token
+    assert bytes_for_tokens(cache, 0) == 0
+    assert bytes_for_tokens(cache, 7) == 7 * per_token
     assert cache.bytes_allocated == 5 * 4 * per_token
     real = sum(t.numel().item() * t.element_size()
                for layer in range(2) for t in (cache.key_cache(layer), cache.value_cache(layer)))
     assert cache.bytes_allocated == real
     with pytest.raises(ValueError, match="num_tokens"):
-        cache.bytes_for_tokens(-1)
+        bytes_for_tokens(cache, -1)
 
 
 def test_num_blocks_for_budget():

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetlab import LLM, KVConnector, SamplingParams
+from fleetlab.inspect.pool import check_kv_manager
 from fleetlab.kv_transfer.block_store import LoadError
 from fleetlab.kv_transfer.shared_storage import SharedStorageConnector
 from fleetlab.patching.parity import reference_greedy
@@ -51,7 +52,7 @@ def generate(llm, prompts, ids=None):
 
 def assert_idle(llm):
     assert llm.pool.num_free_blocks == llm.pool.num_blocks
-    llm.scheduler.kv.check_consistent([])
+    check_kv_manager(llm.scheduler.kv, [])
     assert llm.scheduler._held == {}
 
 

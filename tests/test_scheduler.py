@@ -13,16 +13,18 @@ from fleetlab.engine.messages import ModelRunnerOutput
 from fleetlab.engine.request import Request, RequestStatus
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
+from fleetlab.inspect.pool import check_kv_manager
 from fleetlab.inspect.spec_stats import SpecDecodingStats
 from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.manager import KVCacheManager
+from fleetlab.prefix_cache.hash_chain import HashChainCache
 
 BS = 4
 
 
 def make_scheduler(num_blocks=32, budget=16, max_num_seqs=8, max_model_len=64, lookahead=0, caching=True,
                    chunked=True):
-    kv = KVCacheManager(BlockPool(num_blocks, BS, enable_prefix_caching=caching))
+    kv = KVCacheManager(BlockPool(num_blocks, BS, HashChainCache(BS) if caching else None))
     return Scheduler(kv, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                      enable_chunked_prefill=chunked, num_lookahead_tokens=lookahead)
 
@@ -99,7 +101,7 @@ def test_preemption_frees_the_victim_and_resends_it_in_full():
     s.add_request(request("old", range(3, 11), max_tokens=20, ignore_eos=True))  # 8 tokens: 2 blocks
     s.add_request(request("new", range(20, 28), order=1, max_tokens=20, ignore_eos=True))
     step(s)
-    assert s.kv.num_free_blocks == 4
+    assert s.kv.pool.num_free_blocks == 4
     for _ in range(12):  # both grow until the pool runs dry
         so, _ = step(s)
         if so.preempted_req_ids:
@@ -115,7 +117,7 @@ def test_preemption_frees_the_victim_and_resends_it_in_full():
         s.update(so, answer(so), now=0.0)
     data = {n.req_id: n for n in so.scheduled_new_reqs}["new"]
     assert data.output_token_ids == new.output_token_ids and data.block_ids == s.kv.get_block_ids("new")
-    s.kv.check_consistent(s.requests)
+    check_kv_manager(s.kv, s.requests)
 
 
 def test_prefix_reuse_across_steps_and_within_one_step():
@@ -129,8 +131,8 @@ def test_prefix_reuse_across_steps_and_within_one_step():
     assert new["b"].num_computed_tokens == 12 and new["b"].block_ids[:3] == new["a"].block_ids[:3]
     s.add_request(request("c", prefix + [60, 61]))
     so, _ = step(s)
-    assert so.num_scheduled_tokens["c"] == 2 and s.kv.stats().hit_rate > 0
-    s.kv.check_consistent(s.requests)
+    assert so.num_scheduled_tokens["c"] == 2 and s.kv.pool.stats().hit_rate > 0
+    check_kv_manager(s.kv, s.requests)
 
 
 def test_a_preempted_request_takes_back_its_same_step_prefix_registrations():
@@ -139,13 +141,13 @@ def test_a_preempted_request_takes_back_its_same_step_prefix_registrations():
     step(s)
     s.add_request(request("b", range(40, 52), order=1, max_tokens=30, ignore_eos=True))  # 3 blocks, registered
     so = schedule(s)
-    assert "b" in so.num_scheduled_tokens and s.kv.stats().num_cached_blocks >= 4
+    assert "b" in so.num_scheduled_tokens and s.kv.pool.stats().num_cached_blocks >= 4
     s.rollback(so)  # the runner failed: b goes back to waiting, its unwritten blocks leave the cache
     assert s.requests["b"].status is RequestStatus.WAITING and s.kv.get_block_ids("b") == []
-    assert s.kv.stats().num_cached_blocks == 2  # a's prompt only
+    assert s.kv.pool.stats().num_cached_blocks == 2  # a's prompt only
     so, _ = step(s)  # the retried step resends everything in full
     assert {n.req_id for n in so.scheduled_new_reqs} == {"a", "b"}
-    s.kv.check_consistent(s.requests)
+    check_kv_manager(s.kv, s.requests)
 
 
 def test_spec_tokens_are_scheduled_verified_and_rolled_back():
@@ -184,7 +186,7 @@ def test_rejected_drafts_free_the_blocks_past_the_new_end():
     assert s.kv.num_held_blocks("r") == 4  # 6 tokens + 8 lookahead -> 14 -> 4 blocks
     so = schedule(s)
     assert so.scheduled_cached_reqs.num_blocks == [s.kv.num_held_blocks("r")]  # the runner cuts its table
-    s.kv.check_consistent(s.requests)
+    check_kv_manager(s.kv, s.requests)
 
 
 @pytest.mark.parametrize("stop", ["eos", "stop_id", "max_tokens", "min_tokens"])
@@ -207,7 +209,7 @@ def test_a_stop_inside_an_accepted_run_cuts_it_exactly(stop):
     (req,) = finished
     assert req.token_ids == want
     assert req.finish_reason == ("length" if stop == "max_tokens" else "stop")
-    assert s.kv.num_free_blocks == s.kv.num_blocks
+    assert s.kv.pool.num_free_blocks == s.kv.pool.num_blocks
 
 
 def test_abort_frees_and_reports_finished_ids_to_the_runner():

@@ -343,7 +343,8 @@ def test_metrics_names_and_histograms(server):
             + delta["fleetlab:request_inference_time_seconds_sum"])
     assert delta["fleetlab:request_prompt_tokens_sum"] == 2 * n == delta["fleetlab:prompt_tokens_total"]
     assert delta["fleetlab:request_generation_tokens_sum"] == 16 == delta["fleetlab:generation_tokens_total"]
-    assert m["fleetlab:cache_config_info{block_size=16,enable_prefix_caching=True,num_blocks=256}"] == 1
+    assert m["fleetlab:cache_config_info{block_size=16,bytes_per_block=32768,enable_prefix_caching=True,num_blocks=128,"
+             "prefix_cache=hash}"] == 1  # bytes_per_block: K+V x 4 layers x 16 tokens x 2 heads x 32 dims x 4 bytes
     text = httpx.get(server.url + "/metrics").text
     assert 'fleetlab:num_requests_running{model_name="tiny"}' in text
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import fleetlab
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.input_batch import InputBatch
+from fleetlab.inspect.pool import check_kv_manager, check_pool
 from fleetlab.models import FAMILIES, tiny
 from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
 from fleetlab.spec_decode.rejection import RejectionSampler
@@ -36,8 +37,8 @@ def check_clean(llm) -> None:
     left queued, the proposer's batch in step with the runner's. (The runner drops the rows
     of finished requests when the next step's message tells it they finished.)"""
     assert llm.pool.num_free_blocks == llm.pool.num_blocks
-    llm.pool.check_invariants()
-    llm.scheduler.kv.check_consistent([])
+    check_pool(llm.pool)
+    check_kv_manager(llm.scheduler.kv, [])
     assert not llm.has_unfinished_requests()
     proposer_batch = getattr(llm.proposer, "batch", None)
     if proposer_batch is not None:

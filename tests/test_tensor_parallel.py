@@ -142,7 +142,7 @@ def test_families_without_a_plan_say_so():
 
 # ----- real launches: 2 processes on CPU, gloo -----
 
-def _launch(tmp_path, *extra, check_every="1", families="fleet,llama,llama:sampled",
+def _launch(tmp_path, *extra, check_every="1", families="fleet,llama,llama:sampled,fleet:radix",
             module="fleetlab.distributed.worker"):
     """Two ranks of ``module`` (``tp_faults``, beside this file, wraps the worker with failures)."""
     from fleetlab.distributed.launch import launch
@@ -164,12 +164,13 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["fleet", "llama"])
+@pytest.mark.parametrize("family", ["fleet", "llama", "fleet:radix"])
 def test_two_ranks_give_one_process_tokens_with_chunked_prefill_and_preemption(two_ranks, family):
     from fleetlab.patching.parity import reference_greedy
 
-    alone = run_family(family, 1)
-    want, _ = reference_greedy(tiny(family, seed=0), prompts_for(PARITY["prompt_lens"]), PARITY["max_tokens"])
+    base, _, mode = family.partition(":")  # "fleet:radix": the radix-tree prefix cache
+    alone = run_family(base, 1, **({"prefix_cache": "radix"} if mode else {}))
+    want, _ = reference_greedy(tiny(base, seed=0), prompts_for(PARITY["prompt_lens"]), PARITY["max_tokens"])
     assert alone["tokens"] == want
     for rank, report in enumerate(two_ranks):
         r = report["families"][family]

@@ -12,7 +12,9 @@ from matplotlib.figure import Figure
 
 from fleetlab import LLM, BlockPool, InputBatch, SamplingParams, viz
 from fleetlab.engine.outputs import RequestOutput
+from fleetlab.inspect.pool import pool_snapshot
 from fleetlab.inspect.recorder import RowTrace, StepTrace
+from fleetlab.prefix_cache.hash_chain import HashChainCache
 from fleetlab.viz._style import CACHED_FREE_COLOR, FREE_COLOR, PALETTE
 
 
@@ -41,15 +43,16 @@ def test_request_colors_are_stable_and_distinct_for_the_first_requests():
 @pytest.fixture()
 def shared_pool():
     """Request a fills 3 blocks (cached); b hits a's first 2 and allocates 1; c came and went."""
-    pool = BlockPool(10, 4)
+    cache = HashChainCache(4)
+    pool = BlockPool(10, 4, cache)
     prompt_a = list(range(10, 22))
     a = pool.allocate(3)
-    pool.cache_blocks(prompt_a, a, 0, 3)
-    hits = pool.lookup(prompt_a[:8] + [90, 91])
+    cache.cache_blocks(prompt_a, a, 0, 3)
+    hits = cache.lookup(prompt_a[:8] + [90, 91])
     pool.touch(hits)
     b = hits + pool.allocate(1)
     c = pool.allocate(2)
-    pool.cache_blocks(list(range(50, 58)), c, 0, 2)
+    cache.cache_blocks(list(range(50, 58)), c, 0, 2)
     pool.free(c)
     return pool, {"a": a, "b": b}, c
 
@@ -76,8 +79,8 @@ def test_block_grid_colours_each_block_by_owner_share_and_cache_state(shared_poo
     assert texts.count("x2") == 2
     # A freed cached block is numbered in eviction order among the cached ones (1 = first): the
     # white free blocks ahead of them in the queue go first, so the numbers start at 1.
-    queue = {info.block_id: info.lru_position for info in pool.snapshot()}
-    ranks = viz.eviction_ranks(pool.snapshot())
+    queue = {info.block_id: info.lru_position for info in pool_snapshot(pool)}
+    ranks = viz.eviction_ranks(pool_snapshot(pool))
     assert sorted(ranks) == sorted(freed) and sorted(ranks.values()) == [1, 2]
     assert [b for b in sorted(freed, key=queue.get)] == sorted(ranks, key=ranks.get)
     labels = sorted(t.get_text() for t in fig.axes[0].texts if t.get_bbox_patch() is not None)  # not the block ids
@@ -87,7 +90,7 @@ def test_block_grid_colours_each_block_by_owner_share_and_cache_state(shared_poo
 def test_block_grid_accepts_a_snapshot_and_marks_unknown_owners_grey():
     pool = BlockPool(4, 2)
     pool.allocate(1)
-    fig = viz.draw_block_pool(pool.snapshot(), ncols=2)
+    fig = viz.draw_block_pool(pool_snapshot(pool), ncols=2)
     cells = by_gid(fig.axes[0].patches, "block:")
     assert face(cells["block:0"]) == "#7f7f7f" and face(cells["block:1"]) == FREE_COLOR
 

@@ -28,7 +28,7 @@ PATH = [
     ("fleetlab/engine/core.py", "`EngineCore.step`: schedule, execute, update"),
     ("fleetlab/engine/scheduler.py", "`Scheduler.schedule`: admitted under the token budget"),
     ("fleetlab/kv/manager.py", "`KVCacheManager.allocate_slots`: prefix-cache hits, then new blocks"),
-    ("fleetlab/kv/block_pool.py", "`BlockPool`: reference counts, LRU free queue, chained block keys"),
+    ("fleetlab/kv/block_pool.py", "`BlockPool`: reference counts, LRU free queue, the prefix cache's hooks"),
     ("fleetlab/engine/messages.py", "`SchedulerOutput`: the step's plan sent to the runner"),
     ("fleetlab/engine/model_runner.py", "`ModelRunner.execute`: the plan applied to the batch, the model run"),
     ("fleetlab/engine/input_batch.py", "`InputBatch`: its row, condensed and reordered decode-first"),

@@ -298,6 +298,34 @@ def step_host_block(r: dict | None) -> str:
     return f"{intro}\n\n" + "\n".join(table) + f"\n\n{after}"
 
 
+def prefix_block(r: dict | None) -> str:
+    title = "Prefix caching: hash chain, radix tree, none; fcfs against longest prefix first"
+    cmd = "python -m fleetlab bench prefix"
+    if r is None:
+        return not_measured(title, cmd, "prefix.json")
+    intro = fill(f"**{title}** — `{command(r, cmd)}` (writes `benchmarks/results/prefix.json`): "
+                 f"a random-init tiny Llama, block size {r['block_size']}, greedy, {r['params']['max_tokens']} "
+                 f"output tokens a request; medians of {r['params']['rounds']} rounds, every configuration once a "
+                 f"round on a fresh engine, in turns. Measured on {describe(r['machine'])}:")
+    table = ["| workload | prefix cache | policy | prefill tokens computed / prompt tokens | hit rate | preemptions "
+             "| output tok/s | median TTFT |", "|---|---|---|---|---|---|---|---|"]
+    for key, x in r["runs"].items():
+        workload, cache, policy = key.split("/")
+        table.append(f"| {workload} | {cache} | {policy} | {x['prefill_tokens_computed']:.0f} / "
+                     f"{x['prompt_tokens']:.0f} | {x['hit_rate']:.2f} | {x['num_preemptions']:.0f} | "
+                     f"{x['output_tokens_per_s']:.0f} | {x['ttft_median_ms']:.0f} ms |")
+    pb = r["partial_block"]
+    after = fill(f"few_shot: {r['params']['num_requests']} requests sharing a {r['params']['prefix_len']}-token "
+                 f"prefix (not a block boundary); multi_turn: {r['params']['chats']} chats of {r['params']['turns']} "
+                 f"turns, each extending the last; unrelated: nothing shared; groups: {r['params']['groups']} "
+                 f"prefixes, {r['params']['per_group']} requests each, arriving interleaved into a pool of "
+                 f"{r['params']['group_pool_blocks']} blocks. A match ending inside a block: page-granular matching "
+                 f"recomputes {pb['tokens_recomputed_per_request']} tokens a request on few_shot (uncached prefill "
+                 f"ran at {pb['prefill_us_per_token_no_cache']:.0f} us a token); copying the block instead would "
+                 f"cost {pb['copy_block_us']:.0f} us (K and V through every layer, measured alone).")
+    return f"{intro}\n\n" + "\n".join(table) + f"\n\n{after}"
+
+
 def kv_block(r: dict | None) -> str:
     title = "KV beyond one engine"
     cmd = "python -m fleetlab bench kv"
@@ -361,6 +389,7 @@ BLOCKS = {
     "tp": (RESULTS / "tp.json", tp_block),
     "gpu-tp": (RESULTS / "gpu_tp_costs.json", gpu_tp_block),
     "spec": (RESULTS / "spec.json", spec_block),
+    "prefix": (RESULTS / "prefix.json", prefix_block),
     "kv": (RESULTS / "kv.json", kv_block),
 }
 _BLOCK = re.compile(r"<!-- figures (?P<name>[\w-]+) -->\n(?:(?P<body>.*?)\n)?<!-- /figures (?P=name) -->", re.S)

@@ -10,7 +10,9 @@ tensor-parallel processes: step time and the share spent in all-reduce), ``spec`
 (speculative decoding on the shipped tiny model with its draft, and ngram on a repetitive
 workload: acceptance, target forwards per output token, engine steps, wall-clock speed-up),
 ``structured`` (structured outputs outside the model: grammar compile time per constraint,
-bitmask fill per row, masking), ``kv`` (KV connectors: the offload tier's hit rate and TTFT
+bitmask fill per row, masking), ``prefix`` (prefix caching: hash chain, radix tree and none on
+shared-prefix, multi-turn and unrelated prompts; fcfs against longest-prefix-first),
+``kv`` (KV connectors: the offload tier's hit rate and TTFT
 against the pool alone, a new engine loading from shared storage, bytes moved between a
 prefill rank and a decode rank).
 
@@ -35,6 +37,7 @@ BENCHES = {
     "tp": "fleetlab.bench.tp",
     "spec": "fleetlab.bench.spec",
     "structured": "fleetlab.bench.structured",
+    "prefix": "fleetlab.bench.prefix",
     "kv": "fleetlab.bench.kv",
 }
 

@@ -194,6 +194,9 @@ def make_llm(model, cfg: BenchConfig, max_model_len: int, **overrides):
               "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_model_len": max_model_len,
               "record_traces": True, "seed": cfg.seed}
     engine.update(overrides)
+    # A pool that holds every row at full length, as the figures were measured (the engine's default
+    # pool preempts under load: here that would measure memory pressure, not the engine).
+    engine.setdefault("num_blocks", engine["max_num_seqs"] * -(-max_model_len // cfg.block_size))
     return LLM(model, **engine)
 
 

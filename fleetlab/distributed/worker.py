@@ -26,6 +26,7 @@ import paddle.distributed as dist
 from fleetlab import LLM, SamplingParams
 from fleetlab.distributed.group import TensorParallelGroup, join_with_fleet, launched_rank, launched_world_size
 from fleetlab.distributed.layers import column_parallel, row_parallel
+from fleetlab.inspect.pool import check_pool
 from fleetlab.models import tiny
 
 # The parity workload: prompts longer than the step budget (chunked prefill) and a pool
@@ -46,7 +47,7 @@ def run_family(family: str, tensor_parallel_size: int = 1, *, prompt_lens=PARITY
                max_num_batched_tokens: int = PARITY["max_num_batched_tokens"],
                max_num_seqs: int = PARITY["max_num_seqs"], model_overrides: dict | None = None,
                record_step: int = 1, before_step=None, prompt_seed: int = 1, temperature: float = 0.0,
-               top_k: int = 0) -> dict:
+               top_k: int = 0, prefix_cache: str | None = "hash") -> dict:
     """Serve the workload on ``tiny(family)`` with ``tensor_parallel_size`` ranks; return a report.
 
     The model is built with seed 0 on every rank (identical weights), then sharded by
@@ -59,7 +60,8 @@ def run_family(family: str, tensor_parallel_size: int = 1, *, prompt_lens=PARITY
     vocab = min(100, int(model.config.vocab_size))
     prompts = prompts_for(prompt_lens, prompt_seed, vocab)
     llm = LLM(model, block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens,
-              max_num_seqs=max_num_seqs, record_traces=True, tensor_parallel_size=tensor_parallel_size)
+              max_num_seqs=max_num_seqs, record_traces=True, tensor_parallel_size=tensor_parallel_size,
+              prefix_cache=prefix_cache)
     tp = llm.tensor_parallel.tp if llm.tensor_parallel else None
     if tp is not None:
         tp.stats.reset()  # the group outlives one LLM: count this run's all-reduces only
@@ -86,7 +88,7 @@ def run_family(family: str, tensor_parallel_size: int = 1, *, prompt_lens=PARITY
         step += 1
     pool_ok = True
     try:
-        llm.pool.check_invariants()
+        check_pool(llm.pool)
     except Exception as e:  # reported, not raised: the test names what broke on which rank
         pool_ok = f"{type(e).__name__}: {e}"
     stats = llm.stats()
@@ -182,8 +184,8 @@ def main(argv=None, *, before_step=None) -> int:
     report = {"rank": rank, "tp_size": tp_size, "families": {}}
     t0 = time.perf_counter()
     for name in [f for f in args.families.split(",") if f]:
-        family, _, mode = name.partition(":")  # "fleet:sampled": temperature 1, top-k 20
-        sampling = {"temperature": 1.0, "top_k": 20} if mode == "sampled" else {}
+        family, _, mode = name.partition(":")  # "fleet:sampled": temperature 1, top-k 20; "fleet:radix"
+        sampling = {"sampled": {"temperature": 1.0, "top_k": 20}, "radix": {"prefix_cache": "radix"}}.get(mode, {})
         report["families"][name] = run_family(family, tp_size, before_step=before_step, **workload, **sampling)
     report["seconds"] = time.perf_counter() - t0
     if args.check_fleet_layers:

@@ -10,13 +10,23 @@ class EngineConfig:
     """Engine settings (``LLM(model, **config)`` takes these as keywords).
 
     block_size: tokens per KV block.
-    num_blocks: KV blocks in the pool; None sizes it from ``kv_cache_memory_bytes`` or,
-      failing that, to hold ``max_num_seqs`` sequences of ``max_model_len`` tokens.
+    num_blocks: KV blocks in the pool; None sizes it from ``kv_cache_memory_bytes``, from
+      ``memory_utilization``, or failing both to hold ``max_num_seqs // 2`` sequences of
+      ``max_model_len`` tokens (a pool that preempts under load: :mod:`fleetlab.kv_sizing`).
     max_num_seqs: the most requests running at once (rows of the InputBatch).
     max_num_batched_tokens: the token budget of one step (decodes + prefill chunks).
     max_model_len: the longest sequence (prompt + output); None = the model's limit. A value
       above the model's limit is served at the model's limit, with a WARNING naming both.
-    enable_prefix_caching: reuse cached full blocks of identical prefixes.
+    enable_prefix_caching: reuse cached full blocks of identical prefixes (False = ``prefix_cache=None``).
+    prefix_cache: the prefix-cache design: ``"hash"`` (vLLM's hash chain), ``"radix"`` (SGLang's
+      radix tree), None, or a registered name / ``PrefixCache`` subclass or instance
+      (:mod:`fleetlab.prefix_cache`).
+    memory_utilization: with ``num_blocks`` None, size the pool from memory: this share of
+      the device's memory (on a CPU: of ``memory_budget_bytes``), less the weights and the
+      peak of a profiled forward at ``max_num_batched_tokens``, goes to KV blocks
+      (:mod:`fleetlab.kv_sizing`).
+    memory_budget_bytes: the memory ``memory_utilization`` shares out (required on a CPU;
+      on a GPU its total memory by default).
     enable_chunked_prefill: split long prompts over several steps.
     reorder: None = the attention backend decides; True/False forces decode-first reorder.
     backend: the attention backend: a registered name (``fleetlab.attention.backend``), an
@@ -36,7 +46,8 @@ class EngineConfig:
     Bounds (checked by ``fleetlab.validation.engine_config``; a refusal names the field): ``block_size``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``tensor_parallel_size``, ``num_blocks`` and
     ``max_model_len`` are ints in ``[1, 2**31 - 1]`` (the int32 block tables and counters);
-    ``kv_cache_memory_bytes`` an int in ``[1, 2**63 - 1]``; ``seed`` an int in ``[0, 2**63 - 1]``;
+    ``kv_cache_memory_bytes`` and ``memory_budget_bytes`` ints in ``[1, 2**63 - 1]``; ``memory_utilization``
+    a number in ``(0, 1]``, not with ``num_blocks`` or ``kv_cache_memory_bytes``; ``seed`` an int in ``[0, 2**63 - 1]``;
     ``enable_prefix_caching``, ``enable_chunked_prefill`` and ``record_traces`` are
     ``True``/``False`` and ``reorder`` None/True/False (no other value counts as true).
     numpy scalars count as the numbers they hold (and are stored as Python ints); a ``bool``
@@ -54,6 +65,9 @@ class EngineConfig:
     backend: object = "tiled"
     scheduling_policy: object = "fcfs"
     kv_cache_memory_bytes: int | None = None
+    prefix_cache: object = "hash"
+    memory_utilization: float | None = None
+    memory_budget_bytes: int | None = None
     seed: int = 0
     record_traces: bool = False
     speculative_config: dict | None = None

@@ -22,6 +22,9 @@ class SchedulingPolicy:
 
     name = "fcfs"
 
+    def attach(self, kv_manager) -> None:
+        """Called once by the scheduler with its KV manager (a cache-aware policy asks it)."""
+
     def admission_key(self, request: Request, step: int):
         return request.arrival_order
 
@@ -67,5 +70,6 @@ POLICIES = Registry("scheduling_policy", SchedulingPolicy, {
     "fcfs": "fleetlab.engine.policies:SchedulingPolicy",
     "spf": "fleetlab.engine.policies:ShortestPromptFirst",
     "priority": "fleetlab.engine.policies:PriorityPolicy",
+    "lpm": "fleetlab.prefix_cache.policy:LongestPrefixMatch",
 })
 register_policy = POLICIES.register

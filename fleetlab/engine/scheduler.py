@@ -62,6 +62,7 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.num_lookahead_tokens = num_lookahead_tokens
         self.policy = POLICIES.make(policy)
+        self.policy.attach(kv_manager)
         self.connector = kv_connector
         self._held: dict[str, Request] = {}  # retired, blocks kept until the connector's save is done
         self.waiting: list[Request] = []

@@ -4,7 +4,9 @@
   :class:`StepTrace` of every step, with its rows and the time each part took;
 - :mod:`~fleetlab.inspect.spec_stats`: :class:`SpecDecodingStats`, the drafts verified and
   accepted, counted from the steps' messages;
-- :mod:`~fleetlab.inspect.stats`: :func:`engine_stats`, what ``LLM.stats()`` returns.
+- :mod:`~fleetlab.inspect.stats`: :func:`engine_stats`, what ``LLM.stats()`` returns;
+- :mod:`~fleetlab.inspect.pool`: a block pool's per-block state (:func:`pool_snapshot`, for drawing)
+  and its consistency checks (:func:`check_pool`, :func:`check_kv_manager`; tests and debugging).
 
 Each observer plugs in at the engine's named hooks (:class:`~fleetlab.engine.hooks.StepHooks`).
 """

@@ -13,6 +13,7 @@ def engine_stats(llm) -> dict:
     tokens_held = sum(r.num_computed_tokens for r in scheduler.running)
     stats = {
         "num_blocks": s.num_blocks,
+        "kv_bytes_per_block": llm.kv_sizing.bytes_per_block,
         "num_free_blocks": s.num_free_blocks,
         "prefix_cache_hit_rate": s.hit_rate,
         "prefix_cache_queries": s.queries,

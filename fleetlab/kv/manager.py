@@ -17,10 +17,9 @@ those registrations back, so no cached block ever points at K/V that was never w
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from fleetlab.kv.block_pool import BlockPool, BlockPoolStats
+from fleetlab.kv.block_pool import BlockPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +56,7 @@ class KVCacheManager:
 
     def __init__(self, pool: BlockPool):
         self.pool = pool
+        self.prefix_cache = pool.prefix_cache  # None: nothing is shared
         self.block_size = pool.block_size
         self._blocks: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks already in the prefix cache
@@ -64,19 +64,8 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ queries
     @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
-
-    @property
     def enable_prefix_caching(self) -> bool:
-        return self.pool.enable_prefix_caching
-
-    def stats(self) -> BlockPoolStats:
-        return self.pool.stats()
+        return self.prefix_cache is not None
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens (ceil division)."""
@@ -98,33 +87,30 @@ class KVCacheManager:
         nothing in the hit rate (a request that cannot be admitted is looked up again next
         step); the scheduler counts the query once, on admission, with :meth:`record_lookup`.
         """
-        if getattr(request, "skip_reading_prefix_cache", False):
+        if self.prefix_cache is None or getattr(request, "skip_reading_prefix_cache", False):
             return KVCacheBlocks(), 0
-        hits = self.pool.lookup(request.all_token_ids[: request.num_cacheable_tokens], record_stats=False)
+        hits = self.prefix_cache.lookup(request.all_token_ids[: request.num_cacheable_tokens], record_stats=False)
         return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
 
     def record_lookup(self, request, num_hit_tokens: int) -> None:
         """Count one admission's prefix-cache query in the hit rate."""
-        self.pool.record_lookup(request.num_tokens, num_hit_tokens // self.block_size)
+        self.prefix_cache.record_lookup(request.num_tokens, num_hit_tokens // self.block_size)
 
     def allocate_slots(self, request, num_new_tokens: int, num_lookahead_tokens: int = 0,
                        new_computed_blocks: KVCacheBlocks | None = None,
                        max_num_tokens: int | None = None) -> KVCacheBlocks | None:
-        """Make room for the request's next ``num_new_tokens`` tokens; returns the new blocks.
-
-        ::
+        """Make room for the request's next ``num_new_tokens`` tokens; returns the new blocks::
 
             |<------------------------- tokens the request will hold --------------------->|
             | computed | new_computed_blocks | num_new_tokens (this step) | num_lookahead |
             |<- held ->|<- prefix-cache hits ->|<-------- allocated now, if not held ------>|
                                         ^ full blocks of known tokens up to here are registered
 
-        ``new_computed_blocks`` (first admission only) are prefix-cache hits: the request
-        takes a reference on them and its ``num_computed_tokens`` moves past them (the
-        caller sets it). ``num_lookahead_tokens`` reserves slots past this step's tokens
-        (a draft model writes its proposals there). ``max_num_tokens`` caps the slots
-        (the model's length). Returns None, changing nothing, when the pool cannot supply
-        the blocks.
+        ``new_computed_blocks`` (first admission only) are prefix-cache hits: the request takes a
+        reference on them and its ``num_computed_tokens`` moves past them (the caller sets it).
+        ``num_lookahead_tokens`` reserves slots past this step's tokens (a draft model writes its
+        proposals there); ``max_num_tokens`` caps the slots (the model's length). Returns None,
+        changing nothing, when the pool cannot supply the blocks.
         """
         hits = new_computed_blocks.block_ids if new_computed_blocks else ()
         rid = request.request_id
@@ -141,12 +127,10 @@ class KVCacheManager:
         revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
         if num_new_blocks + revived > self.pool.num_free_blocks:
             return None
-        if hits:
-            self.pool.touch(hits)
+        self.pool.touch(hits)
         new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks else []
         blocks = self._blocks.setdefault(rid, [])
-        blocks.extend(hits)
-        blocks.extend(new_blocks)
+        blocks += [*hits, *new_blocks]
         if hits:
             self._num_cached[rid] = len(blocks) - len(new_blocks)
         self._cache_known_blocks(request, num_computed + num_new_tokens)
@@ -157,13 +141,13 @@ class KVCacheManager:
         its first ``num_tokens`` once this step runs."""
         rid = request.request_id
         num_cached = self._num_cached.get(rid, 0)
-        if num_tokens // self.block_size <= num_cached or not self.pool.enable_prefix_caching:
+        if num_tokens // self.block_size <= num_cached or self.prefix_cache is None:
             return  # no block filled up this step (checked first: it is the common case)
         num_full = min(num_tokens, request.num_cacheable_tokens) // self.block_size
         if num_full <= num_cached:
             return
         blocks = self._blocks[rid]
-        self._num_cached[rid] = self.pool.cache_blocks(request.all_token_ids, blocks, num_cached, num_full)
+        self._num_cached[rid] = self.prefix_cache.cache_blocks(request.all_token_ids, blocks, num_cached, num_full)
         # Fresh blocks have no key, so the keyed ones are this call's (a block whose content is
         # already cached under another block stays unkeyed).
         log = self._step_log.setdefault(rid, _Registration(num_cached))
@@ -206,19 +190,3 @@ class KVCacheManager:
             if rid in self._num_cached:
                 self._num_cached[rid] = log.num_cached_before
         self._step_log.clear()
-
-    def check_consistent(self, live_request_ids: Iterable[str]) -> None:
-        """Raise RuntimeError unless exactly the live requests hold blocks and the pool's
-        reference counts equal the holders (for tests and debugging)."""
-        live = set(live_request_ids)
-        if set(self._blocks) - live:
-            raise RuntimeError(f"finished requests still hold blocks: {sorted(set(self._blocks) - live)}")
-        counts: dict[int, int] = {}
-        for blocks in self._blocks.values():
-            for b in blocks:
-                counts[b] = counts.get(b, 0) + 1
-        for b in range(self.pool.num_blocks):
-            if self.pool.ref_count(b) != counts.get(b, 0):
-                raise RuntimeError(f"block {b}: reference count {self.pool.ref_count(b)}, "
-                                   f"held by {counts.get(b, 0)} request(s)")
-        self.pool.check_invariants()

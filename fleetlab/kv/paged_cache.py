@@ -112,16 +112,6 @@ class PagedKVCache:
         return self.num_blocks * self.bytes_per_block(
             self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
 
-    def bytes_for_tokens(self, num_tokens: int) -> int:
-        """Bytes that ``num_tokens`` cached tokens actually fill (all layers, K and V).
-
-        Compare with the bytes of the blocks holding them to see paging's waste.
-        """
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0; got {num_tokens}")
-        per_token = self.bytes_per_block(self.num_layers, self.num_kv_heads, self.head_dim, 1, self.dtype)
-        return int(num_tokens) * per_token
-
     def key_cache(self, layer_id: int) -> paddle.Tensor:
         """Layer ``layer_id``'s K cache ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
         return self._k[self._check_layer(layer_id)]

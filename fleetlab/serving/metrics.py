@@ -69,8 +69,10 @@ class _EngineCollector:
     def __init__(self, engine, model_name: str):
         self.engine, self.model_name = engine, model_name
         cfg = engine.llm.config
-        self.cache_config = {"block_size": str(cfg.block_size), "num_blocks": str(engine.stats()["num_blocks"]),
-                             "enable_prefix_caching": str(cfg.enable_prefix_caching)}
+        stats = engine.stats()
+        self.cache_config = {"block_size": str(cfg.block_size), "num_blocks": str(stats["num_blocks"]),
+                             "enable_prefix_caching": str(cfg.enable_prefix_caching),
+                             "prefix_cache": str(cfg.prefix_cache), "bytes_per_block": str(stats["kv_bytes_per_block"])}
 
     def collect(self):
         s = self.engine.stats()

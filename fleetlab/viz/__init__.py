@@ -14,6 +14,7 @@ Modules:
   timeline -- the decode loop from engine traces: who ran when, KV occupancy, tokens per step
   replay   -- the block pool step by step: a light frame for a player, key steps as a static strip
   waiting  -- who waited in the queue, when, and what kept them out (rows, budget, pool)
+  radix    -- the prefix cache as the tree it holds: the radix tree's nodes, the hash chain's blocks
   parity   -- oracle vs patched logits
   mask     -- the attention mask of a packed step: block-diagonal over rows, causal, cached prefixes
   latency  -- TTFT / TPOT percentiles of several runs (e.g. scheduling policies)
@@ -58,6 +59,7 @@ from fleetlab.viz.layers import PatchedLayer, draw_layer_map, format_patch_table
 from fleetlab.viz.mask import PackedMask, draw_packed_mask, packed_mask
 from fleetlab.viz.parity import ParityReport, draw_logits_parity, greedy_table, logits_parity
 from fleetlab.viz.perf import RunRecord, draw_run_comparison, fastest_runs, run_record
+from fleetlab.viz.radix import TreeNode, draw_prefix_tree, hash_chain_nodes, radix_nodes
 from fleetlab.viz.replay import draw_pool_step, draw_pool_strip, step_story
 from fleetlab.viz.results import (
     draw_bench_summary,
@@ -209,4 +211,8 @@ __all__ = [
     "PackedMask",
     "packed_mask",
     "draw_packed_mask",
+    "TreeNode",
+    "draw_prefix_tree",
+    "hash_chain_nodes",
+    "radix_nodes",
 ]

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
+from fleetlab.inspect.pool import pool_snapshot
+from fleetlab.kv.block_pool import BlockPool
 from fleetlab.viz._style import (
     CACHED_FREE_COLOR,
     EDGE_COLOR,
@@ -36,9 +38,8 @@ from fleetlab.viz._style import (
 
 
 def _block_infos(pool_or_snapshot):
-    """A pool's ``snapshot()`` list, or the given list of ``BlockInfo`` as is."""
-    snapshot = getattr(pool_or_snapshot, "snapshot", None)
-    return list(snapshot() if callable(snapshot) else pool_or_snapshot)
+    """A pool's :func:`~fleetlab.inspect.pool.pool_snapshot`, or the given list of ``BlockInfo`` as is."""
+    return pool_snapshot(pool_or_snapshot) if isinstance(pool_or_snapshot, BlockPool) else list(pool_or_snapshot)
 
 
 def block_owners(block_tables: Mapping[object, Sequence[int]]) -> dict[int, list]:
@@ -75,7 +76,7 @@ def draw_block_pool(pool, block_tables: Mapping[object, Sequence[int]] | None = 
     """Draw a block pool as a grid of squares, one per physical block, in block-id order.
 
     Args:
-      pool: a :class:`fleetlab.BlockPool`, a list of its ``BlockInfo`` (``pool.snapshot()``), or
+      pool: a :class:`fleetlab.BlockPool`, a list of its ``BlockInfo`` (``pool_snapshot(pool)``), or
         a :class:`PoolFrame` (then ``block_tables`` defaults to the frame's).
       block_tables: ``{request id: block ids}`` of the live requests, to colour each block by
         its owner (first owner when shared). Without it, blocks in use are dark grey.
@@ -302,7 +303,7 @@ def pool_frame(llm, step: int | None = None) -> PoolFrame:
     if step is None:
         step = llm.traces[-1].step if getattr(llm, "traces", None) else llm.stats()["num_steps"] - 1
     tables = {str(rid): [int(b) for b in blocks] for rid, blocks in llm.block_tables().items()}
-    return PoolFrame(int(step), llm.pool.snapshot(), tables, llm.pool.block_size)
+    return PoolFrame(int(step), pool_snapshot(llm.pool), tables, llm.pool.block_size)
 
 
 @dataclass(slots=True)

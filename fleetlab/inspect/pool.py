@@ -1,0 +1,74 @@
+"""A block pool seen from outside: each block's state, and the pool's bookkeeping checked."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class BlockInfo:
+    """One block's state, for drawing the pool as a grid.
+
+    in_free_queue: the block can be allocated (free, cached or not); lru_position: its place in
+    the order free blocks are handed out (0 = next: the pool's free queue, then the blocks its
+    prefix cache would evict, in their order), None when in use.
+    """
+
+    block_id: int
+    ref_count: int
+    is_cached: bool
+    in_free_queue: bool
+    lru_position: int | None
+
+
+def free_order(pool) -> list[int]:
+    """Free block ids in the order the pool would hand them out."""
+    kept = pool.prefix_cache.eviction_order(pool._kept) if pool._kept else []
+    return list(pool._free) + kept
+
+
+def pool_snapshot(pool) -> list[BlockInfo]:
+    """Per-block state of a :class:`~fleetlab.BlockPool`, in block id order."""
+    position = {block_id: i for i, block_id in enumerate(free_order(pool))}
+    return [BlockInfo(b, pool.ref_count(b), pool.is_cached(b), b in position, position.get(b))
+            for b in range(pool.num_blocks)]
+
+
+def check_pool(pool) -> None:
+    """Raise RuntimeError if a pool's bookkeeping is inconsistent (its prefix cache's included)."""
+    counts = pool._ref_counts
+    for b, count in enumerate(counts):
+        if count < 0:
+            raise RuntimeError(f"block {b} has negative reference count {count}")
+    for b in [*pool._free, *pool._kept]:
+        if not 0 <= b < pool.num_blocks:
+            raise RuntimeError(f"free queue holds unknown block id {b}")
+        if counts[b] != 0:
+            raise RuntimeError(f"block {b} is in the free queue with reference count {counts[b]}")
+    if pool._kept & set(pool._free):
+        raise RuntimeError(f"blocks {sorted(pool._kept & set(pool._free))} are both queued and kept by the cache")
+    for b in pool._kept:
+        if not pool.is_cached(b):
+            raise RuntimeError(f"block {b} is kept by the prefix cache but holds no cached prefix")
+    used = sum(1 for c in counts if c > 0)
+    if pool.num_free_blocks + used != pool.num_blocks:
+        raise RuntimeError(f"free ({pool.num_free_blocks}) + used ({used}) != total ({pool.num_blocks})")
+    if pool.prefix_cache is not None:
+        pool.prefix_cache.check_invariants()
+
+
+def check_kv_manager(kv, live_request_ids) -> None:
+    """Raise RuntimeError unless exactly the live requests hold blocks in a
+    :class:`~fleetlab.kv.manager.KVCacheManager` and its pool's reference counts equal the holders."""
+    live = set(live_request_ids)
+    if set(kv._blocks) - live:
+        raise RuntimeError(f"finished requests still hold blocks: {sorted(set(kv._blocks) - live)}")
+    counts: dict[int, int] = {}
+    for blocks in kv._blocks.values():
+        for b in blocks:
+            counts[b] = counts.get(b, 0) + 1
+    for b in range(kv.pool.num_blocks):
+        if kv.pool.ref_count(b) != counts.get(b, 0):
+            raise RuntimeError(f"block {b}: reference count {kv.pool.ref_count(b)}, held by {counts.get(b, 0)} "
+                               "request(s)")
+    check_pool(kv.pool)

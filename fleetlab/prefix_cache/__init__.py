@@ -1,0 +1,129 @@
+"""Prefix caching, two designs behind one interface: ``LLM(prefix_cache="hash" | "radix" | None)``.
+
+A prefix cache remembers which blocks of the pool hold the K/V of which token prefix, so a new
+request starting with the same tokens shares those blocks instead of recomputing them.
+Both designs match at *page granularity*: a page is one KV block (``block_size`` tokens), and
+only a block whose tokens are all written is ever shared.
+
+- ``"hash"`` (:class:`~fleetlab.prefix_cache.hash_chain.HashChainCache`, vLLM's design): each
+  full block is keyed by a chain of its parent's key and its own tokens; cached blocks with no
+  owner wait in the pool's LRU free queue and lose their key when the pool reuses them.
+- ``"radix"`` (:class:`~fleetlab.prefix_cache.radix.RadixCache`, SGLang's RadixAttention): a
+  radix tree over token ids whose edges are runs of whole pages; it keeps its unreferenced
+  blocks itself and gives back least-recently-released leaves when the pool runs short.
+
+The cache plugs into :class:`~fleetlab.BlockPool` at three named hooks (``keeps``,
+``forget``, ``evict``; see :class:`PrefixCache`) and is asked by the
+:class:`~fleetlab.kv.manager.KVCacheManager` to ``lookup`` and ``cache_blocks``. Register your
+own design with :func:`register_prefix_cache` to choose it by name.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+from fleetlab.registry import Registry
+
+
+class PrefixCache:
+    """The interface a prefix-cache design implements (and its hit-rate counters).
+
+    Called by the KV manager: :meth:`lookup` (hits for a new prompt), :meth:`cache_blocks`
+    (blocks that became full), :meth:`uncache` (registrations of a step that never ran),
+    :meth:`is_cached`. Called by the pool, at its hooks:
+
+    - ``keeps(block_id)``: the block's last owner let it go; True if the cache holds on to it
+      (it leaves the pool's free queue until :meth:`evict` gives it back);
+    - ``forget(block_id)``: the pool takes a block from its free queue for new content;
+    - ``evict(n)``: the free queue is short; give back up to ``n`` unreferenced blocks.
+    """
+
+    name = ""
+
+    def __init__(self, block_size: int):
+        self.block_size = int(block_size)
+        self.queries = self.hit_tokens = self.query_tokens = self.evictions = 0
+        self._ref_count = lambda block_id: 0  # the pool's, once attached
+
+    def attach(self, pool) -> None:
+        """Called by the pool this cache serves (the cache reads its reference counts)."""
+        if pool.block_size != self.block_size:
+            raise ValueError(f"{type(self).__name__} has block_size {self.block_size}, the pool {pool.block_size}")
+        self._ref_count = pool.ref_count
+
+    # ----- pool hooks (defaults: a cache that keeps nothing of its own)
+    def keeps(self, block_id: int) -> bool:
+        return False
+
+    def forget(self, block_id: int) -> None:
+        pass
+
+    def evict(self, n: int) -> list[int]:
+        return []
+
+    # ----- what the manager asks
+    def lookup(self, token_ids: Sequence[int], *, record_stats: bool = True) -> list[int]:
+        raise NotImplementedError
+
+    def cache_blocks(self, token_ids: Sequence[int], block_ids: Sequence[int], num_cached_blocks: int,
+                     num_full_blocks: int) -> int:
+        raise NotImplementedError
+
+    def uncache(self, block_ids: Sequence[int]) -> list[int]:
+        """Drop these blocks' entries; returns every block that left the cache."""
+        raise NotImplementedError
+
+    def is_cached(self, block_id: int) -> bool:
+        raise NotImplementedError
+
+    @property
+    def num_cached_blocks(self) -> int:
+        raise NotImplementedError
+
+    def check_invariants(self) -> None:
+        """Raise RuntimeError if the cache's bookkeeping is inconsistent (tests, debugging)."""
+
+    def eviction_order(self, block_ids) -> list[int]:
+        """The free blocks this cache keeps, in the order :meth:`evict` would give them (drawings)."""
+        return sorted(block_ids)
+
+    # ----- shared pieces
+    def max_hit_blocks(self, num_tokens: int) -> int:
+        """A hit never covers the whole prompt: one token must run to give the next logits."""
+        return max(0, (num_tokens - 1) // self.block_size)
+
+    def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
+        """Count one query of ``num_tokens`` tokens that hit ``num_hit_blocks`` blocks."""
+        self.queries += 1
+        self.query_tokens += int(num_tokens)
+        self.hit_tokens += int(num_hit_blocks) * self.block_size
+
+    def check_cache_args(self, token_ids, block_ids, num_cached_blocks, num_full_blocks) -> tuple[int, int]:
+        """The arguments of :meth:`cache_blocks`, checked (ValueError names the bad one)."""
+        num_cached_blocks, num_full_blocks = operator.index(num_cached_blocks), operator.index(num_full_blocks)
+        if not 0 <= num_cached_blocks <= num_full_blocks:
+            raise ValueError(f"need 0 <= num_cached_blocks ({num_cached_blocks}) <= num_full_blocks "
+                             f"({num_full_blocks})")
+        if num_full_blocks > len(block_ids):
+            raise ValueError(f"num_full_blocks ({num_full_blocks}) exceeds the {len(block_ids)} blocks given")
+        if num_full_blocks * self.block_size > len(token_ids):
+            raise ValueError(f"{len(token_ids)} tokens fill only {len(token_ids) // self.block_size} blocks, "
+                             f"not num_full_blocks={num_full_blocks}")
+        for b in block_ids[num_cached_blocks:num_full_blocks]:
+            if self._ref_count(b) == 0:
+                raise ValueError(f"block {b} is free: only owned blocks can be cached")
+        return num_cached_blocks, num_full_blocks
+
+
+PREFIX_CACHES = Registry("prefix_cache", PrefixCache, {
+    "hash": "fleetlab.prefix_cache.hash_chain:HashChainCache",
+    "radix": "fleetlab.prefix_cache.radix:RadixCache",
+})
+register_prefix_cache = PREFIX_CACHES.register
+
+
+def build_prefix_cache(spec, block_size: int) -> PrefixCache | None:
+    """The cache ``LLM(prefix_cache=spec)`` names: None for none, else a registered name, a
+    :class:`PrefixCache` subclass (built with ``block_size``) or an instance."""
+    return None if spec is None else PREFIX_CACHES.make(spec, block_size)
