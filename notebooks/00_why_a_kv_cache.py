@@ -162,13 +162,78 @@ print(f"CPU ms of a decode step, by stretch: {decode_ms.min():.1f} to {decode_ms
 # to write 100, with it 108 (the 9-token prefill, then 99 one-token steps; the last token
 # needs no pass after it). In time, a decode step stays nearly flat as the sequence grows
 # (reading a few more cached keys costs little), while a pass over the whole sequence grows
-# with its length: by 128 tokens it costs more than a decode step. Near the start the two are
-# close, and a bare pass can even be cheaper: an engine step also schedules, updates its
-# batch and builds the paged cache's metadata, a few milliseconds that a bare forward does
-# not pay. On this tiny model the time gap stays far smaller than the work gap, because a
-# pass costs mostly a fixed overhead (Python and kernel launches for a few dozen small
+# with its length: by 128 tokens it costs more than a decode step. Near the start the
+# cached line sits *above* "no cache": a bare pass over a short sequence is cheaper than an
+# engine decode step. Why, measured next: each step's trace times its parts (wall clock),
+# and a bare one-token pass is timed on the same clock beside them.
+#
+# On this tiny model the time gap stays far smaller than the work gap, because a pass
+# costs mostly a fixed overhead (Python and kernel launches for a few dozen small
 # operations) whatever it carries. A real model's pass is dominated by its arithmetic, and
 # there the time gap follows the work gap.
+
+# %%
+from matplotlib.figure import Figure
+
+early = [t for t in steps_of_one_run[1:] if t.rows and t.rows[0].num_computed_tokens < 30]  # short decode steps
+engine_forward_ms = 1e3 * float(np.median([t.timings["forward"] for t in early]))
+host_parts = [p for p in ("schedule", "batch_update", "metadata", "sample", "update") if p in early[0].timings]
+host_ms = {p: 1e3 * float(np.median([t.timings[p] for t in early])) for p in host_parts}
+bare_wall = []
+for _ in range(15):
+    start = time.perf_counter()
+    full_forward_logits(model, sequences[8])  # a bare pass over a short sequence, without a cache
+    bare_wall.append(time.perf_counter() - start)
+bare_ms = 1e3 * float(np.median(bare_wall))
+crossing = next((n for n in lengths if pass_ms[n] > float(np.median(decode_ms))), None)
+print(f"engine decode step, median of {len(early)} short ones: forward {engine_forward_ms:.2f} ms, "
+      f"the engine's own work {sum(host_ms.values()):.2f} ms ({', '.join(f'{p} {v:.2f}' for p, v in host_ms.items())})")
+print(f"bare pass over 8 tokens, no cache: {bare_ms:.2f} ms; a bare pass costs more than a decode step "
+      f"from {crossing} tokens on")
+split = Figure(figsize=(7.5, 1.9), layout="constrained")
+ax = split.add_subplot()
+ax.barh(1, engine_forward_ms, color="#4e79a7", label="the engine's forward (paged attention)", gid="split:forward")
+ax.barh(1, sum(host_ms.values()), left=engine_forward_ms, color="#f28e2b",
+        label="the engine's own work (schedule, batch, metadata, sample, update)", gid="split:host")
+ax.barh(0, bare_ms, color="#bab0ac", label="a bare pass over 8 tokens (no cache)", gid="split:bare")
+ax.set_yticks([0, 1], ["bare pass", "engine step"])
+ax.set_xlabel("wall ms (medians)")
+ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+split
+
+# %% [markdown]
+# The engine's own work (scheduling, updating its batch, building the metadata, sampling,
+# committing) is the small part. Most of the difference is the forward itself: the engine's
+# forward costs more than a bare pass over a short sequence, because its attention takes
+# the paged path (write the new K/V into their slots, gather every cached key through the
+# block table, a plan for the tiled kernels) where the bare pass attends over a few
+# contiguous tokens. That fixed cost stays while the bare pass grows with the sequence,
+# so the lines cross (the printed length).
+#
+# ### What the cache costs: bytes per token
+#
+# The cache holds, for every token and every layer, a key and a value vector for each KV
+# head: `2 x layers x kv_heads x head_dim x bytes per number`. From the model's config:
+
+# %%
+import paddle
+
+cfg = model.config
+head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+dtype_bytes = paddle.empty([1], dtype=model.parameters()[0].dtype).element_size()
+kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * dtype_bytes
+print(f"this model: 2 x {cfg.num_hidden_layers} layers x {cfg.num_key_value_heads} KV heads x {head_dim} x "
+      f"{dtype_bytes} bytes = {kv_bytes_per_token:,} bytes per token")
+llama8b = dict(layers=32, heads=32, kv_heads=8, head_dim=128, params=8.0e9, dtype_bytes=2)  # Llama-3-8B's shape, bf16
+llama8b_kv = 2 * llama8b["layers"] * llama8b["kv_heads"] * llama8b["head_dim"] * llama8b["dtype_bytes"]
+print(f"a Llama-3-8B-shaped model in bf16: {llama8b_kv:,} bytes = {llama8b_kv / 2**10:.0f} KiB per token; "
+      f"a 4,096-token request holds {4096 * llama8b_kv / 2**30:.2f} GiB, "
+      f"64 of them {64 * 4096 * llama8b_kv / 2**30:.0f} GiB")
+
+# %% [markdown]
+# Here 2 KiB per token (float32, tiny); for a real 8B model 128 KiB, so 64 requests of
+# 4,096 tokens hold 32 GiB of cache next to 16 GB of weights. The cache, not the model, is
+# what runs out first as requests grow: the scarce resource every later notebook manages.
 #
 # ## 4. Prefill against decode
 #
@@ -178,7 +243,8 @@ print(f"CPU ms of a decode step, by stretch: {decode_ms.min():.1f} to {decode_ms
 # own, a **decode** step.
 
 # %%
-viz.draw_pass_cost(sizes, pass_s, clock="CPU")
+pass_figure = viz.draw_pass_cost(sizes, pass_s, clock="CPU")
+pass_figure
 
 # %%
 per_token = {n: ms / n for n, ms in pass_ms.items()}
@@ -205,6 +271,81 @@ for n in (1, 64):
 # (and the prefills of newcomers) in every step. Everything else it does follows from that:
 # memory for many KV caches of unknown length, a scheduler deciding who runs, a batch whose
 # rows come and go.
+#
+# ### Batching shares the weights, not the KV cache
+#
+# A decode step for `B` requests reads the weights once for all of them, but each request's
+# own cache: `weights + B x context x KV bytes per token`. Its arithmetic is about
+# `2 x parameters` per token, plus attention's `4 x layers x heads x head_dim x context`.
+# For the Llama-3-8B shape above, against the H200's figures: its memory read bandwidth as
+# measured in this project (`benchmarks/results/h200_triton.json`), and its spec sheet's
+# dense bf16 compute. A step is memory-bound while its arithmetic intensity (FLOP per byte
+# read) sits under the ridge, peak FLOP/s / bandwidth.
+
+# %%
+from matplotlib.ticker import FuncFormatter
+
+h200 = viz.load_results()["h200_triton"]
+bandwidth = h200["ceilings"]["read_sum_tbps"] * 1e12  # bytes/s, measured
+peak_flops = 989e12  # H200 dense bf16, spec sheet
+ridge = peak_flops / bandwidth
+batches = np.array([1, 2, 4, 8, 16, 32, 64, 128, 256])
+weights = llama8b["params"] * llama8b["dtype_bytes"]
+attn_flops = 4 * llama8b["layers"] * llama8b["heads"] * llama8b["head_dim"]  # per token, per context position
+
+
+def decode_step(batch, context):
+    """(bytes read, FLOP, lower bound on seconds) of one decode step of `batch` requests."""
+    bytes_read = weights + batch * context * llama8b_kv
+    flops = batch * (2 * llama8b["params"] + attn_flops * context)
+    return bytes_read, flops, max(bytes_read / bandwidth, flops / peak_flops)
+
+
+contexts = [512, 4096, 32768]
+roofline = Figure(figsize=(11.0, 3.3), layout="constrained")
+ax_bytes, ax_rate = roofline.subplots(1, 2)
+kv_read = [b * 4096 * llama8b_kv / 1e9 for b in batches]
+ax_bytes.bar(range(len(batches)), [weights / 1e9] * len(batches), color="#bab0ac", label="weights (read once)",
+             gid="bytes:weights")
+ax_bytes.bar(range(len(batches)), kv_read, bottom=weights / 1e9, color="#4e79a7",
+             label="KV caches (one per request)", gid="bytes:kv")
+ax_bytes.set_xticks(range(len(batches)), [str(b) for b in batches])
+ax_bytes.set_xlabel("requests in the decode step (context 4,096 each)")
+ax_bytes.set_ylabel("GB read per step")
+ax_bytes.set_title("what a decode step reads", fontsize=9)
+ax_bytes.legend(fontsize=7, frameon=False)
+for context in contexts:
+    intensity = [decode_step(b, context)[1] / decode_step(b, context)[0] for b in batches]
+    ax_rate.plot(batches, intensity, marker="o", markersize=3, label=f"context {context:,}", gid=f"intensity:{context}")
+ax_rate.axhline(ridge, color="#e15759", linestyle="--", linewidth=1,
+                label=f"ridge: {ridge:.0f} FLOP/byte (above: compute-bound)")
+ax_rate.set_xscale("log", base=2)
+ax_rate.set_yscale("log")
+ax_rate.set_xticks(batches, [str(b) for b in batches])
+ax_rate.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+ax_rate.set_xlabel("requests in the decode step")
+ax_rate.set_ylabel("FLOP per byte read")
+ax_rate.set_title("arithmetic intensity of a decode step (H200 roofline)", fontsize=9)
+ax_rate.legend(fontsize=7, frameon=False, loc="lower right")
+roofline
+
+# %%
+for context in contexts:
+    best = max(b / decode_step(b, context)[2] for b in batches)
+    limit = bandwidth / (context * llama8b_kv)  # tokens/s when the KV reads alone fill the bandwidth
+    print(f"context {context:>6,}: at most {best:8,.0f} tokens/s at batch {batches[-1]}; the KV reads alone cap it "
+          f"at {limit:8,.0f}; intensity at batch {batches[-1]}: "
+          f"{decode_step(batches[-1], context)[1] / decode_step(batches[-1], context)[0]:.0f} FLOP/byte")
+
+# %% [markdown]
+# Left: the weights are 16 GB read once per step whatever the batch, and the caches grow
+# with it: from 32 requests of 4,096 tokens on, the step reads more KV than weights. Right:
+# batching raises the intensity only while the weights dominate what is read. With short
+# contexts (512) it keeps climbing, to about half the ridge at 256 requests; at 4,096 and
+# 32,768 it flattens far below it, where the KV reads take over: however large the batch,
+# a long-context decode step stays memory-bound, and its tokens per second are capped by the bandwidth divided by the KV
+# bytes each token's attention reads. That is why the KV cache's size per token, and the
+# memory it takes, decide how many requests an engine can serve.
 #
 # ## 5. The road ahead
 #

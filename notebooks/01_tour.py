@@ -83,6 +83,11 @@ for out, want in zip(outputs, expected):
 # joins in step 2, right after request 2 finishes, and request 5 in step 3: a request takes
 # a row the step after one frees, and steps 2 and 3 run prefill and decode side by side.
 # That is **continuous batching**.
+#
+# The lines printed under the timeline say the same in text: each step's rows in the order
+# the model ran them, each as `request:phase tokens` (`0:p7`: request 0 runs a 7-token
+# prefill; `1:d1`: request 1 decodes one token), then the tokens the step ran in all, and
+# which requests finished in it.
 
 # %%
 waits = viz.queue_waits(llm.traces, {out.request_id: 0 for out in outputs}, llm.config)
@@ -114,11 +119,14 @@ step_source
 # Each request's keys and values live in fixed-size **blocks** of the KV cache (here 4
 # tokens each). The bars count the blocks each running request holds, in its colour: a
 # request's bar grows by one block every 4 tokens and is gone the step after it
-# finishes, so memory follows the work instead of being reserved up front. The pool has
-# 48 blocks; this small workload never needs more than a dozen.
+# finishes, so memory follows the work instead of being reserved up front. The black line
+# is what is still held *after* each step: it drops below the bars exactly in the steps
+# where a request finished (its blocks go back to the pool at the end of the step). The
+# pool has 48 blocks; this small workload never needs more than a dozen.
 
 # %%
-viz.draw_kv_occupancy(llm.traces)
+occupancy = viz.draw_kv_occupancy(llm.traces)
+occupancy
 
 # %% [markdown]
 # ## 4. Pause the engine mid-flight: two prompts with one prefix
@@ -148,8 +156,10 @@ for a in viz.admissions(llm.traces, block_size=4)[-2:]:
 # The **block pool** after those two steps: one square per block of the cache, coloured by
 # the request holding it. The 7 blocks both requests hold are hatched and marked `x2`
 # (two owners). Grey dotted squares are free, but still remember the tokens of a finished
-# request, in case a later prompt starts the same way; their number is the order in which
-# the pool would overwrite them (1 first; the white, empty blocks go before any of them).
+# request, in case a later prompt starts the same way; the number in the circle is the
+# order in which the pool would overwrite them (1 first). White squares are free and
+# empty. The pool hands out the front of one free queue, empty and cached blocks alike,
+# so white blocks are not always taken first: here some of them wait behind cached ones.
 
 # %%
 frame = viz.pool_frame(llm)
@@ -162,7 +172,9 @@ pool_figure
 # tokens) on top of the 28 tokens they already had in the cache. The token each of them
 # sampled is not in these rows yet: the scheduler committed it, and the runner learns it
 # from the next step's message (the `SchedulerOutput`, which carries only what changed).
-# Next step both decode. The rows survive from step to step.
+# Each row ends with `(computed/total in KV cache)`: of the request's tokens so far, how
+# many have their K/V in the cache (notebook 04 opens these rows). Next step both decode.
+# The rows survive from step to step.
 
 # %%
 batch_rows = llm.batch_snapshot()

@@ -72,7 +72,8 @@ viz.draw_block_mapping({"a": a_blocks}, pool, num_tokens={"a": len(a)}, block_si
 # now written **a**'s K/V: its 3 full blocks become shareable.
 
 # %%
-cache.cache_blocks(a, a_blocks, num_cached_blocks=0, num_full_blocks=len(a) // 4)
+newly_cached = cache.cache_blocks(a, a_blocks, num_cached_blocks=0, num_full_blocks=len(a) // 4)
+print(f"{newly_cached} of a's blocks are now cached (findable by their tokens)")
 
 # %% [markdown]
 # Request **b** has the same system prompt. Blocks are matched by a key that chains the
@@ -406,6 +407,20 @@ def paging_picture(block_size, prompt_a, prompt_b, prompt_c):
     return fig
 
 
+# %% [markdown]
+# Two settings drawn once, for reading without the sliders: their starting point (block
+# size 8, prompts of 23, 41 and 7 tokens), then block size 25 with three 64-token prompts,
+# which do not fit.
+
+# %%
+paging_start = paging_picture(8, 23, 41, 7)
+paging_start
+
+# %%
+paging_tight = paging_picture(25, 64, 64, 64)
+paging_tight
+
+# %%
 explore = viz.LiveFigure(paging_picture, viz.int_sliders(
     block_size=(1, 32, 1, 8), prompt_a=(1, 64, 1, 23), prompt_b=(1, 64, 1, 41), prompt_c=(1, 64, 1, 7)))
 explore

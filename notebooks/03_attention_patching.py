@@ -150,24 +150,76 @@ for excerpt in step_excerpts:
 # %%
 from fleetlab.attention.naive import naive_paged_attention
 
-naive_excerpt = viz.show_source(naive_paged_attention, start="for row in range", stop="outputs.append(")
+naive_excerpt = viz.show_source(naive_paged_attention, start="keys = key_cache.reshape", stop="outputs.append(")
 naive_excerpt
+
+# %% [markdown]
+# ### The packed step's mask
+#
+# That loop never lets a query see another row's keys, and inside a row it hides only the
+# positions after the query. Drawn for a whole step, that is the step's attention mask:
+# the packed queries down, every row's context across. Here it is for a real mixed step of
+# an engine: requests 0 and 1 decode while request 2's 14-token prompt runs its second
+# chunk (a budget of 8 tokens a step). A forward pre-hook on the first attention layer (a
+# Paddle hook; nothing in the engine changes) reads each step's `AttentionMetadata` from
+# the forward context while it is open, and `viz.packed_mask` turns its `cu_seqlens_q`,
+# `seq_lens_kv` and block tables into the mask.
+
+# %%
+from fleetlab.context import get_forward_context
+
+mask_model = fleetlab.models.tiny("llama", seed=0)
+mask_llm = fleetlab.LLM(mask_model, block_size=4, max_num_batched_tokens=8, record_traces=True)
+first_attention = next(layer for name, layer in mask_model.named_sublayers() if name.endswith("self_attn"))
+step_masks = []  # one per forward: the hook runs once per step, in the first layer
+hook = first_attention.register_forward_pre_hook(
+    lambda layer, inputs: step_masks.append(viz.packed_mask(get_forward_context().metadata)))
+mask_params = fleetlab.SamplingParams(max_tokens=6, ignore_eos=True)
+mask_prompts = [[int(t) for t in rng.integers(3, 100, size=n)] for n in (5, 3, 14)]
+for ids in mask_prompts[:2]:
+    mask_llm.add_request(prompt_token_ids=ids, sampling_params=mask_params)
+mask_llm.step()  # step 0: both short prompts
+mask_llm.add_request(prompt_token_ids=mask_prompts[2], sampling_params=mask_params)
+mask_llm.step()  # step 1: two decodes and the long prompt's first chunk of 6
+mask_llm.step()  # step 2: two decodes and its second chunk, after the 6 now cached
+hook.remove()
+mixed = mask_llm.traces[2]
+for row in mixed.rows:
+    print(f"req {row.request_id}: {row.phase:<7} {row.num_scheduled_tokens} token(s) after "
+          f"{row.num_computed_tokens} cached")
+mixed_mask = step_masks[2]
+mixed_mask.row_labels = [row.request_id for row in mixed.rows]  # the rows in the order the step ran them
+viz.draw_packed_mask(mixed_mask, title="step 2's attention mask: two decode rows and a prefill chunk")
+
+# %% [markdown]
+# Block-diagonal: each row's queries see only their own row's keys, so 8 packed tokens
+# behave as three separate sequences. A decode row is one query that sees its whole
+# context: its cached tokens (pale) and the token it writes this step. The chunk's 6
+# queries all see the 6 positions cached by step 1, and among this step's own keys each
+# sees itself and those before it: a lower triangle. Of the 8 x 24 pairs only 7 + 5 + 57 =
+# 69 are visible, which is why no kernel builds this matrix: the naive loop above runs row
+# by row, the tiled backend gathers only each row's own keys into its tiles, and
+# FlashAttention's variable-length API takes the rows' query and context lengths (as
+# cumulative sums, like `cu_seqlens_q`) instead of a mask.
 
 # %% [markdown]
 # ## 3. Parity: oracle against paged
 #
 # `paged_greedy` decodes the same prompts through the patched model: one packed prefill
 # step, then one packed decode step per token, on a fresh paged cache whose block ids are
-# shuffled (so a layout bug cannot hide behind contiguous blocks). Every logit should sit
-# on the diagonal, and the worst difference per step should stay within a few float32
-# rounding steps (the dashed line: float32's epsilon times the largest logit; the two sides
-# add the same numbers in different orders, so they differ by rounding, and a layout bug
-# would show as a difference of the logits' own size).
+# shuffled (so a layout bug cannot hide behind contiguous blocks). Every logit sits on the
+# diagonal. The worst difference per step (right, one colour per request) sits a few times
+# above the dashed line, one float32 rounding step at the size of these logits (float32's
+# epsilon times the largest logit), and under ten such steps everywhere: the two sides add
+# the same numbers in different orders, through a few layers, so the rounding of each
+# addition adds up. A layout bug would show as a difference of the logits' own size, about
+# a million times higher on this axis.
 
 # %%
 paged_tokens, paged_logits = paged_greedy(handle, prompts, max_new_tokens=8, block_size=4)
 print(viz.greedy_table(ref_tokens, paged_tokens))
-viz.draw_logits_parity(ref_logits, paged_logits)
+parity_figure = viz.draw_logits_parity(ref_logits, paged_logits)
+parity_figure
 
 # %% [markdown]
 # `unpatch()` puts everything back; the model is exactly what it was.

@@ -116,6 +116,49 @@ admission_source = viz.show_source(fleetlab.Scheduler._schedule_waiting, body_on
 admission_source
 
 # %% [markdown]
+# That is the admission half. The other half runs first in every step: `_schedule_running`
+# gives each running request (in admission order, the oldest first) its next tokens,
+# `_num_new_tokens` of them: what it has not computed yet, cut to the budget. When
+# `allocate_slots` cannot find the blocks for them, the inner `while` asks the policy for a
+# victim (`pick_victim`), puts the victim's already-scheduled tokens back into the budget
+# and preempts it; it stops when the request fits, or when the request was itself the
+# victim.
+
+# %%
+running_source = viz.show_source(fleetlab.Scheduler._schedule_running, body_only=True)
+running_source
+
+# %%
+new_tokens_source = viz.show_source(fleetlab.Scheduler._num_new_tokens, body_only=True)
+new_tokens_source
+
+# %% [markdown]
+# Under the default first-come-first-served policy the victim is the newest running
+# request, the last of `running`; `_preempt` frees its blocks, sets its
+# `num_computed_tokens` back to 0 and appends it to `waiting`, where its arrival order puts
+# it back at the front (the admission key of section 2's loop).
+
+# %%
+victim_source = viz.show_source(type(llm.scheduler.policy).pick_victim)
+victim_source
+
+# %%
+preempt_source = viz.show_source(fleetlab.Scheduler._preempt, body_only=True)
+preempt_source
+
+# %% [markdown]
+# Read the first red `x` of the timeline with that code. After step 6 the pool has no free
+# block. In step 7 request 0 comes first: its next token starts a fourth block and
+# `allocate_slots` returns None, so `pick_victim` returns request 2 (the newest) and
+# `_preempt` frees its three blocks. Request 0 then takes one of them (block 13), request 1
+# another (block 10), and nobody is admitted: two rows run.
+
+# %%
+frame6, frame7 = (next(f for f in pool_frames if f.step == s) for s in (6, 7))
+print("after step 6:", frame6.block_tables)
+print("after step 7:", frame7.block_tables, "| preempted in step 7:", traces[7].preempted)
+
+# %% [markdown]
 # Things to find: the long prompt of request 1 split over steps 0-2 (chunked prefill),
 # which with request 0's prompt fills step 0's budget, so request 2 waits two steps for
 # tokens, not for memory. Requests 3 and 4 arrive in step 3 and wait seven steps: the first
@@ -128,9 +171,15 @@ admission_source
 # A preempted request loses its blocks and later comes back to rebuild its prompt *and* the
 # tokens it had already generated; a green number in its box counts the tokens it found
 # still in the prefix cache (section 3 explains).
+#
+# Below, KV blocks held per request: each step's bars count the blocks of the requests that
+# ran in it; the black line is what is still held after the step. The line drops below the
+# bars exactly in the steps where a request finished (its blocks are freed at the end of
+# the step: step 9, where requests 0 and 1 finish, is the clearest).
 
 # %%
-viz.draw_kv_occupancy(traces)
+occupancy = viz.draw_kv_occupancy(traces)
+occupancy
 
 # %%
 viz.draw_step_tokens(traces, budget=engine_config['max_num_batched_tokens'])
@@ -162,11 +211,14 @@ for a in viz.admissions(traces, block_size=engine_config["block_size"]):
 # ## 4. Replay it
 #
 # The block pool after key steps, side by side: after step 6 the pool is full; in step 7
-# request 2 is preempted (its blocks turn grey: free, still cached); in step 10 it comes
-# back and takes its first block from the cache (outlined in green); in step 16 request 5
-# is preempted and in step 17 takes its block back; in step 23 request 6 takes back five
-# blocks of its own. Blocks are coloured by the request holding them, grey dotted when free
-# but still cached (numbered in the order they would be overwritten), white when free.
+# request 2 is preempted, and of its three blocks only block 9 stays grey (free, still
+# cached): blocks 10 and 13 go straight to requests 1 and 0, whose growth needed them (that
+# is why 2 was preempted); in step 10 it comes back and takes block 9 from the cache
+# (outlined in green); in step 16 request 5 is preempted, and in step 17 it comes back,
+# takes its block 7 from the cache (outlined) and finishes in the same step, so the panel
+# draws its blocks free again; in step 23 request 6 takes back five blocks of its own.
+# Blocks are coloured by the request holding them, grey dotted when free but still cached
+# (the number in the circle: the order they would be overwritten), white when free.
 
 # %%
 pool_strip = viz.draw_pool_strip(traces, [6, 7, 10, 16, 17, 23], pool_frames, waits=waits)
@@ -205,6 +257,105 @@ for tight, free in zip(outputs, roomy_outputs):
           f"{tight.text!r:<16} same as roomy: {tight.text == free.text}")
 print("steps: tight", len(traces), "| roomy", len(roomy.traces), "| roomy preemptions:",
       roomy.stats()["num_preemptions"])
+
+# %% [markdown]
+# ## 6. Write the scheduler yourself
+#
+# You have read both halves; now write them. `fleetlab.lessons.schedule_exercise` hands
+# your `schedule(state)` one step's state as plain data (`ToyState`: the running requests
+# in admission order, the waiting ones in the order to admit, each with `num_tokens`,
+# `num_computed_tokens` and `num_blocks` held; the free blocks, the block size, the budget
+# and `max_num_seqs`) and wants its plan back (`ToyPlan`: tokens per request, and whom it
+# preempts). `check_schedule` replays a recorded engine run step by step: it rebuilds the
+# state the engine's scheduler saw, asks your function, compares, and moves on by what the
+# engine did, so it can say at which step and for which request yours first differs.
+#
+# The toy world is the engine's with the prefix cache off (a returning request starts from
+# zero), first-come-first-served, and no speculative decoding. So first run the same
+# arrivals on such an engine:
+
+# %%
+from fleetlab.lessons.schedule_exercise import check_schedule
+
+exercise_llm = fleetlab.LLM(llm.handle, tokenizer, **{**engine_config, "enable_prefix_caching": False})
+_, exercise_arrivals, _ = serve(exercise_llm, arrivals)
+print(len(exercise_llm.traces), "steps;", exercise_llm.stats()["num_preemptions"], "preemptions, in steps",
+      [t.step for t in exercise_llm.traces if t.preempted])
+
+# %% [markdown]
+# The cell below is a working answer, about 45 lines: both loops of the real scheduler,
+# with a dictionary of blocks held standing in for the block pool. Replace its body with
+# your own (start from `return ToyPlan()`), run it and the check after it: the check names
+# the first step and request where yours and the engine part ways.
+
+# %%
+from fleetlab.lessons.schedule_exercise import ToyPlan
+
+
+def toy_schedule(state, pick_victim=lambda running: running[-1]):  # the newest, as the engine's policy
+    plan = ToyPlan()
+    budget, free = state.max_num_batched_tokens, state.num_free_blocks
+    running = list(state.running)  # admission order: the last one is the newest
+    held = {r.request_id: r.num_blocks for r in running}
+
+    def new_blocks(req, n):  # blocks still to take for the request's next n tokens
+        return max(0, -(-(req.num_computed_tokens + n) // state.block_size) - held[req.request_id])
+
+    # 1. Running requests first, oldest first; while one does not fit, preempt a victim.
+    i = 0
+    while i < len(running) and budget > 0:
+        req = running[i]
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        while new_blocks(req, n) > free:
+            victim = pick_victim(running)
+            if running.index(victim) < i:  # already served this step: the rows after it shift down
+                i -= 1
+            running.remove(victim)
+            budget += plan.num_scheduled_tokens.pop(victim.request_id, 0)  # its tokens go back
+            free += held.pop(victim.request_id)
+            plan.preempted.append(victim.request_id)
+            if victim is req:
+                break
+        else:
+            need = new_blocks(req, n)
+            free, held[req.request_id] = free - need, held[req.request_id] + need
+            plan.num_scheduled_tokens[req.request_id] = n
+            budget -= n
+            i += 1
+    if plan.preempted:  # the pool is tight: admit nobody this step
+        return plan
+    # 2. Then waiting requests in order, while the budget, the rows and the blocks last.
+    for req in state.waiting:
+        if budget == 0 or len(running) == state.max_num_seqs:
+            break
+        n = min(req.num_tokens, budget)  # a chunk of the prompt when the budget is short
+        need = -(-n // state.block_size)
+        if need > free:
+            break
+        free -= need
+        running.append(req)
+        plan.num_scheduled_tokens[req.request_id] = n
+        budget -= n
+    return plan
+
+# %%
+mismatch = check_schedule(toy_schedule, exercise_llm, exercise_arrivals)
+print("every step agrees with the engine" if mismatch is None else mismatch.describe())
+
+# %% [markdown]
+# What a mistake looks like: the same answer, but preempting the *oldest* running request
+# instead of the newest. It agrees with the engine until the first step that preempts,
+# and the check stops there.
+
+# %%
+def oldest_victim_schedule(state):
+    return toy_schedule(state, pick_victim=lambda running: running[0])
+
+
+wrong = check_schedule(oldest_victim_schedule, exercise_llm, exercise_arrivals)
+print(wrong.describe())
+print("engine:", wrong.engine)
+print("yours: ", wrong.toy)
 
 # %% [markdown]
 # > **In vLLM / FastDeploy** this loop is the engine core and its scheduler.

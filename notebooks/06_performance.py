@@ -149,10 +149,16 @@ handle.unpatch()
 #   holds tokens when it is paged, padded to the longest request, or reserved for the
 #   maximum length (notebook 02 in numbers);
 # - **shared-prefix workload**: prompts that share a long prefix, prefix cache off and on;
-# - **where an engine step's time goes**: milliseconds per step by part, at batch 4 and 64;
+# - **where an engine step's time goes**: milliseconds per step by part, at batch 4 and 64.
+#   Its steps are longer than the ones section 2 measured (22.7 ms at batch 4): that run
+#   has its own workload (64-128-token prompts, 48 tokens out, 16-token blocks) on another
+#   day's machine load, so compare its shares (the forward against the rest) with section
+#   2's, not its milliseconds;
 # - **decode attention** (the H200 kernel file): how fast each implementation reads the KV
 #   cache as the context grows, against two reference lines explained in the legend, timed
-#   under CUDA-graph replay (the GPU's time alone; the file also has each implementation's
+#   under CUDA-graph replay (a CUDA graph records a sequence of kernel launches once and
+#   replays it in one call, so the CPU's launch costs drop out: the GPU's time alone; the
+#   file also has each implementation's
 #   eager clock, drawn by `viz.draw_decode_bandwidth(..., clock="eager")`).
 #
 # If there are no results, the cell says so; section 1 measured a small comparison anyway.
@@ -175,7 +181,8 @@ for name, data in results.items():
 
 # %% [markdown]
 # Reading the bandwidth panels (CUDA-graph replay: the GPU's time alone): the paged Triton
-# kernel (red) reads through the block table as fast as SDPA on contiguous memory (green)
+# kernel (red) reads through the block table as fast as SDPA (PyTorch's fused
+# `scaled_dot_product_attention`) on contiguous memory (green)
 # from batch 16 up, far faster at batch 1 (it splits a long context over the GPU's
 # multiprocessors: 3.35 TB/s at 32k tokens against SDPA's 0.35), and at least 2.6 times as
 # fast as gathering the blocks into a copy first (blue). The dotted grey line, an older copy
@@ -190,7 +197,7 @@ for name, data in results.items():
 # layer after layer, while the GPU waits for work. The Triton backend plans once per step, in
 # its `build_metadata` (notebook 03 shows it: kernel settings, context splits, grids, scratch
 # buffers), and each layer's call only looks its plan up and launches. Left, the host time
-# per call on the H200 for the decode shapes of issue #24 (the GPU held busy, so no call waits
+# per call on the H200 for the decode shapes stored as `decode_issue_shapes` (the GPU held busy, so no call waits
 # for it); right, a whole 32-layer decode step launched from Python against the same launches
 # replayed as one CUDA graph.
 
@@ -232,13 +239,15 @@ else:
 # One program handles one (row, group of KV heads, split of the context). Read it with
 # four ideas:
 #
-# 1. **GQA and multi-token rows for free**: the tile's rows are (query token, query head)
+# 1. **GQA (grouped-query attention: several query heads share one KV head, notebook 09)
+#    and multi-token rows for free**: the tile's rows are (query token, query head)
 #    pairs of one batch row, so each K/V tile is read from memory once for all the query
 #    heads sharing a KV head and for all the row's query tokens (a speculative-decoding
 #    verify row has `k + 1` of them, each masked causally against the others);
 # 2. **paging inside the loop**: `_kv_tile_offsets` turns logical positions into cache
 #    addresses through the block table — no gather into a contiguous copy first, which is
-#    why paging costs almost nothing (3x faster than gather-then-SDPA on the H200); only
+#    why paging costs almost nothing (at least 2.6 times as fast as gather-then-SDPA on the
+#    H200, section 3); only
 #    keys inside the row's context are loaded, so stale slots can hold anything, even NaN;
 # 3. **online softmax**: a running max `m`, a running sum `l` and an accumulator `acc` let
 #    the program stream over the context once;

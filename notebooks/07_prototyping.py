@@ -146,7 +146,8 @@ class SplitBackend(AttentionBackend):
         return paddle.matmul(probs.unsqueeze(2), v).squeeze(2)
 
 
-fleetlab.register_attention_backend("split", SplitBackend)
+fleetlab.register_attention_backend("split", SplitBackend)  # by name, as LLM(backend="split") asks for it
+print("attention backends:", fleetlab.attention.backend.list_attention_backends())
 
 # %% [markdown]
 # ## 3. Check it against the tiled backend
@@ -229,13 +230,16 @@ for policy, runs in stats.items():
 # (read from each step's trace, as in notebook 05); a red `x` is a preemption (the cache
 # holds 16 blocks of 4 tokens, not enough for two long sentences at once); a green number
 # in a box counts the tokens a request found in the prefix cache when it was admitted.
+# Both timelines list the requests in the same order (by id, top down), so a lane is the
+# same request in both.
 
 # %%
 waits = {policy: viz.queue_waits(llm.traces, arrival_steps, llm.config) for policy, llm in policy_runs.items()}
 policy_figure = Figure(figsize=(12, 8.5), layout="constrained")
 axes = policy_figure.subplots(2, 1, sharex=True)
 for ax, (policy, llm) in zip(axes, policy_runs.items()):
-    viz.draw_timeline(llm.traces, ax=ax, title=f"scheduling_policy={policy!r}", waits=waits[policy])
+    viz.draw_timeline(llm.traces, ax=ax, title=f"scheduling_policy={policy!r}", waits=waits[policy],
+                      request_ids=sorted(arrival_steps, key=int))
 axes[0].set_xlim(-0.6, max(llm.traces[-1].step for llm in policy_runs.values()) + 0.6)  # the longer run
 policy_figure
 

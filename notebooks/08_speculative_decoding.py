@@ -68,8 +68,9 @@ print({key: (round(v, 3) if isinstance(v, float) else v) for key, v in stats.ite
 # Then what this step did: the drafts the target **accepted** (green), the drafts it
 # **rejected** (red, struck through), and the one token the target adds itself: a
 # **bonus** token (blue) when it accepted every draft, or a **recovered** token (purple)
-# in place of the first draft it rejected. The first step of each request is its prompt's
-# prefill, which samples one plain token (light blue) and lets the draft model propose.
+# in place of the first draft it rejected, drawn in that draft's slot, under it. The first
+# step of each request is its prompt's prefill, which samples one plain token (light blue)
+# and lets the draft model propose.
 
 # %%
 steps_draft = viz.draw_spec_steps(llm.traces, tokenizer, prompts=dict(zip([o.request_id for o in outputs], prompts)),
@@ -94,12 +95,16 @@ ngram_spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min
 with fleetlab.LLM(model, tokenizer, **engine, speculative_config=ngram_spec) as ngram_llm:
     ngram_outputs = ngram_llm.generate(prompts[:2], params, use_tqdm=False)
     ngram_stats = ngram_llm.stats()
+with fleetlab.LLM(model, tokenizer, **engine) as plain_two:  # the same two prompts, decoded plainly
+    plain_two.generate(prompts[:2], params, use_tqdm=False)
 print(f"same as plain: {[o.text for o in ngram_outputs] == [o.text for o in plain_outputs[:2]]}, "
-      f"acceptance {ngram_stats['spec_acceptance_rate']:.2f}, steps {ngram_stats['num_steps']}")
+      f"acceptance {ngram_stats['spec_acceptance_rate']:.2f}, steps {ngram_stats['num_steps']} "
+      f"(plain decoding of these two prompts: {plain_two.stats()['num_steps']})")
 viz.draw_spec_steps(ngram_llm.traces, tokenizer, prompts=dict(zip(["0", "1"], prompts[:2])), title="ngram, k = 4")
 
 # %% [markdown]
-# Same texts again, but 16 steps instead of 19: only 11% of the drafts are accepted. In
+# Same texts again, but 16 steps instead of the 18 that plain decoding of these two prompts
+# takes: only 11% of the drafts are accepted. In
 # `'count 12'` prompt lookup copies the number it saw last (`12`, then `13`, ...) whenever
 # the text ends in a space, so it gets the next number's `1` right and its second digit
 # wrong: 13 tokens in 9 forwards. The sentence copies words of the prompt (`man`, `old`)
@@ -254,7 +259,8 @@ live_player
 frame_s = viz.time_frames(live_player, range(len(live_frames)))
 print(f"a frame takes {np.median(frame_s):.2f} s to draw and render here (the median of {len(frame_s)}; "
       f"the slowest {max(frame_s):.2f} s); play shows one every {live_player.play.interval / 1000:.1f} s")
-#
+
+# %% [markdown]
 # ## 4. How many drafts? Acceptance and forwards against `k`
 #
 # More drafts per step can save more target forwards, but each extra draft is less likely
@@ -262,8 +268,8 @@ print(f"a frame takes {np.median(frame_s):.2f} s to draw and render here (the me
 # same prompts (kinds the model was trained on: counting and sentences) at each `k` from 1
 # to 8, measured now on this machine. *Target forwards per output token* is counted per
 # request: the steps a request was scheduled in, divided by the tokens it got (1.0 without
-# speculation, for a prompt that fits one step). Move the slider to see each `k`'s
-# acceptance by draft position.
+# speculation, for a prompt that fits one step). The figure after the numbers is drawn at
+# `k = 4`; the slider after it draws each `k`'s acceptance by draft position.
 
 # %%
 sweep_prompts = [tokenizer.encode(p) for p in trained_prompts(6, 6)]
@@ -275,12 +281,17 @@ for run in sweep:
     print(f"k={run['k']}: acceptance {run['acceptance_rate']:.2f}, {run['mean_acceptance_length']:.2f} tokens per "
           f"verify step, {run['forwards_per_token']:.2f} target forwards per token, {run['num_steps']} steps, "
           f"same tokens as off: {run['token_ids'] == sweep_off['token_ids']}")
+sweep_figure = viz.draw_spec_sweep(sweep, sweep_off, k=4)
+sweep_figure
+
+# %%
 explore = viz.LiveFigure(lambda k: viz.draw_spec_sweep(sweep, sweep_off, k=k), viz.int_sliders(k=(1, 8, 1, 4)))
 explore
 
 # %% [markdown]
-# Acceptance falls as `k` grows, from 0.95 at `k = 1` to 0.64 at `k = 8` (at `k = 4` the
-# four positions get 0.97, 0.76, 0.71, 0.68), yet each step still yields more tokens, so
+# Acceptance falls as `k` grows, from 0.95 at `k = 1` to 0.64 at `k = 8`, though not at
+# every step: `k = 5` (0.80) sits above `k = 4` (0.78) in this run (at `k = 4` the four
+# positions get 0.97, 0.76, 0.71, 0.68). Yet each step still yields more tokens, so
 # target forwards per token keep falling: 0.56 at `k = 1`, 0.33 at `k = 4` (a third of
 # plain decoding), 0.26 at `k = 8`. The curve flattens because the answers are short (a
 # counting answer is 13 tokens): past `k = 5` most extra drafts would land after the EOS.

@@ -35,12 +35,17 @@ from fleetlab.viz import tp as tpviz
 # heads 0–1 read KV head 0, heads 2–3 read KV head 1) and an MLP of 128 columns. With
 # `tensor_parallel_size=2`, rank 0 takes query heads 0–1 and the one KV head they read; rank 1
 # takes heads 2–3 and KV head 1. The fused QKV projection packs `[q | k | v]`, so a rank's
-# columns come from three places of it. The MLP's gate and up columns split in halves.
+# columns come from three places of it. The MLP row: the gate and up projections' 128
+# output columns split into contiguous ranges, 0–63 on rank 0 and 64–127 on rank 1 (the
+# boxes name the ranges, two boxes per rank), and the down projection's *rows* split the
+# same way, since it reads exactly those columns of the gate·up product.
 #
-# With 4 ranks and only 2 KV heads, each rank keeps one query-head pair's worth of work but
-# still needs a whole KV head: KV head 0 is **replicated** on ranks 0 and 1, KV head 1 on
-# ranks 2 and 3 (the lower panel: a replicated head is drawn as one band per rank holding
-# it, each labelled). The MLP boxes name the columns each rank holds.
+# The lower panel is a larger case drawn from the same planner (`plan_shards`): a model with
+# 8 query heads over the same 2 KV heads, on 4 ranks (the tiny model's 4 heads would leave
+# one per rank). Each rank takes two query heads, but 2 KV heads cannot be split 4 ways:
+# KV head 0 is **replicated** on ranks 0 and 1, KV head 1 on ranks 2 and 3 (a replicated
+# head is drawn as one band per rank holding it, each labelled), and the MLP's columns go
+# to the ranks in quarters.
 
 # %%
 model = tiny("fleet", seed=0)
@@ -105,7 +110,7 @@ tpviz.draw_kv_bytes_per_rank(sizes, kv_bytes, heads)
 # budget (chunked prefill) and a 14-block pool (preemption), and writes what it saw to a JSON file.
 
 # %%
-work = Path(tempfile.mkdtemp(prefix="fleetlab-08-"))
+work = Path(tempfile.mkdtemp(prefix="fleetlab-09-"))
 args = ["fleetlab.distributed.worker", "--out", str(work / "out"), "--families", "fleet,llama"]
 print(shell_line(launch_command(args, 2, work / "logs")))
 result = launch(args, 2, log_dir=work / "logs", timeout=300, env={"FLEETLAB_TP_CHECK_EVERY": "1"})
@@ -149,9 +154,11 @@ print(f"all-reduces per step: {rep[0]['step_all_reduce'][0][0]}; share of servin
 tpviz.draw_rank_steps(rep)
 
 # %% [markdown]
-# On this tiny model a step's own work (a few milliseconds, mostly Python) is no bigger than
-# its six all-reduces, so they take a large share of every step (the hatched parts): splitting
-# does not pay on a CPU. It pays when each rank's share of the matmuls costs more than the
+# On this tiny model the six all-reduces take a large share of every step (the hatched
+# parts; the printed shares, between a fifth and four fifths on each rank): a step's own work
+# is mostly Python and small, and an all-reduce call also holds the rank that arrives first
+# until the other comes, which is why the two ranks' hatched parts differ step by step.
+# Splitting does not pay on a CPU. It pays when each rank's share of the matmuls costs more than the
 # all-reduces — large hidden sizes on GPUs joined by NVLink, where NCCL sums a decode step's
 # few kilobytes in microseconds. `python -m fleetlab bench tp` measures the 1-vs-2-process
 # step time on a bigger model and writes `benchmarks/results/tp.json`.

@@ -125,13 +125,16 @@ for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
 # ## 4. What the server refuses, and what it reports
 #
 # Bad input is answered at once with HTTP 400 and an OpenAI-style error body naming the field, and
-# the server goes on serving. (A queue beyond `--max-queue-len` waiting requests is answered 503.)
+# the server goes on serving. A model the server does not serve is a 404, as OpenAI's API answers
+# it (the second request below). (A queue beyond `--max-queue-len` waiting requests is answered 503.)
 
 # %%
+refusals = []
 for body in ({"model": "tiny", "prompt": "1+1=", "temperature": 7},
              {"model": "gpt-4", "prompt": "1+1="},
              {"model": "tiny", "prompt": "1+1=", "max_tokens": 1000}):
     r = httpx.post(server.url + "/v1/completions", json=body)
+    refusals.append((r.status_code, r.json()["error"]["param"]))
     print(r.status_code, r.json()["error"]["param"], "--", r.json()["error"]["message"])
 print("health:", httpx.get(server.url + "/health").status_code)
 
@@ -170,9 +173,12 @@ serving_bench.draw(result)
 # the cell after it prints the stored full run (`python -m fleetlab bench serve`: 64 requests
 # per rate, `benchmarks/results/serving.json`), where they stand out.
 #
-# - **Throughput** (bottom right) follows the offered load while the server keeps up. Where
-#   the bars stop growing, the server is saturated: it cannot finish more requests per
-#   second, and sending faster only makes requests wait.
+# - **Throughput** (bottom right) follows the offered load while the server keeps up: in the
+#   stored run, 2 and 8 requests per second offered, about as many finished. From 32 on it
+#   falls well short of the offered load: the server is saturated, and sending faster makes
+#   requests wait. The bars still never stop growing (in the stored run, and most likely in
+#   this one): the more requests wait, the more share each step, and a bigger step costs
+#   less per token. Saturation on this server is a bend in the curve, not a wall.
 # - **TTFT** grows once requests arrive faster than the server clears them: they wait for the
 #   steps that serve the others' prefills (and for a free row, once `--max-num-seqs` run).
 # - **TPOT and ITL** grow with the number of requests running together: more requests in
@@ -197,7 +203,8 @@ for name, runs in (("this run", result["runs"]), ("stored run", stored["runs"] i
         print(f"    median TTFT ms {by_rate(runs, lambda run: run['ttft_ms']['median'])}")
         print(f"    median TPOT ms {by_rate(runs, lambda run: run['tpot_ms']['median'])} "
               f"(higher at the highest rate than at the lowest: {tpot[-1] > tpot[0]})")
-#
+
+# %% [markdown]
 # ## 6. Stop the server
 #
 # `stop()` sends Ctrl-C (SIGINT): uvicorn finishes gracefully, the engine loop aborts whatever

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # 10 · Structured outputs: a grammar's mask, kept in the row
+# # 11 · Structured outputs: a grammar's mask, kept in the row
 #
 # **You will learn** how an engine makes a model write JSON that fits a schema (or text that
 # matches a regular expression, or one of a list of choices), and where it keeps what that needs:
@@ -14,14 +14,13 @@
 
 # %%
 # %matplotlib inline
-import inspect
 import json
 
 import jsonschema
 import numpy as np
 
 import fleetlab
-from fleetlab import LLM, SamplingParams
+from fleetlab import LLM, SamplingParams, viz
 from fleetlab.structured_output.backend import GrammarMatcher
 from fleetlab.structured_output.examples import SCHEMAS
 from fleetlab.structured_output.processor import StructuredOutputsProcessor
@@ -96,7 +95,8 @@ mask_figure
 # code, read from the package as it runs:
 
 # %%
-print(inspect.getsource(StructuredOutputsProcessor.__call__))
+mask_source = viz.show_source(StructuredOutputsProcessor.__call__)
+mask_source
 
 # %% [markdown]
 # Unconstrained steps pay one comparison over the rows' `structured_output` field. In a step with
@@ -184,7 +184,8 @@ print(f"{num_preemptions} preemptions; outputs: {[o.text for o in preempted]}")
 # `rollback`) before anything is sampled:
 
 # %%
-print(inspect.getsource(GrammarMatcher.fill_bitmask_with_drafts))
+drafts_source = viz.show_source(GrammarMatcher.fill_bitmask_with_drafts)
+drafts_source
 
 # %% [markdown]
 # A draft the grammar refuses gets no bit in its own position's mask, so the target can never

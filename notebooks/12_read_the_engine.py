@@ -240,12 +240,15 @@ display(viz.show_source(ForwardContext.attn_metadata, body_only=True))
 viz.show_source(fleetlab.AttentionBackend.forward, body_only=True, stop="sinks=sinks)")
 
 # %% [markdown]
-# `attend` here is the naive paged attention, row by row: the row's query tokens
-# (`cu_seqlens_q`), every position of its context turned into a slot through its block
-# table, the keys and values gathered from those slots, a causal mask, a softmax.
+# `attend` here is the naive paged attention, row by row. First the cache is seen as one
+# row per slot (`keys = key_cache.reshape(...)`), so that a slot number picks a key; then,
+# for each row, its query tokens (`cu_seqlens_q`), every position of its context turned
+# into a slot through its block table, the keys and values gathered from those slots, a
+# causal mask, a softmax.
 
 # %%
-viz.show_source(naive_paged_attention, start="for row in range", stop="outputs.append(")
+naive_excerpt = viz.show_source(naive_paged_attention, start="keys = key_cache.reshape", stop="outputs.append(")
+naive_excerpt
 
 # %%
 logits = llm.runner.forward(inputs)
@@ -270,10 +273,17 @@ print("layer 0's K written in the step's slots:", written.tolist())
 # that sample (`~st.greedy`) draw from their probabilities instead, and their draws replace
 # the argmax. Everything the step reads back from the device (the tokens, whether each row's
 # logits were finite, logprobs when asked for) comes in one copy, `_read`: on a GPU each read
-# makes the CPU wait for the device.
+# makes the CPU wait for the device. The other names are the logprobs' (none is asked for
+# here): `raw` holds the log-probabilities of the rows that asked for them (computed above
+# the excerpt, after a grammar's mask but before temperature and the other
+# processors); `taken(...)` gives the token each sampling row took, so that its
+# logprob is the one gathered; `lp` is the module that gathers logprobs
+# (`fleetlab.engine.logprobs`), and `blocks` the logprob arrays `_read` brings back with
+# the tokens.
 
 # %%
-viz.show_source(Sampler.sample, start="chosen = paddle.argmax", stop="return self._read(")
+sample_excerpt = viz.show_source(Sampler.sample, start="chosen = paddle.argmax", stop="return self._read(")
+sample_excerpt
 
 # %%
 llm.runner.sample(logits, inputs, result)

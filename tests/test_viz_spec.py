@@ -69,7 +69,11 @@ def test_step_lines_draw_one_cell_per_token_and_strike_rejections(spec_traces):
     cells = by_gid(ax_a.patches, "cell:a:")
     assert len(by_gid(ax_a.patches, "cell:a:2:")) == 5 + 4  # 5 earlier tokens, then 1 + 2 rejected + recovered
     assert to_hex(cells["cell:a:2:5:accepted"].get_facecolor()) == TOKEN_KINDS["accepted"]
-    assert to_hex(cells["cell:a:2:8:recovered"].get_facecolor()) == TOKEN_KINDS["recovered"]
+    # the recovered token takes the first rejected draft's slot (6), drawn under that draft
+    recovered, rejected = cells["cell:a:2:6:recovered"], cells["cell:a:2:6:rejected"]
+    assert to_hex(recovered.get_facecolor()) == TOKEN_KINDS["recovered"]
+    assert recovered.get_x() == rejected.get_x() and recovered.get_y() < rejected.get_y()
+    assert "cell:a:2:7:rejected" in cells and not any(g.startswith("cell:a:2:8:") for g in cells)
     assert cells["cell:a:3:8:dropped"].get_hatch() == "///"
     assert len([ln for ln in ax_a.lines]) == 2  # one strike per rejected draft
     assert ax_a.get_title(loc="left").startswith("request a: 'hi' -> 8 tokens in 4 target forwards")

@@ -16,6 +16,7 @@ Modules:
   waiting  -- who waited in the queue, when, and what kept them out (rows, budget, pool)
   radix    -- the prefix cache as the tree it holds: the radix tree's nodes, the hash chain's blocks
   parity   -- oracle vs patched logits
+  mask     -- the attention mask of a packed step: block-diagonal over rows, causal, cached prefixes
   latency  -- TTFT / TPOT percentiles of several runs (e.g. scheduling policies)
   layers   -- which attention layer writes which cache layer after patching
   results  -- stored benchmark results (benchmarks/results/*.json)
@@ -56,6 +57,7 @@ from fleetlab.viz.forks import draw_parallel_sampling, fork_tables
 from fleetlab.viz.kv_transfer import draw_connector_calls, draw_handshake, draw_pool_use  # noqa: F401 (notebook 13)
 from fleetlab.viz.latency import draw_latency
 from fleetlab.viz.layers import PatchedLayer, draw_layer_map, format_patch_table, patch_table
+from fleetlab.viz.mask import PackedMask, draw_packed_mask, packed_mask
 from fleetlab.viz.parity import ParityReport, draw_logits_parity, greedy_table, logits_parity
 from fleetlab.viz.perf import RunRecord, draw_run_comparison, fastest_runs, run_record
 from fleetlab.viz.radix import TreeNode, draw_prefix_tree, hash_chain_nodes, radix_nodes
@@ -207,6 +209,9 @@ __all__ = [
     "source_excerpt",
     "draw_parallel_sampling",
     "fork_tables",
+    "PackedMask",
+    "packed_mask",
+    "draw_packed_mask",
     "TreeNode",
     "draw_prefix_tree",
     "hash_chain_nodes",

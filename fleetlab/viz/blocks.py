@@ -117,8 +117,11 @@ def draw_block_pool(pool, block_tables: Mapping[object, Sequence[int]] | None = 
                                    linewidth=2.5, gid=f"revived:{info.block_id}"))
         ax.text(col + 0.08, -row + 0.78, str(info.block_id), fontsize=7, color="#222222")
         if label:
-            ax.text(col + 0.46, -row + 0.3, label, fontsize=7, ha="center", color="#111111",
-                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.8, "alpha": 0.85})
+            # an opaque disc, so the digit reads on its own and not through the hatch's dots
+            ax.text(col + 0.46, -row + 0.36, label, fontsize=7.5, ha="center", va="center", color="#111111",
+                    gid=f"label:{info.block_id}",
+                    bbox={"boxstyle": "circle,pad=0.25", "facecolor": "white", "edgecolor": "#888888",
+                          "linewidth": 0.5})
     ax.set_xlim(-0.1, ncols)
     ax.set_ylim(-nrows + 0.9, 1.0)
     ax.set_aspect("equal")

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
+from matplotlib.ticker import FuncFormatter
 
 from fleetlab.viz._style import EDGE_COLOR, PALETTE, new_axes
 
@@ -101,11 +102,18 @@ def draw_cache_cost(no_cache_tokens: Sequence[int], cached_tokens: Sequence[int]
     return fig
 
 
+def _two_and_five(value, _) -> str:
+    """Label the 2s and 5s of a log axis's minor ticks (0.2, 0.5, 2, 5, 20 ...), as plain numbers."""
+    text = f"{value:g}"
+    return text if text.lstrip("0.")[:1] in ("2", "5") else ""
+
+
 def draw_pass_cost(sizes: Sequence[int], seconds, *, clock: str = "wall-clock"):
     """What one forward pass costs as it carries more tokens: ``seconds [repeats, len(sizes)]``.
 
     Left: milliseconds per pass; right: milliseconds per token (the pass divided by its
-    tokens), both against the tokens in the pass, on log axes, measured on ``clock``. A prefill
+    tokens), both against the tokens in the pass (a linear axis; per token on a log scale),
+    measured on ``clock``. A prefill
     of ``n`` prompt tokens is one pass of ``n``; a decode step of one request is a pass of 1.
     Lines have gid ``"pass"`` and ``"per-token"``. Returns the Figure.
     """
@@ -115,15 +123,17 @@ def draw_pass_cost(sizes: Sequence[int], seconds, *, clock: str = "wall-clock"):
     ax_pass, ax_token = fig.subplots(1, 2)
     _band(ax_pass, sizes, seconds, PALETTE[0], "one forward pass", "pass")
     _band(ax_token, sizes, seconds / sizes, PALETTE[1], "per token", "per-token")
+    ticks = [s for s in sizes if s == sizes[0] or s >= sizes[-1] / 16]  # linear: the small sizes would overlap
     for ax in (ax_pass, ax_token):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [f"{int(s)}" for s in sizes])
+        ax.set_xticks(ticks, [f"{int(s)}" for s in ticks])  # a linear axis: linear growth looks linear
         ax.set_xlabel("tokens in the pass")
         ax.grid(True, which="major", color=EDGE_COLOR, alpha=0.15)
     ax_pass.set_ylim(0, None)
     ax_pass.set_ylabel(f"{clock} ms per pass")
     ax_pass.set_title("one forward pass (measured: fastest run, band up to the slowest)", fontsize=9)
-    ax_token.set_yscale("log")
+    ax_token.set_yscale("log")  # per token spans a decade or two; plain numbers, not 3x10^0
+    ax_token.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax_token.yaxis.set_minor_formatter(FuncFormatter(_two_and_five))
     ax_token.set_ylabel(f"{clock} ms per token")
     ax_token.set_title("per token: the pass divided by the tokens it carries", fontsize=9)
     return fig

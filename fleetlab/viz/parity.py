@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 from fleetlab.viz._style import request_color
 
@@ -65,7 +66,8 @@ def draw_logits_parity(reference, paged, *, max_points: int = 4000, seed: int = 
       max_points: scatter at most this many (request, step, token) points, sampled with ``seed``.
     Left: each point is one logit, x from the oracle, y from the patched model; on the
     diagonal means equal. Right: one point per (request, step) at the max |difference| over
-    the vocabulary, on a log axis (a ``Line2D`` with gid ``"diff:<request>:<step>"``), beside a
+    the vocabulary, on a log axis (a ``Line2D`` with gid ``"diff:<request>:<step>"``, in the
+    request's colour, named in the legend), beside a
     dashed line at float32's rounding step for logits of this size (machine epsilon x the
     largest |logit|): points near it differ by rounding alone. Exact zeros, which a log axis
     cannot show, are hollow markers on the bottom edge. Returns the Figure.
@@ -100,8 +102,11 @@ def draw_logits_parity(reference, paged, *, max_points: int = 4000, seed: int = 
     ax_bars.axhline(rounding, color="#555555", linestyle="--", linewidth=1,
                     label=f"float32 rounding at |logit| {max(abs(lo), abs(hi)):.2g} ({rounding:.0e})")
     ax_bars.set_yscale("log")
-    ax_bars.set_ylim(floor, max([rounding, *nonzero]) * 10)
-    ax_bars.legend(fontsize=7, loc="upper right", frameon=False)
+    ax_bars.set_ylim(floor, max([rounding, *nonzero]) * 30)  # room for the legend above the points
+    handles, _ = ax_bars.get_legend_handles_labels()
+    handles += [Line2D([], [], marker="o", linestyle="none", color=request_color(i), label=f"request {i}")
+                for i in range(len(report.per_step))]
+    ax_bars.legend(handles=handles, fontsize=7, loc="upper right", frameon=False, ncols=2 if len(handles) > 4 else 1)
     ax_bars.set_xticks([])
     ax_bars.set_xlabel("generation steps, request by request (hollow: exactly 0)")
     ax_bars.set_ylabel("max |oracle - paged|")

@@ -147,17 +147,31 @@ def request_forwards(traces: Sequence) -> dict[str, RequestCost]:
 
 
 def _line(ax, y: float, tokens: Sequence[tuple[int, str]], tokenizer, gid: str) -> float:
-    """Draw one step line at height ``y``; returns its width in cells."""
-    for x, (token, kind) in enumerate(tokens):
-        ax.add_patch(Rectangle((x, y), 0.94, 0.8, facecolor=TOKEN_KINDS[kind],
+    """Draw one step line at height ``y``; returns its width in cells.
+
+    A recovered token takes the slot of the first rejected draft (it is the target's token
+    for that position): the slot is split, the rejected draft on top, the recovered token below.
+    """
+    kinds = [kind for _, kind in tokens]
+    first_rejected = kinds.index("rejected") if "rejected" in kinds else None
+    x = 0
+    for token, kind in tokens:
+        height, bottom, size, slot = 0.8, y, 7, x
+        if kind == "recovered" and first_rejected is not None:
+            slot, height, size = first_rejected, 0.38, 6
+        elif kind == "rejected" and x == first_rejected and "recovered" in kinds:
+            bottom, height, size = y + 0.42, 0.38, 6
+        ax.add_patch(Rectangle((slot, bottom), 0.94, height, facecolor=TOKEN_KINDS[kind],
                                edgecolor="#bbbbbb" if kind == "previous" else EDGE_COLOR,
                                linewidth=0.5 if kind == "previous" else 0.8,
-                               hatch="///" if kind == "dropped" else None, gid=f"{gid}:{x}:{kind}"))
-        ax.text(x + 0.47, y + 0.4, token_label(token, tokenizer), ha="center", va="center",
-                fontsize=7, color="#888888" if kind in ("previous", "dropped") else "#111111")
+                               hatch="///" if kind == "dropped" else None, gid=f"{gid}:{slot}:{kind}"))
+        ax.text(slot + 0.47, bottom + height / 2, token_label(token, tokenizer), ha="center", va="center",
+                fontsize=size, color="#888888" if kind in ("previous", "dropped") else "#111111")
         if kind == "rejected":
-            ax.add_line(Line2D([x + 0.1, x + 0.84], [y + 0.15, y + 0.65], color=ALERT_COLOR, linewidth=1.2))
-    return len(tokens)
+            ax.add_line(Line2D([slot + 0.1, slot + 0.84], [bottom + 0.2 * height, bottom + 0.8 * height],
+                               color=ALERT_COLOR, linewidth=1.2))
+        x += slot == x
+    return x
 
 
 def draw_spec_steps(traces: Sequence, tokenizer=None, *, request_ids: Sequence[str] | None = None,
@@ -168,7 +182,7 @@ def draw_spec_steps(traces: Sequence, tokenizer=None, *, request_ids: Sequence[s
     ``max_previous`` of the latest), then what this step did: drafts the target accepted
     (green), drafts it rejected (red, struck through), and the token the target added
     itself: the *bonus* token (blue) after a fully accepted run, the *recovered* token
-    (purple) in place of the first rejected draft, or a plain sampled token (light blue) in
+    (purple) in the first rejected draft's slot (drawn under that draft), or a plain sampled token (light blue) in
     a step with no drafts. Accepted drafts after a stop token are cut (hatched).
 
     Args:

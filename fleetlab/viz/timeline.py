@@ -143,7 +143,7 @@ WAIT_LABELS = {"rows": "all rows taken", "budget": "token budget spent", "pool":
 
 
 def draw_timeline(traces: Sequence, *, upto: int | None = None, ax=None, title: str | None = None,
-                  waits: Sequence | None = None):
+                  waits: Sequence | None = None, request_ids: Sequence[str] | None = None):
     """Draw one lane per request and one box per (request, step) it ran in.
 
     Boxes are orange for prefill (labelled with the tokens run, so chunked prefill shows as
@@ -158,9 +158,11 @@ def draw_timeline(traces: Sequence, *, upto: int | None = None, ax=None, title: 
 
     Returns the Figure. Boxes have gid ``"<phase>:<request id>:<step>"``; markers
     ``"preempted:<id>:<step>"``, ``"finished:<id>:<step>"``, ``"arrived:<id>:<step>"``; texts
-    ``"cached:<id>:<step>"``; waiting bars ``"wait:<id>:<step>:<reason>"``.
+    ``"cached:<id>:<step>"``; waiting bars ``"wait:<id>:<step>:<reason>"``. ``request_ids``: the
+    lanes' order, top down (default: first appearance), e.g. the same for two runs drawn together.
     """
-    req_ids = request_order(traces)
+    req_ids = [str(r) for r in request_ids] if request_ids is not None else []
+    req_ids += [r for r in request_order(traces) if r not in req_ids]
     req_ids += list(dict.fromkeys(w.request_id for w in waits or () if w.request_id not in req_ids))
     lane = {req_id: y for y, req_id in enumerate(req_ids)}
     fig, ax = new_axes(ax, figsize=(max(5.0, 0.28 * len(traces) + 2.5), 0.35 * len(req_ids) + 1.2))
@@ -268,7 +270,7 @@ def draw_kv_occupancy(traces: Sequence, *, upto: int | None = None, ax=None, tit
             bottom += n
     if visible:
         ax.step([t.step for t in visible], [t.num_blocks - t.num_free_blocks for t in visible], where="mid",
-                color="black", linewidth=1.2, label="in use after step")
+                color="black", linewidth=1.2, label="held after the step\n(finished ones freed)", gid="kv:in-use")
     capacity_note = ""
     if traces:
         capacity = traces[0].num_blocks
