@@ -684,11 +684,16 @@ GLUON_SHAPES = [(16, 8, 1, 128), (64, 4, 7, 128), (128, 8, 4, 128), (16, 16, 1, 
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the Gluon prefill kernel is for sm_90 GPUs")
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", GLUON_SHAPES, ids=[f"bs{b}-kv{k}-g{g}-d{d}" for b, k, g, d in GLUON_SHAPES])
-def test_gluon_prefill_matches_dense_across_tile_edges(shape, dtype):
-    """The Hopper plan takes the Gluon kernel; chunks at every offset from a 128-token K/V
+def test_gluon_prefill_matches_dense_across_tile_edges(shape, dtype, overlap, monkeypatch):
+    """The Hopper plan takes the Gluon kernel (either loop); chunks at every offset from a K/V
     tile edge and from a query tile edge, after contexts of 0 to 300 tokens, match dense."""
+    from fleetlab.attention import gluon_prefill as gp
+
+    default = gp.kernel_config
+    monkeypatch.setattr(gp, "kernel_config", lambda head_dim: default(head_dim, overlap))
     g = tk.LayerGeometry.of(*(lambda b: (b["query"], b["key_cache"], b["value_cache"]))(
         _batch_for(shape, dtype, [1], [0])))
     assert tk._gluon_prefill_usable(g)

@@ -1313,13 +1313,14 @@ def _gluon_prefill_launch(g: LayerGeometry, block_tables, seq_lens_kv, cu_seqlen
     from fleetlab.attention import gluon_prefill as gp
 
     kernel = gp._gluon_prefill_kernel
-    bm, bn = max(gp.BLOCK_M, _next_pow2(g.group)), gp.block_n_for(g.head_dim)
+    bm, knobs = max(gp.BLOCK_M, _next_pow2(g.group)), gp.kernel_config(g.head_dim)
     grid = (math.ceil(int(max_query_len) / (bm // g.group)), g.num_kv_heads, int(num_rows))
     args = _common_args(g, block_tables, seq_lens_kv) | {
         "cu_seqlens_q_ptr": cu_seqlens_q, "first_row": int(first_row), "GROUP": g.group,
-        "BLOCK_M": bm, "BLOCK_N": bn}
+        "BLOCK_M": bm} | knobs
     args = {k: v for k, v in args.items() if k in kernel.arg_names}
-    config = {"kernel": "gluon", "block_m": bm, "block_n": bn, "num_warps": gp.NUM_WARPS, "num_stages": 2}
+    config = {"kernel": "gluon", "block_m": bm, "block_n": knobs["BLOCK_N"], "overlap": knobs["OVERLAP"],
+              "num_warps": gp.NUM_WARPS}
     return Launch("prefill", kernel, grid, args, {"num_warps": gp.NUM_WARPS}, _LAYER_TENSORS, config)
 
 
