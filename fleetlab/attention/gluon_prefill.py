@@ -19,6 +19,8 @@ head_dim]`` (any strides with a contiguous head_dim), ``out [tokens, heads, head
 """
 from __future__ import annotations
 
+import os
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -28,9 +30,12 @@ BLOCK_M = 128
 NUM_WARPS = 8  # two warpgroups of 64 rows each
 
 
-def kernel_config(head_dim: int, overlap: bool = False) -> dict:
+def kernel_config(head_dim: int, overlap: bool | None = None) -> dict:
     """K/V tokens per tile (the buffers of K and V plus Q fit 227 KiB of shared memory) and
-    whether the FA3-style pipelined loop (three buffers) is used."""
+    whether the FA3-style pipelined loop (three buffers) is used (default: the plain loop;
+    ``FLEETLAB_GLUON_OVERLAP=1`` the pipelined one)."""
+    if overlap is None:
+        overlap = os.environ.get("FLEETLAB_GLUON_OVERLAP", "0") not in ("", "0")
     if overlap:
         return {"BLOCK_N": {64: 128, 128: 64}.get(head_dim, 32), "OVERLAP": True}
     return {"BLOCK_N": 64 if head_dim > 128 else 128, "OVERLAP": False}
