@@ -694,6 +694,7 @@ def test_gluon_prefill_matches_dense_across_tile_edges(shape, dtype, overlap, mo
 
     default = gp.kernel_config
     monkeypatch.setattr(gp, "kernel_config", lambda head_dim: default(head_dim, overlap))
+    monkeypatch.setenv("FLEETLAB_GLUON_PREFILL", "1")
     g = tk.LayerGeometry.of(*(lambda b: (b["query"], b["key_cache"], b["value_cache"]))(
         _batch_for(shape, dtype, [1], [0])))
     assert tk._gluon_prefill_usable(g)
@@ -710,7 +711,8 @@ def test_gluon_prefill_matches_dense_across_tile_edges(shape, dtype, overlap, mo
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the Gluon prefill kernel is for sm_90 GPUs")
-def test_gluon_prefill_is_not_planned_for_windows_sinks_or_forced_knobs():
+def test_gluon_prefill_is_not_planned_for_windows_sinks_or_forced_knobs(monkeypatch):
+    monkeypatch.setenv("FLEETLAB_GLUON_PREFILL", "1")
     batch = _batch_for((16, 2, 4, 128), torch.bfloat16, [64], [0])
     q, kc, vc = batch["query"], batch["key_cache"], batch["value_cache"]
     assert tk._gluon_prefill_usable(tk.LayerGeometry.of(q, kc, vc))

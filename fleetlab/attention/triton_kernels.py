@@ -1285,6 +1285,9 @@ def _prefill_launch(g: LayerGeometry, block_tables, seq_lens_kv, cu_seqlens_q, *
         cfg._asdict() | {"block_m": bm, "page_tiles": page_tiles})
 
 
+GLUON_DEFAULT = "0"
+
+
 @functools.cache
 def _cuda_capability() -> tuple[int, int] | None:
     """(major, minor) of the current CUDA GPU; None under the interpreter or without one."""
@@ -1299,8 +1302,9 @@ def _cuda_capability() -> tuple[int, int] | None:
 
 def _gluon_prefill_usable(g: LayerGeometry) -> bool:
     """The Hopper Gluon kernel (gluon_prefill.py) for this layer: sm_90, causal, no window or
-    sinks, 16-bit, head_dim 64/128/256; ``FLEETLAB_GLUON_PREFILL=0`` keeps the portable one."""
-    if os.environ.get("FLEETLAB_GLUON_PREFILL", "1") in ("", "0") or _cuda_capability() != (9, 0):
+    sinks, 16-bit, head_dim 64/128/256, when ``FLEETLAB_GLUON_PREFILL=1``. GLUON_DEFAULT: whether
+    it is planned without the variable (on once the H200 run has measured it)."""
+    if os.environ.get("FLEETLAB_GLUON_PREFILL", GLUON_DEFAULT) in ("", "0") or _cuda_capability() != (9, 0):
         return False
     from fleetlab.attention import gluon_prefill  # imports Gluon: GPU only
 
