@@ -33,7 +33,6 @@ from fleetlab.engine.hooks import StepHooks
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.outputs import RequestOutput
-from fleetlab.processors.penalties import PenaltiesProcessor
 from fleetlab.engine.sampler import Sampler
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
@@ -50,6 +49,7 @@ from fleetlab.output.processor import OutputProcessor
 from fleetlab.patching import patch_model
 from fleetlab.patching.handle import PatchHandle
 from fleetlab.prefix_cache import build_prefix_cache
+from fleetlab.processors.penalties import PenaltiesProcessor
 from fleetlab.spec_decode.proposer import PROPOSERS, ProposerContext
 from fleetlab.spec_decode.rejection import RejectionSampler
 from fleetlab.structured_output.processor import StructuredOutputsProcessor

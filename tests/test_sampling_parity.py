@@ -11,9 +11,9 @@ from conftest import random_prompts
 
 from fleetlab import LLM, Field, InputBatch, SamplingParams
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS
-from fleetlab.processors.penalties import PenaltiesProcessor
 from fleetlab.engine.sampler import SamplingTensors
 from fleetlab.patching.parity import full_forward_logits, reference_greedy
+from fleetlab.processors.penalties import PenaltiesProcessor
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:

@@ -677,6 +677,53 @@ def test_long_prefill_chunk_over_long_context(dtype, window):
     _check("prefill", out, dense_reference(batch, scale=scale, sliding_window=window), dtype)
 
 
+ON_HOPPER = ON_GPU and torch.cuda.get_device_capability() == (9, 0)
+# (block_size, num_kv_heads, group, head_dim): MHA, GQA 7:1 / 4:1 / 6:1, pages 8-128, d64 / d256
+GLUON_SHAPES = [(16, 8, 1, 128), (64, 4, 7, 128), (128, 8, 4, 128), (16, 16, 1, 64), (16, 4, 4, 256),
+                (8, 2, 6, 128), (128, 2, 8, 64)]
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon prefill kernel is for sm_90 GPUs")
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", GLUON_SHAPES, ids=[f"bs{b}-kv{k}-g{g}-d{d}" for b, k, g, d in GLUON_SHAPES])
+def test_gluon_prefill_matches_dense_across_tile_edges(shape, dtype, overlap, monkeypatch):
+    """The Hopper plan takes the Gluon kernel (either loop); chunks at every offset from a K/V
+    tile edge and from a query tile edge, after contexts of 0 to 300 tokens, match dense."""
+    from fleetlab.attention import gluon_prefill as gp
+
+    default = gp.kernel_config
+    monkeypatch.setattr(gp, "kernel_config", lambda head_dim: default(head_dim, overlap))
+    monkeypatch.setenv("FLEETLAB_GLUON_PREFILL", "1")
+    g = tk.LayerGeometry.of(*(lambda b: (b["query"], b["key_cache"], b["value_cache"]))(
+        _batch_for(shape, dtype, [1], [0])))
+    assert tk._gluon_prefill_usable(g)
+    num_computed = [0, 1, 63, 64, 127, 128, 129, 300, 0, 5]
+    query_lens = [1, 130, 65, 128, 2, 255, 17, 500, 1000, 129]
+    batch = _batch_for(shape, dtype, query_lens, num_computed, seed=31)
+    scale = shape[3] ** -0.5
+    plan = tk.plan_prefill(g, batch["block_tables"], batch["seq_lens_kv"], batch["cu_seqlens_q"],
+                           num_tokens=batch["query"].shape[0], first_row=0, num_rows=len(query_lens),
+                           max_query_len=max(query_lens))
+    assert [launch.config.get("kernel") for launch in plan.launches] == ["gluon"]
+    out = plan.run(batch["query"], batch["key_cache"], batch["value_cache"], scale=scale, out=_poisoned_out(batch))
+    _check("gluon_prefill", out, dense_reference(batch, scale=scale), dtype)
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon prefill kernel is for sm_90 GPUs")
+def test_gluon_prefill_is_not_planned_for_windows_sinks_or_forced_knobs(monkeypatch):
+    monkeypatch.setenv("FLEETLAB_GLUON_PREFILL", "1")
+    batch = _batch_for((16, 2, 4, 128), torch.bfloat16, [64], [0])
+    q, kc, vc = batch["query"], batch["key_cache"], batch["value_cache"]
+    assert tk._gluon_prefill_usable(tk.LayerGeometry.of(q, kc, vc))
+    assert not tk._gluon_prefill_usable(tk.LayerGeometry.of(q, kc, vc, sliding_window=32))
+    assert not tk._gluon_prefill_usable(tk.LayerGeometry.of(q, kc, vc, sinks=_sinks(8, True)))
+    forced = tk.plan_prefill(tk.LayerGeometry.of(q, kc, vc), batch["block_tables"], batch["seq_lens_kv"],
+                             batch["cu_seqlens_q"], num_tokens=64, first_row=0, num_rows=1, max_query_len=64,
+                             block_n=32)
+    assert forced.launches[0].kernel is tk._prefill_kernel
+
+
 def test_plan_decode_splits_fills_the_gpu_and_covers_the_context():
     splits, split_len = tk.plan_decode_splits(1, 8, 32768, block_n=64, num_sms=132)
     assert splits > 1 and split_len % 64 == 0 and splits * split_len >= 32768

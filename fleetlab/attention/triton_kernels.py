@@ -1267,9 +1267,12 @@ def _prefill_launch(g: LayerGeometry, block_tables, seq_lens_kv, cu_seqlens_q, *
                     page_tiles=None, warp_specialize=None) -> Launch:
     """The prefill launch for rows ``[first_row, first_row + num_rows)`` (see ``prefill_attention``)."""
     group = g.group
+    forced = (block_m, block_n, num_warps, num_stages, page_tiles, warp_specialize)
+    if all(v is None for v in forced) and _gluon_prefill_usable(g):
+        return _gluon_prefill_launch(g, block_tables, seq_lens_kv, cu_seqlens_q, first_row=first_row,
+                                     num_rows=num_rows, max_query_len=max_query_len)
     big_tiles = num_rows * g.num_kv_heads * math.ceil(max_query_len * group / 128)
     cfg = prefill_config(g.head_dim, group, g.elem_bytes, big_tiles, int(max_query_len), _num_sms(), g.block_size)
-    forced = (block_m, block_n, num_warps, num_stages, page_tiles, warp_specialize)
     cfg = PrefillConfig(*(c if v is None else type(c)(v) for c, v in zip(cfg, forced)))
     bm = max(cfg.block_m, _next_pow2(group))
     grid = (math.ceil(int(max_query_len) / (bm // group)), g.num_kv_heads, int(num_rows))
@@ -1280,6 +1283,49 @@ def _prefill_launch(g: LayerGeometry, block_tables, seq_lens_kv, cu_seqlens_q, *
         "WARP_SPECIALIZE": cfg.warp_specialize,
     }, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, _LAYER_TENSORS,
         cfg._asdict() | {"block_m": bm, "page_tiles": page_tiles})
+
+
+GLUON_DEFAULT = "0"
+
+
+@functools.cache
+def _cuda_capability() -> tuple[int, int] | None:
+    """(major, minor) of the current CUDA GPU; None under the interpreter or without one."""
+    if _interpreting():
+        return None
+    try:
+        target = triton.runtime.driver.active.get_current_target()
+        return (int(target.arch) // 10, int(target.arch) % 10) if target.backend == "cuda" else None
+    except Exception:  # noqa: BLE001 - no GPU driver: the portable kernel
+        return None
+
+
+def _gluon_prefill_usable(g: LayerGeometry) -> bool:
+    """The Hopper Gluon kernel (gluon_prefill.py) for this layer: sm_90, causal, no window or
+    sinks, 16-bit, head_dim 64/128/256, when ``FLEETLAB_GLUON_PREFILL=1``. GLUON_DEFAULT: whether
+    it is planned without the variable (on once the H200 run has measured it)."""
+    if os.environ.get("FLEETLAB_GLUON_PREFILL", GLUON_DEFAULT) in ("", "0") or _cuda_capability() != (9, 0):
+        return False
+    from fleetlab.attention import gluon_prefill  # imports Gluon: GPU only
+
+    return gluon_prefill.gluon_prefill_supported(g.head_dim, g.elem_bytes, g.window, g.sinks, (9, 0))
+
+
+def _gluon_prefill_launch(g: LayerGeometry, block_tables, seq_lens_kv, cu_seqlens_q, *, first_row: int,
+                          num_rows: int, max_query_len: int) -> Launch:
+    """The Gluon prefill launch (same grid order and arguments as ``_prefill_kernel``'s)."""
+    from fleetlab.attention import gluon_prefill as gp
+
+    kernel = gp._gluon_prefill_kernel
+    bm, knobs = max(gp.BLOCK_M, _next_pow2(g.group)), gp.kernel_config(g.head_dim)
+    grid = (math.ceil(int(max_query_len) / (bm // g.group)), g.num_kv_heads, int(num_rows))
+    args = _common_args(g, block_tables, seq_lens_kv) | {
+        "cu_seqlens_q_ptr": cu_seqlens_q, "first_row": int(first_row), "GROUP": g.group,
+        "BLOCK_M": bm} | knobs
+    args = {k: v for k, v in args.items() if k in kernel.arg_names}
+    config = {"kernel": "gluon", "block_m": bm, "block_n": knobs["BLOCK_N"], "overlap": knobs["OVERLAP"],
+              "num_warps": gp.NUM_WARPS}
+    return Launch("prefill", kernel, grid, args, {"num_warps": gp.NUM_WARPS}, _LAYER_TENSORS, config)
 
 
 def _store_launch(g: LayerGeometry, slot_mapping, num_tokens: int) -> Launch:

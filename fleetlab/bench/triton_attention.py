@@ -95,7 +95,7 @@ PAGE_SIZES = (16, 64, 128)
 # issue #37's other head layouts: (rows, chunk, context, num_heads, num_kv_heads, head_dim)
 PREFILL_LAYOUTS = ((1, 6144, 0, 28, 4, 128), (4, 3072, 0, 32, 8, 128), (16, 700, 0, 32, 8, 128),
                    (2, 4096, 0, 16, 16, 64), (4, 2048, 0, 16, 4, 256))
-LAYOUT_PAGES = (16, 128)
+LAYOUT_PAGES = (128,)  # the "layouts" section: beyond the pages of 16 the prefill section runs them at
 # whole decode steps: (batch, context, prefill chunk after the decodes, 0: none)
 STEP_SHAPES = ((4, 4096, 0), (64, 2048, 0), (1, 32768, 0), (32, 2048, 512))
 STEP_LAYERS = 32
@@ -535,6 +535,7 @@ def bench_plan_overlap(tk, case: DecodeCase, chunk: int = 0, steps: int = 20, ro
     are issued and run (B). The batch is the same each step, so the plans are too; A and B
     alternate, ``rounds`` each; wall time per step, median over rounds."""
     import concurrent.futures
+
     import torch
 
     b, layers = _step_layers(case, chunk, num_layers)
@@ -885,14 +886,12 @@ def goal_check(result: dict) -> dict:
     one_row = [r for r in result.get("decode_bandwidth", []) if r["batch"] == 1 and r["context"] == 32768]
     if one_row:
         check["decode_1x32k_tbps"] = one_row[0]["triton_tbps"]
-    for r in result.get("prefill_layouts", []):
+    for r in result.get("prefill", []) + result.get("prefill_layouts", []):
         if "ratio_vs_sdpa_best" in r:
-            check[f"prefill_{r['rows']}x{r['chunk']}_{r['num_heads']}/{r['num_kv_heads']}d{r['head_dim']}"
-                  f"_page{r['block_size']}_ratio_vs_sdpa_best"] = r["ratio_vs_sdpa_best"]
-    for r in result.get("prefill", []):
-        if "ratio_vs_sdpa_best" in r:
-            check[f"prefill_{r['rows']}x{r['chunk']}+{r['context']}_page{r['block_size']}_ratio_vs_sdpa_best"] = (
-                r["ratio_vs_sdpa_best"])
+            heads = f"_{r['num_heads']}/{r['num_kv_heads']}d{r['head_dim']}" if (
+                r["num_heads"], r["num_kv_heads"], r["head_dim"]) != (32, 8, 128) else ""
+            key = f"prefill_{r['rows']}x{r['chunk']}+{r['context']}{heads}_page{r['block_size']}"
+            check[f"{key}_ratio_vs_sdpa_best"] = r["ratio_vs_sdpa_best"]
     for r in result.get("decode_step", []):
         check[f"step_{r['batch']}x{r['context']}+{r['prefill_chunk']}_graph_speedup"] = r["graph_speedup"]
     return check
@@ -920,12 +919,13 @@ def _decode_table(rows: list[dict]) -> str:
 
 
 def _prefill_table(rows: list[dict]) -> str:
-    head = f"{'prefill':>16} {'heads':>5} {'dim':>4} {'page':>5} | {'triton':>6} {'before':>6} {'flash':>6} {'best':>6} TFLOP/s | {'x best':>6}"
+    head = (f"{'prefill':>16} {'heads':>9} {'page':>4} | {'triton':>6} {'before':>6} {'flash':>6} {'best':>6} "
+            f"TFLOP/s | {'x best':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(
-            f"{r['rows']:>4} x {r['chunk']:>5} +{r['context']:>5} {r['num_heads']:>2}/{r['num_kv_heads']:<2} "
-            f"d{r['head_dim']:<3} {r['block_size']:>5} | "
+            f"{r['rows']:>4} x {r['chunk']:>5} +{r['context']:>5} "
+            f"{'{}/{} d{}'.format(r['num_heads'], r['num_kv_heads'], r['head_dim']):>9} {r['block_size']:>4} | "
             f"{_fmt(r.get('triton_tflops'), '>6.0f')} {_fmt(r.get('before_tflops'), '>6.0f')} "
             f"{_fmt(r.get('sdpa_flash_best_tflops'), '>6.0f')} {_fmt(r.get('sdpa_best_tflops'), '>6.0f')}         | "
             f"{_fmt(r.get('ratio_vs_sdpa_best'), '>6.2f')} ({r.get('sdpa_best')})")
@@ -1001,8 +1001,9 @@ def main(argv: list[str] | None = None) -> int:
 
     decode_cases = _decode_cases(sections, args.quick)
     prefill_shapes = (PREFILL_SHAPES[:2] if args.quick else PREFILL_SHAPES) if "prefill" in sections else ()
+    layouts = (PREFILL_LAYOUTS[:1] if args.quick else PREFILL_LAYOUTS) if "prefill" in sections else ()
     step_shapes = (STEP_SHAPES[:2] if args.quick else STEP_SHAPES) if "step" in sections else ()
-    total = len(decode_cases) + len(prefill_shapes) * (1 + len(PAGE_SIZES)) + len(step_shapes)
+    total = len(decode_cases) + len(prefill_shapes) * (1 + len(PAGE_SIZES)) + 2 * len(layouts) + len(step_shapes)
     with tqdm(total=total, desc="triton attention bench", unit="shape", file=sys.stderr) as bar:
         for section, case, extra in decode_cases:
             result.setdefault(section, []).append(extra | bench_decode(case, tk, before,
@@ -1023,12 +1024,18 @@ def main(argv: list[str] | None = None) -> int:
                 log.info("%s", result["prefill"][-1])
                 bar.update()
             save()
+        for shape in layouts:
+            case = PrefillCase(*shape)
+            result.setdefault("prefill_layouts", []).append(bench_prefill(case, tk, bench_sdpa_prefill(case), before))
+            log.info("%s", result["prefill_layouts"][-1])
+            bar.update(2)
+            save()
         for batch, context, chunk in step_shapes:
             result.setdefault("decode_step", []).append(bench_decode_step(tk, DecodeCase(batch, context), chunk))
             log.info("%s", result["decode_step"][-1])
             bar.update()
             save()
-        if "layouts" in sections:  # issue #37's other head layouts
+        if "layouts" in sections:  # issue #37's other head layouts at larger pages
             for shape in PREFILL_LAYOUTS:
                 rows, chunk, context, heads, kv_heads, dim = shape
                 sdpa = bench_sdpa_prefill(PrefillCase(rows, chunk, context, heads, kv_heads, dim))
