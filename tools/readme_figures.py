@@ -307,13 +307,7 @@ def prefix_block(r: dict | None) -> str:
                  f"a random-init tiny Llama, block size {r['block_size']}, greedy, {r['params']['max_tokens']} "
                  f"output tokens a request; medians of {r['params']['rounds']} rounds, every configuration once a "
                  f"round on a fresh engine, in turns. Measured on {describe(r['machine'])}:")
-    table = ["| workload | prefix cache | policy | prefill tokens computed / prompt tokens | hit rate | preemptions "
-             "| output tok/s | median TTFT |", "|---|---|---|---|---|---|---|---|"]
-    for key, x in r["runs"].items():
-        workload, cache, policy = key.split("/")
-        table.append(f"| {workload} | {cache} | {policy} | {x['prefill_tokens_computed']:.0f} / "
-                     f"{x['prompt_tokens']:.0f} | {x['hit_rate']:.2f} | {x['num_preemptions']:.0f} | "
-                     f"{x['output_tokens_per_s']:.0f} | {x['ttft_median_ms']:.0f} ms |")
+    from fleetlab.bench.prefix import table  # the bench prints the same rows
     pb = r["partial_block"]
     after = fill(f"few_shot: {r['params']['num_requests']} requests sharing a {r['params']['prefix_len']}-token "
                  f"prefix (not a block boundary); multi_turn: {r['params']['chats']} chats of {r['params']['turns']} "
@@ -323,7 +317,7 @@ def prefix_block(r: dict | None) -> str:
                  f"recomputes {pb['tokens_recomputed_per_request']} tokens a request on few_shot (uncached prefill "
                  f"ran at {pb['prefill_us_per_token_no_cache']:.0f} us a token); copying the block instead would "
                  f"cost {pb['copy_block_us']:.0f} us (K and V through every layer, measured alone).")
-    return f"{intro}\n\n" + "\n".join(table) + f"\n\n{after}"
+    return f"{intro}\n\n{table(r)}\n\n{after}"
 
 
 def kv_block(r: dict | None) -> str:
