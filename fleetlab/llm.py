@@ -36,6 +36,7 @@ from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.sampler import Sampler
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
+from fleetlab.inspect.batch import batch_snapshot
 from fleetlab.inspect.recorder import StepRecorder, StepTrace
 from fleetlab.inspect.spec_stats import SpecDecodingStats
 from fleetlab.inspect.stats import engine_stats
@@ -307,7 +308,7 @@ class LLM:
     def batch_snapshot(self) -> list:
         """The model runner's persistent batch, one ``RowRecord`` per row, as the last step left
         it (rows of requests that finished in it leave at the next step)."""
-        return self.runner.batch.snapshot(self.runner.decode_threshold)
+        return batch_snapshot(self.runner.batch, self.runner.decode_threshold)
 
     def block_tables(self) -> dict[str, list[int]]:
         """``{request id: block ids}`` of every running request (for drawing the pool)."""

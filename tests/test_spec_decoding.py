@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import fleetlab
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.input_batch import InputBatch
+from fleetlab.inspect.batch import swap_rows
 from fleetlab.inspect.pool import check_kv_manager, check_pool
 from fleetlab.models import FAMILIES, tiny
 from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
@@ -184,7 +185,7 @@ def test_proposer_batch_moves_in_lockstep_with_the_main_batch(ops):
                                      for i, r in enumerate(live)})
             batch.reorder_split_prefill_and_decode(decode_threshold=2)
         elif op[0] == "swap" and batch.num_rows:
-            batch.swap(op[1] % batch.num_rows, op[2] % batch.num_rows)
+            swap_rows(batch, op[1] % batch.num_rows, op[2] % batch.num_rows)
         follower.check_lockstep(batch)
         for rid, (computed, drafts) in fingerprint.items():
             row = batch.row_of(rid)

@@ -128,7 +128,7 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             b.add_request(new.req_id, new.prompt_token_ids, output_token_ids=new.output_token_ids,
                           num_computed_tokens=new.num_computed_tokens, block_ids=new.block_ids,
-                          sampling=new.sampling, eos_token_id=new.sampling.eos_token_id, extra=new.extra)
+                          sampling=new.sampling_params, seed=new.seed, eos_token_id=new.eos_token_id, extra=new.extra)
         cached = so.scheduled_cached_reqs
         b.update_requests(cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens,
                           cached.num_blocks)

@@ -29,6 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import ConnectionPatch, Patch, Rectangle
 
+from fleetlab.inspect.batch import batch_snapshot
 from fleetlab.viz._style import ALERT_COLOR, EDGE_COLOR, integer_steps, phase_color, request_color
 
 # What a token cell in a step line is, and its colour.
@@ -282,7 +283,7 @@ def lockstep_rows(batch, proposer_batch, decode_threshold: int = 1, proposer_sta
     p_req = proposer_batch.np("req_id")
     state = draft_state(proposer_batch) if proposer_state is None else proposer_state
     rows = []
-    for rec in batch.snapshot(decode_threshold):
+    for rec in batch_snapshot(batch, decode_threshold):
         r = rec.row
         live = rec.phase != "empty"
         computed, drafts = state.get(p_req[r], (0, []))
