@@ -12,8 +12,16 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS, Field, FieldRegistry
 from fleetlab.engine.input_batch import InputBatch, two_pointer_swaps
-from fleetlab.inspect.batch import (append_block_ids, append_tokens, batch_snapshot, by_request, check_batch,
-                                    invert_permutation, swap_rows, unpermute)
+from fleetlab.inspect.batch import (
+    append_block_ids,
+    append_tokens,
+    batch_snapshot,
+    by_request,
+    check_batch,
+    invert_permutation,
+    swap_rows,
+    unpermute,
+)
 from fleetlab.lessons.reorder import decode_first_order, stable_partition, stable_reorder
 
 

@@ -92,7 +92,8 @@ class FieldRegistry:
              "are fixed once it is built; register it on a copy and pass it as InputBatch(..., fields=...) "
              "(or LLM(..., batch_fields=[...]))"),
             (not isinstance(field, Field), f"expected a Field, got {type(field).__name__}"),
-            (getattr(field, "name", None) in self._fields, f"field {getattr(field, 'name', '')!r} is already registered"),
+            (getattr(field, "name", None) in self._fields,
+             f"field {getattr(field, 'name', '')!r} is already registered"),
         ]
         why = next((what for is_broken, what in broken if is_broken), None)
         if why:

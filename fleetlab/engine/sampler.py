@@ -64,16 +64,6 @@ class SamplingTensors:
     prompt_num_logprobs: np.ndarray | None = None
     row_errors: dict = field(default_factory=dict)
 
-    @classmethod
-    def from_host(cls, temperature, top_k, top_p, seeds, draw_index, banned=None,
-                  draft_token_ids=None) -> SamplingTensors:
-        """Build from host arrays (uploads the settings the sampler reads on the device)."""
-        temperature = np.asarray(temperature, dtype=np.float32)
-        return cls(temperature == 0, upload(temperature), upload(top_k),
-                   upload(top_p, np.float32), np.asarray(seeds),
-                   np.asarray(draw_index), banned or [[] for _ in temperature],
-                   None if draft_token_ids is None else np.asarray(draft_token_ids, dtype=np.int64))
-
 
 @dataclass(slots=True)
 class SampleResult:
@@ -100,7 +90,7 @@ def request_rng(seed: int, draw_index: int) -> np.random.Generator:
 
 
 class Sampler:
-    """``sampler(logits [P, vocab], st)`` -> int64 numpy ``[P]``; ``sample_rows`` groups them by row.
+    """``sample(logits [P, vocab], st)`` -> a :class:`SampleResult`; ``sample_rows`` groups its tokens by row.
 
     ``processors``: :class:`~fleetlab.engine.logits_processor.LogitsProcessor` s applied, in
     order, to the logits of every step before anything is picked.
@@ -108,9 +98,6 @@ class Sampler:
 
     def __init__(self, processors=()):
         self.processors = list(processors)
-
-    def __call__(self, logits: paddle.Tensor, st: SamplingTensors) -> np.ndarray:
-        return self.sample(logits, st).tokens
 
     def sample_rows(self, logits: paddle.Tensor, st: SamplingTensors) -> tuple[list[list[int] | None], SampleResult]:
         """The tokens each scored row gains (None where its logits were not finite), and the

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 from fleetlab.engine.hooks import PHASES
-from fleetlab.inspect.batch import batch_snapshot
 from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.outputs import RequestOutput
+from fleetlab.inspect.batch import batch_snapshot
 
 
 @dataclass(slots=True)
