@@ -27,8 +27,9 @@ class AttentionMetadata:
       seq_lens_kv:   int32 ``[B]``  context length of each row after this step's writes
                      (``num_computed_tokens + num_scheduled_tokens``).
       block_tables:  int32 ``[B, max_blocks_per_seq]`` physical block ids, unused entries -1.
-    Host copies (numpy) of ``cu_seqlens_q`` and ``seq_lens_kv`` let backends plan their
-    work without a device-to-host sync. A backend that needs more (a plan of its kernels'
+    Host copies (numpy) of ``cu_seqlens_q``, ``seq_lens_kv`` and ``positions`` (with
+    ``token_rows_host``, the batch row of each packed token) let backends and the runner plan
+    their work without a device-to-host sync. A backend that needs more (a plan of its kernels'
     work) builds it once per step in ``AttentionBackend.build_metadata``, as a subclass of
     this class (:meth:`extend`), and every layer of the step reads that.
     ``batch``: the engine's ``InputBatch`` when built :meth:`from_batch` (row ``i`` of the
@@ -49,6 +50,8 @@ class AttentionMetadata:
     cu_seqlens_q_host: np.ndarray
     seq_lens_kv_host: np.ndarray
     batch: object = None
+    positions_host: np.ndarray | None = None
+    token_rows_host: np.ndarray | None = None
 
     def extend(self, cls, **extra):
         """This metadata as an instance of ``cls`` (a dataclass subclass of this class), with
@@ -122,7 +125,8 @@ class AttentionMetadata:
                    block_tables=upload(tables) if block_tables_device is None else block_tables_device,
                    block_size=int(block_size), num_decodes=num_decodes, num_decode_tokens=int(cu[num_decodes]),
                    max_query_len=int(query_lens.max(initial=0)), max_seq_len=int(seq_lens.max(initial=0)),
-                   cu_seqlens_q_host=cu, seq_lens_kv_host=seq_lens)
+                   cu_seqlens_q_host=cu, seq_lens_kv_host=seq_lens, positions_host=positions,
+                   token_rows_host=row_of_token)
 
 
 def num_leading_decodes(query_lens: np.ndarray, decode_threshold: int = 1) -> int:
