@@ -84,15 +84,8 @@ class AttentionMetadata:
         return md
 
     @classmethod
-    def build(
-        cls,
-        query_lens,
-        num_computed_tokens,
-        block_tables,
-        block_size: int,
-        decode_threshold: int = 1,
-        block_tables_device=None,
-    ) -> AttentionMetadata:
+    def build(cls, query_lens, num_computed_tokens, block_tables, block_size: int, decode_threshold: int = 1,
+              block_tables_device=None) -> AttentionMetadata:
         """Build the metadata from host arrays.
 
         Args:
