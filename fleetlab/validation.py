@@ -1,7 +1,7 @@
 """The edge: every check of what users send, in one place, before anything is queued.
 
-The engine core trusts what passes here and states its own invariants instead
-(``InputBatch.check_invariants``, ``BlockPool.check_invariants``). A refusal is a
+The engine core trusts what passes here and states its own invariants instead (asserts;
+``fleetlab.inspect`` checks its bookkeeping from outside). A refusal is a
 ``ValueError`` that names the request (or the config) and the field; a value of the wrong
 type raises :class:`FieldTypeError`, which is a ``TypeError`` and a ``ValueError`` at once
 (so code that catches the engine's ``ValueError`` s, such as the OpenAI server's 400 answers,

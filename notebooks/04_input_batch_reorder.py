@@ -107,8 +107,8 @@ reorder_strip
 
 # %% [markdown]
 # The code those frames come from, read from the installed package. `condense` finds the
-# live rows (`live`) and moves them, in order, to rows `0..n-1` in one call of `_move_rows`;
-# `_move_rows` is the single place rows move: one fancy-indexed copy per registered field
+# live rows (`live`) and moves them, in order, to rows `0..n-1` in one call of `move_rows`;
+# `move_rows` is the single place rows move: one fancy-indexed copy per registered field
 # (`for buf in self._np.values()`), so no field can be left behind.
 
 # %%
@@ -117,13 +117,13 @@ from IPython.display import display
 from fleetlab.engine.input_batch import InputBatch, two_pointer_swaps
 
 condense_source = viz.show_source(InputBatch.condense, body_only=True)
-move_source = viz.show_source(InputBatch._move_rows, start="for buf in", stop="self._req_id_to_row[")
+move_source = viz.show_source(InputBatch.move_rows, start="for buf in", stop="self._req_id_to_row[")
 display(condense_source, move_source)
 
 # %% [markdown]
 # The reorder asks each row whether it is a decode (`is_decode`: at most `decode_threshold`
 # tokens this step), gets the swaps from `two_pointer_swaps` and applies them all in one
-# `_move_rows`. `two_pointer_swaps` computes what the classic scan would do without a Python
+# `move_rows`. `two_pointer_swaps` computes what the classic scan would do without a Python
 # loop: the prefill rows inside the decode region (`lefts`) each swap with a decode row from
 # the right end of the prefill region (`rights`, reversed): frames 2 and 3 above.
 
