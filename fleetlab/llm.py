@@ -145,7 +145,7 @@ class LLM:
         self._closables.append(self.structured_outputs)
         processors = [self.structured_outputs, *processors]
         fields = DEFAULT_FIELDS.copy()
-        for field in batch_fields + [f for p in processors for f in p.fields]:
+        for field in batch_fields + [f for p in [*processors, self.proposer] if p is not None for f in p.fields]:
             fields.register(field)
         return processors, InputBatch(max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                                       max_blocks_per_seq=-(-self.max_model_len // cfg.block_size), fields=fields)

@@ -19,9 +19,8 @@ as of the last ``sync_to_device()``. Row order is internal: results leave keyed 
 id. Drawing and checking a batch (``batch_snapshot``, ``check_batch``) and moving its rows by
 hand (``swap_rows``, ``permute_rows``) live beside it, in :mod:`fleetlab.inspect.batch`.
 
-Followers (a speculative proposer's ``ProposerInputBatch``) attach with ``add_follower``:
-every row move, clear and add of this batch is replayed on them, so their rows stay the
-same requests as this batch's rows by construction (the lockstep invariant).
+A speculative proposer's state (its ``ProposerInputBatch``) is a group of fields in this
+registry, so it moves with the rows like every other field.
 """
 
 from __future__ import annotations
@@ -135,7 +134,6 @@ class InputBatch:
         self._req_id_to_row: dict[object, int] = {}
         self._num_rows = 0
         self._synced_rows: int | None = None  # rows mirrored by the last sync; None = stale
-        self._followers: list = []
 
     # ------------------------------------------------------------------ access
     @property
@@ -182,12 +180,6 @@ class InputBatch:
         assert self._synced_rows is not None, f"device mirror of {name!r} is stale: call sync_to_device() first"
         return self._dev[name][: self._synced_rows]
 
-    def add_follower(self, follower) -> None:
-        """Replay every row move, clear and add of this batch on ``follower`` (anything with
-        ``move_rows(dst, src)``, ``clear_rows(rows)`` and ``on_add(batch, row, req_id)``)."""
-        assert not self._num_rows, "attach followers to an empty batch, so that they start in step"
-        self._followers.append(follower)
-
     def row_of(self, req_id) -> int:
         """The row holding ``req_id``; ValueError if the request is not in the batch."""
         if req_id not in self._req_id_to_row:
@@ -223,8 +215,6 @@ class InputBatch:
         self._np["stop_token_ids"][row, : len(stop)] = stop
         self._req_id_to_row[req_id] = row
         self._num_rows = max(self._num_rows, row + 1)
-        for follower in self._followers:
-            follower.on_add(self, row, req_id)
         self._synced_rows = None
         return row
 
@@ -353,15 +343,11 @@ class InputBatch:
         if req_ids[self._num_rows - 1] is None:  # a hole moved to the end (a hand-made swap)
             self._trim()
         self._synced_rows = None
-        for follower in self._followers:
-            follower.move_rows(dst, src)
 
     def _clear_rows(self, rows: np.ndarray) -> None:
         """Reset ``rows`` of every field to the field's fill (the map is the caller's job)."""
         for field in self._fields:
             self._np[field.name][rows] = field.fill
-        for follower in self._followers:
-            follower.clear_rows(rows)
 
     def _trim(self) -> None:
         """Drop trailing holes from ``num_rows``."""

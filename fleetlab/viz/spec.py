@@ -264,7 +264,7 @@ def draft_state(proposer_batch) -> dict:
     """``{request id: (draft num_computed_tokens, drafts)}`` of every row of a proposer batch,
     as it stands now: take it before a step to show the step's rows as they began
     (``lockstep_rows(..., draft_state=...)``)."""
-    p_req, p_computed = proposer_batch.np("req_id"), proposer_batch.np("num_computed_tokens")
+    p_req, p_computed = proposer_batch.np("req_id"), proposer_batch.reach()
     p_drafts, p_num = proposer_batch.np("draft_token_ids"), proposer_batch.np("num_draft_tokens")
     return {p_req[r]: (int(p_computed[r]), p_drafts[r, : int(p_num[r])].tolist())
             for r in range(len(p_req)) if p_req[r] is not None}
