@@ -138,7 +138,7 @@ print("num_scheduled_tokens:", plan.num_scheduled_tokens, "| total:", plan.total
 viz.show_source(KVCacheManager.allocate_slots, body_only=True)
 
 # %%
-tables, pool_now, pool_stats = llm.block_tables(), pool_snapshot(llm.pool), llm.pool.stats()
+tables, pool_now, pool_stats = llm.block_tables(), pool_snapshot(llm.pool), fleetlab.inspect.pool.pool_stats(llm.pool)
 print("block tables:", tables)
 print(llm.pool)
 tokens_after = {rid: llm.scheduler.requests[rid].num_computed_tokens + n

@@ -24,31 +24,10 @@ from __future__ import annotations
 import operator
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than the pool has free."""
-
-
-@dataclass(slots=True)
-class BlockPoolStats:
-    """Counters of a :class:`BlockPool` and its prefix cache.
-
-    num_free_blocks counts cached blocks nobody holds too (they can be allocated at any time);
-    num_cached_blocks counts blocks that hold a cached prefix, free or in use.
-    hit_rate is ``hit_tokens / query_tokens`` over all lookups (0.0 before any).
-    """
-
-    num_blocks: int
-    num_free_blocks: int
-    num_used_blocks: int
-    num_cached_blocks: int
-    queries: int
-    hit_tokens: int
-    query_tokens: int
-    hit_rate: float
-    evictions: int
 
 
 class BlockPool:
@@ -161,10 +140,3 @@ class BlockPool:
         if problems:
             raise ValueError(problems[0])
         return ids
-
-    def stats(self) -> BlockPoolStats:
-        """A snapshot of the pool's and its prefix cache's counters."""
-        c, free = self.prefix_cache, self.num_free_blocks
-        queries, hits, tokens, evictions = (c.queries, c.hit_tokens, c.query_tokens, c.evictions) if c else (0,) * 4
-        return BlockPoolStats(self.num_blocks, free, self.num_blocks - free, c.num_cached_blocks if c else 0,
-                              queries, hits, tokens, hits / tokens if tokens else 0.0, evictions)
