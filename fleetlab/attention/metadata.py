@@ -122,10 +122,16 @@ class AttentionMetadata:
                    token_rows_host=row_of_token)
 
 
-def num_leading_decodes(query_lens: np.ndarray, decode_threshold: int = 1) -> int:
-    """The decode rows of a step: the leading run of rows with at most ``decode_threshold`` query
-    tokens (one, or ``k + 1`` when verifying ``k`` drafts); after a decode-first reorder, every one."""
-    is_decode = np.asarray(query_lens) <= decode_threshold
+def is_decode_row(query_lens, decode_threshold: int = 1) -> np.ndarray:
+    """The one definition of a decode row: it runs ``1..decode_threshold`` query tokens this step
+    (one, or ``k + 1`` when verifying ``k`` drafts); more is a prefill (chunk)."""
+    query_lens = np.asarray(query_lens)
+    return (query_lens >= 1) & (query_lens <= decode_threshold)
+
+
+def num_leading_decodes(query_lens, decode_threshold: int = 1) -> int:
+    """How many rows lead with decodes (after a decode-first reorder: every decode row)."""
+    is_decode = is_decode_row(query_lens, decode_threshold)
     return int(np.argmin(is_decode)) if not is_decode.all() else len(is_decode)
 
 

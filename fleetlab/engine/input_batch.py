@@ -34,6 +34,7 @@ import numpy as np
 import paddle
 
 from fleetlab import device
+from fleetlab.attention.metadata import is_decode_row
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS, FieldRegistry
 
 logger = logging.getLogger(__name__)
@@ -369,16 +370,14 @@ class InputBatch:
         return live
 
     def is_decode(self, decode_threshold: int = 1) -> np.ndarray:
-        """Bool ``[num_rows]``: the row is a decode this step (holes: False).
-
-        A row scheduling ``1..decode_threshold`` tokens is a decode and one scheduling more
-        is a prefill (as ``AttentionMetadata`` counts them). A row that schedules nothing
-        this step is classed by where it stands: a decode once past its prompt.
+        """Bool ``[num_rows]``: the row is a decode this step (holes: False), as
+        :func:`~fleetlab.attention.metadata.is_decode_row` counts them. A row that schedules
+        nothing this step is classed by where it stands: a decode once past its prompt.
         """
         sched = self.np("num_scheduled_tokens")
         past_prompt = self.np("num_computed_tokens") >= self.np("num_prompt_tokens")
         live = np.not_equal(self.np("req_id"), None) if self.has_holes else True
-        return live & np.where(sched > 0, sched <= decode_threshold, past_prompt)
+        return live & np.where(sched > 0, is_decode_row(sched, decode_threshold), past_prompt)
 
     def reorder_split_prefill_and_decode(self, decode_threshold: int = 1) -> tuple[np.ndarray, int]:
         """Move decode rows to ``[0, num_decodes)``; return ``(perm, num_decodes)``.
