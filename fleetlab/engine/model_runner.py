@@ -2,7 +2,7 @@
 
 It applies the step's :class:`SchedulerOutput` to its InputBatch (new requests in full, the
 rest as diffs), condenses it, reorders it decode-first when the attention backend asks (a
-proposer's batch follows row for row), builds the attention metadata, runs the model on the
+proposer's fields move with the rows), builds the attention metadata, runs the model on the
 packed tokens under ``forward_context``, computes logits only at the positions it scores
 (each row's last token; a row verifying ``k`` drafts scores ``k + 1``), samples, and lets a
 speculative proposer draft the next tokens. Results leave keyed by request id in a

@@ -1,7 +1,7 @@
 """Drawings of the persistent batch: its rows, condense, the decode-first reorder, and the
 gather-index alternative that moves no row at all.
 
-Inputs are the ``RowRecord`` lists of :meth:`fleetlab.InputBatch.snapshot` (one per row:
+Inputs are the ``RowRecord`` lists of :func:`fleetlab.inspect.batch.batch_snapshot` (one per row:
 request id, phase, token counts, block table). A row's box is coloured by its phase
 (decode blue, prefill orange, empty grey) with a square of its request's colour on the left.
 

@@ -14,8 +14,8 @@
   the distribution).
 - :func:`draw_spec_benchmark`: the stored result of ``python -m fleetlab bench spec``.
 
-Everything here reads public state only (``StepTrace``/``RowTrace``, ``InputBatch.snapshot``
-and ``np(name)``, ``ProposerInputBatch.np(name)``); nothing reaches into the engine.
+Everything here reads public state only (``StepTrace``/``RowTrace``, ``fleetlab.inspect.batch.batch_snapshot``
+and ``np(name)``, ``ProposerInputBatch.np(name)`` and ``reach()``); nothing reaches into the engine.
 """
 
 from __future__ import annotations
