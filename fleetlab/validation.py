@@ -571,3 +571,10 @@ def field_value(field, where: str, value):
         raise ValueError(f"{where} {field.name}={value!r:.60} does not fit the field: {field.dtype} values of "
                          f"shape {field.per_row_shape} per row")
     return cast
+
+
+def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
+    """A draft model must share the target's tokenizer: the same vocabulary."""
+    if draft_vocab_size != target_vocab_size:
+        raise ValueError(f"speculative_config: field 'model' has vocabulary {draft_vocab_size}, the target "
+                         f"{target_vocab_size}: a draft must share the target's tokenizer")

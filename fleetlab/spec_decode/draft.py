@@ -34,6 +34,7 @@ from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.patching import PatchHandle, patch_model
 from fleetlab.spec_decode.proposer import Proposer
 from fleetlab.spec_decode.proposer_batch import ProposerInputBatch, proposer_fields
+from fleetlab.validation import check_draft_vocab
 
 
 class DraftModelProposer(Proposer):
@@ -48,9 +49,7 @@ class DraftModelProposer(Proposer):
         self._owns_patch = self.handle is not model
         try:
             check_model_dtype_runs(self.handle.dtype, "speculative_config model")
-            if self.handle.vocab_size != context.vocab_size:
-                raise ValueError(f"speculative_config: field 'model' has vocabulary {self.handle.vocab_size}, "
-                                 f"the target {context.vocab_size}: a draft must share the target's tokenizer")
+            check_draft_vocab(self.handle.vocab_size, context.vocab_size)
         except ValueError:
             self.close()
             raise
