@@ -53,7 +53,7 @@ _LAZY = {
     "Field": "fleetlab.engine.batch_fields",
     "FieldRegistry": "fleetlab.engine.batch_fields",
     "DEFAULT_FIELDS": "fleetlab.engine.batch_fields",
-    "unpermute": "fleetlab.engine.input_batch",
+    "unpermute": "fleetlab.inspect.batch",
     "StepRecorder": "fleetlab.inspect.recorder",
     "KVConnector": "fleetlab.kv_transfer",
     "KVTransferConfig": "fleetlab.kv_transfer",

@@ -36,6 +36,7 @@ from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.sampler import Sampler
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
+from fleetlab.inspect.batch import batch_snapshot
 from fleetlab.inspect.recorder import StepRecorder, StepTrace
 from fleetlab.inspect.spec_stats import SpecDecodingStats
 from fleetlab.inspect.stats import engine_stats
@@ -94,7 +95,7 @@ class LLM:
         # Closing happens once, on close() or when the LLM is garbage-collected (a notebook
         # cell re-run drops the old LLM): either way its share of the patch is released.
         self._closables: list = []  # the proposer, once built
-        self._finalizer = weakref.finalize(self, _release, self.handle if self._owns_handle else None,
+        self._finalizer = weakref.finalize(self, _close_all, self.handle if self._owns_handle else None,
                                            self._closables)
         try:
             self._build(cfg, list(batch_fields), [PenaltiesProcessor(), *logits_processors])
@@ -125,6 +126,17 @@ class LLM:
             max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
             enable_chunked_prefill=cfg.enable_chunked_prefill, policy=cfg.scheduling_policy,
             num_lookahead_tokens=lookahead, kv_connector=self.kv_connector)
+        processors, batch = self._build_batch(cfg, k, batch_fields, processors)
+        self.runner = ModelRunner(self.handle, self.kv_cache, batch, reorder=backend_cls.requires_reorder
+                                  if cfg.reorder is None else cfg.reorder, decode_threshold=decode_threshold,
+                                  sampler=(RejectionSampler if self.proposer else Sampler)(processors),
+                                  proposer=self.proposer, hooks=self.hooks, kv_connector=self.kv_connector)
+        if self.tensor_parallel is not None:
+            self.runner = self.tensor_parallel.wrap_runner(self.runner)
+        self._build_edges(cfg, batch, num_blocks, processors, lookahead)
+
+    def _build_batch(self, cfg, k: int, batch_fields: list, processors: list) -> tuple[list, InputBatch]:
+        """The sampler's processors and the persistent batch, with every processor's fields."""
         # Grammar masks come first, before any other processor changes the logits (built lazily:
         # an engine that never sees a constraint never loads the grammar library).
         self.structured_outputs = StructuredOutputsProcessor(
@@ -133,17 +145,10 @@ class LLM:
         self._closables.append(self.structured_outputs)
         processors = [self.structured_outputs, *processors]
         fields = DEFAULT_FIELDS.copy()
-        for field in batch_fields + [f for p in processors for f in p.fields]:
+        for field in batch_fields + [f for p in [*processors, self.proposer] if p is not None for f in p.fields]:
             fields.register(field)
-        batch = InputBatch(max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
-                           max_blocks_per_seq=-(-self.max_model_len // cfg.block_size), fields=fields)
-        self.runner = ModelRunner(self.handle, self.kv_cache, batch, reorder=backend_cls.requires_reorder
-                                  if cfg.reorder is None else cfg.reorder, decode_threshold=decode_threshold,
-                                  sampler=(RejectionSampler if self.proposer else Sampler)(processors),
-                                  proposer=self.proposer, hooks=self.hooks, kv_connector=self.kv_connector)
-        if self.tensor_parallel is not None:
-            self.runner = self.tensor_parallel.wrap_runner(self.runner)
-        self._build_edges(cfg, batch, num_blocks, processors, lookahead)
+        return processors, InputBatch(max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
+                                      max_blocks_per_seq=-(-self.max_model_len // cfg.block_size), fields=fields)
 
     def _build_proposer(self, cfg, num_blocks: int, decode_threshold: int):
         context = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
@@ -307,7 +312,7 @@ class LLM:
     def batch_snapshot(self) -> list:
         """The model runner's persistent batch, one ``RowRecord`` per row, as the last step left
         it (rows of requests that finished in it leave at the next step)."""
-        return self.runner.batch.snapshot(self.runner.decode_threshold)
+        return batch_snapshot(self.runner.batch, self.runner.decode_threshold)
 
     def block_tables(self) -> dict[str, list[int]]:
         """``{request id: block ids}`` of every running request (for drawing the pool)."""
@@ -330,9 +335,11 @@ class _LiveIds:
         return request_id in self.requests or request_id in self.parent_ids
 
 
-def _release(handle, proposers) -> None:
-    """What closing an LLM undoes (kept apart from the LLM so a finalizer can run it)."""
-    for proposer in proposers:
-        proposer.close()
+def _close_all(handle, closables) -> None:
+    """What closing an LLM undoes: everything it built that holds something (the proposer and its
+    draft model's patch, the KV connector, the grammar compiler), then its own patch of the model
+    (kept apart from the LLM so a finalizer can run it)."""
+    for closable in closables:
+        closable.close()
     if handle is not None:
         handle.unpatch()

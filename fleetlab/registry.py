@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import importlib
 
+from fleetlab.errors import FieldTypeError
+
 
 class Registry:
     """Names -> subclasses of ``base`` (``kind`` names the kind in messages)."""
@@ -27,23 +29,21 @@ class Registry:
     def register(self, name: str, cls, *, replace: bool = False):
         """Make ``cls`` (a subclass of the base, or ``"module:Class"`` imported on first use)
         selectable as ``name``; returns ``cls``. A built-in's name needs ``replace=True``."""
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"{self.kind} name must be a non-empty str, got {name!r}")
-        if name in self._builtins and not replace:
-            raise ValueError(f"{self.kind} {name!r} is built in ({self._describe(name)}); pass "
-                             "replace=True to replace it, or choose another name")
-        if isinstance(cls, str):
-            if ":" not in cls:
-                raise ValueError(f"{self.kind} {name!r}: a lazy entry is spelled 'module:Class', got {cls!r}")
-        else:
-            self._check(name, cls)
-        self._entries[name] = cls
+        lazy, builtin = isinstance(cls, str), name in self._builtins
+        _refuse([
+            (not isinstance(name, str) or not name, f"{self.kind} name must be a non-empty str, got {name!r}"),
+            (builtin and not replace, f"{self.kind} {name!r} is built in ({self._describe(name) if builtin else ''}); "
+             "pass replace=True to replace it, or choose another name"),
+            (lazy and ":" not in cls, f"{self.kind} {name!r}: a lazy entry is spelled 'module:Class', got {cls!r}"),
+        ])
+        self._entries[name] = cls if lazy else self._check(name, cls)
         return cls
 
     def get(self, name: str) -> type:
         """The class registered as ``name`` (imported on first use)."""
-        if not isinstance(name, str) or name not in self._entries:
-            raise ValueError(f"unknown {self.kind} {name!r}; registered: {self.names()}")
+        known = isinstance(name, str) and name in self._entries
+        _refuse([(not known, f"unknown {self.kind} {name!r:.80}; it must be a registered name ({self.names()}), "
+                             f"a subclass of {self.base.__name__} or an instance of one")])
         entry = self._entries[name]
         if isinstance(entry, str):
             module, _, attr = entry.partition(":")
@@ -53,14 +53,9 @@ class Registry:
 
     def resolve(self, spec) -> type:
         """The class ``spec`` names: a registered name, a subclass, or an instance's class."""
-        if isinstance(spec, str):
-            return self.get(spec)
         if isinstance(spec, type) and issubclass(spec, self.base):
             return spec
-        if isinstance(spec, self.base):
-            return type(spec)
-        raise TypeError(f"{self.kind} must be a registered name ({self.names()}), a subclass of "
-                        f"{self.base.__name__} or an instance of one; got {spec!r:.80}")
+        return type(spec) if isinstance(spec, self.base) else self.get(spec)
 
     def make(self, spec, *args, **kwargs):
         """An instance from ``spec``: a name or a class (built with ``args``), or an instance (as is)."""
@@ -70,14 +65,24 @@ class Registry:
         return sorted(self._entries)
 
     def _check(self, name: str, cls) -> type:
-        if not (isinstance(cls, type) and issubclass(cls, self.base)):
-            raise TypeError(f"{self.kind} {name!r} must be a subclass of {self.base.__module__}."
-                            f"{self.base.__name__}, got {cls!r:.80}")
-        if getattr(cls, "name", name) != name:
-            raise ValueError(f"{self.kind} {name!r}: class {cls.__name__} says name={cls.name!r}; register it "
-                             f"under that name, or subclass it with name = {name!r}")
+        subclass = isinstance(cls, type) and issubclass(cls, self.base)
+        _refuse([
+            (not subclass, f"{self.kind} {name!r} must be a subclass of {self.base.__module__}.{self.base.__name__}, "
+             f"got {cls!r:.80}"),
+            (subclass and getattr(cls, "name", name) != name,
+             f"{self.kind} {name!r}: class {getattr(cls, '__name__', cls)} says name={getattr(cls, 'name', None)!r}; "
+             f"register it under that name, or subclass it with name = {name!r}"),
+        ])
         return cls
 
     def _describe(self, name: str) -> str:
         entry = self._entries[name]
         return entry if isinstance(entry, str) else f"{entry.__module__}.{entry.__name__}"
+
+
+def _refuse(checks) -> None:
+    """Raise for the first ``(is it broken, why)`` that is: a :class:`FieldTypeError`, which is a
+    ``TypeError`` (a value of the wrong kind) and a ``ValueError`` (a name not known) at once."""
+    why = next((what for broken, what in checks if broken), None)
+    if why:
+        raise FieldTypeError(why)

@@ -1,7 +1,7 @@
 """The edge: every check of what users send, in one place, before anything is queued.
 
-The engine core trusts what passes here and states its own invariants instead
-(``InputBatch.check_invariants``, ``BlockPool.check_invariants``). A refusal is a
+The engine core trusts what passes here and states its own invariants instead (asserts;
+``fleetlab.inspect`` checks its bookkeeping from outside). A refusal is a
 ``ValueError`` that names the request (or the config) and the field; a value of the wrong
 type raises :class:`FieldTypeError`, which is a ``TypeError`` and a ``ValueError`` at once
 (so code that catches the engine's ``ValueError`` s, such as the OpenAI server's 400 answers,
@@ -490,7 +490,7 @@ class InputProcessor:
             if name not in self.batch_fields or name == "req_id":
                 raise ValueError(f"request {rid!r}: extra field {name!r} is not a field of the engine's InputBatch "
                                  f"(pass LLM(..., batch_fields=[Field({name!r}, ...)]) to add it)")
-            extra[name] = self.batch_fields[name].check_value(f"request {rid!r}: extra field", value)
+            extra[name] = field_value(self.batch_fields[name], f"request {rid!r}: extra field", value)
         return extra
 
 
@@ -549,3 +549,32 @@ def generate_items(prompts, prompt_token_ids, sampling_params) -> list[tuple]:
     if len(sps) != len(items):
         raise ValueError(f"generate: {len(sps)} sampling_params for {len(items)} prompts")
     return [(p, ids, sp) for (p, ids), sp in zip(items, sps)]
+
+
+# ----------------------------------------------------------------------------- the core's public pieces
+# Checks of what a learner hands the core's pieces directly (a batch field's value); the
+# engine's own calls pass through the checks above first.
+def field_value(field, where: str, value):
+    """``value`` as one row of batch ``field`` (a numpy value of its dtype and rank; an object
+    field takes anything), or ``ValueError`` naming the field: a value of another kind (text for
+    a number, a float for an int) or out of the dtype's range is never coerced."""
+    if field.dtype == "object":
+        return value
+    raw = np.asarray(value)
+    kinds = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}.get(np.dtype(field.dtype).kind, "")
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = raw.astype(field.dtype) if raw.dtype.kind in kinds else None
+    # A float may round (to float32), but never overflow; an int must stay the same int.
+    same = cast is not None and (np.isfinite(cast) | ~np.isfinite(raw) if cast.dtype.kind == "f"
+                                 else cast == raw).all()
+    if not same or raw.ndim != len(field.per_row_shape):
+        raise ValueError(f"{where} {field.name}={value!r:.60} does not fit the field: {field.dtype} values of "
+                         f"shape {field.per_row_shape} per row")
+    return cast
+
+
+def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
+    """A draft model must share the target's tokenizer: the same vocabulary."""
+    if draft_vocab_size != target_vocab_size:
+        raise ValueError(f"speculative_config: field 'model' has vocabulary {draft_vocab_size}, the target "
+                         f"{target_vocab_size}: a draft must share the target's tokenizer")

@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 
 import fleetlab
 from fleetlab import viz
+from fleetlab.inspect.pool import pool_stats
 from fleetlab.prefix_cache.hash_chain import HashChainCache
 
 # %% [markdown]
@@ -87,7 +88,7 @@ hits = cache.lookup(b)
 pool.touch(hits)
 b_blocks = hits + pool.allocate(-(-len(b) // 4) - len(hits))
 print("b reuses", hits, "and holds", b_blocks)
-print(pool.stats())
+print(pool_stats(pool))
 shared_mapping = viz.draw_block_mapping({"a": a_blocks, "b": b_blocks}, pool, num_tokens={"a": len(a), "b": len(b)},
                                         block_size=4)
 shared_mapping
@@ -160,7 +161,7 @@ pool.touch(hits)  # revives them: out of the free queue, reference count 1
 c_blocks = hits + pool.allocate(-(-len(c) // 4) - len(hits))
 print("c found", hits, "still cached after a and b left")
 big = pool.allocate(pool.num_free_blocks)  # someone needs every free block
-print(pool.stats())
+print(pool_stats(pool))
 viz.draw_block_pool(pool, {"c": c_blocks, "big": big}, revived=hits,
                     title="c revived 2 cached blocks (green);\n"
                           "a big request took every other block: cached ones evicted")
@@ -282,7 +283,7 @@ for design, engine in engines.items():
     s = engine.stats()
     design_hits[design] = s["prefix_cache_hit_tokens"]
     print(f"{design:>5}: hit {s['prefix_cache_hit_tokens']} of {s['prefix_cache_query_tokens']} prompt tokens, "
-          f"{engine.pool.stats().num_cached_blocks} blocks cached")
+          f"{pool_stats(engine.pool).num_cached_blocks} blocks cached")
     engine.close()
 
 # %% [markdown]

@@ -16,6 +16,7 @@ import numpy as np
 
 import fleetlab
 from fleetlab import viz
+from fleetlab.inspect.batch import batch_snapshot
 
 # %% [markdown]
 # ## 1. A batch with decodes, prefills and a hole
@@ -43,7 +44,7 @@ def make_batch():
 batch = make_batch()
 print(batch)
 print(len(batch.fields), "per-request fields:", batch.fields.names())
-viz.draw_batch(batch.snapshot())
+viz.draw_batch(batch_snapshot(batch))
 
 # %% [markdown]
 # Every per-request buffer above (token ids, block table, sampling settings...) is
@@ -69,9 +70,9 @@ viz.draw_batch(batch.snapshot())
 # %%
 packed = make_batch()
 packed.condense()
-rows_before = packed.snapshot()
+rows_before = batch_snapshot(packed)
 packed.reorder_split_prefill_and_decode()
-rows_after = packed.snapshot()
+rows_after = batch_snapshot(packed)
 token_axis = viz.draw_token_axis(rows_before, rows_after)
 token_axis
 
@@ -106,8 +107,8 @@ reorder_strip
 
 # %% [markdown]
 # The code those frames come from, read from the installed package. `condense` finds the
-# live rows (`live`) and moves them, in order, to rows `0..n-1` in one call of `_move_rows`;
-# `_move_rows` is the single place rows move: one fancy-indexed copy per registered field
+# live rows (`live`) and moves them, in order, to rows `0..n-1` in one call of `move_rows`;
+# `move_rows` is the single place rows move: one fancy-indexed copy per registered field
 # (`for buf in self._np.values()`), so no field can be left behind.
 
 # %%
@@ -116,13 +117,13 @@ from IPython.display import display
 from fleetlab.engine.input_batch import InputBatch, two_pointer_swaps
 
 condense_source = viz.show_source(InputBatch.condense, body_only=True)
-move_source = viz.show_source(InputBatch._move_rows, start="for buf in", stop="self._req_id_to_row[")
+move_source = viz.show_source(InputBatch.move_rows, start="for buf in", stop="self._req_id_to_row[")
 display(condense_source, move_source)
 
 # %% [markdown]
 # The reorder asks each row whether it is a decode (`is_decode`: at most `decode_threshold`
 # tokens this step), gets the swaps from `two_pointer_swaps` and applies them all in one
-# `_move_rows`. `two_pointer_swaps` computes what the classic scan would do without a Python
+# `move_rows`. `two_pointer_swaps` computes what the classic scan would do without a Python
 # loop: the prefill rows inside the decode region (`lefts`) each swap with a decode row from
 # the right end of the prefill region (`rights`, reversed): frames 2 and 3 above.
 
@@ -160,7 +161,7 @@ viz.draw_reorder(frames[1].records, frames[-1].records, num_decodes=frames[-1].n
 # by id (`by_request`), or through the permutation (`unpermute`).
 
 # %%
-from fleetlab.engine.input_batch import unpermute
+from fleetlab.inspect.batch import by_request, unpermute
 from fleetlab.lessons.reorder import stable_reorder  # the teaching variant, kept out of the runtime class
 
 for stable in (False, True):
@@ -171,7 +172,7 @@ for stable in (False, True):
     moved = int((perm != np.arange(len(perm))).sum())
     print(f"stable={stable!s:<5} rows {b.req_ids}  {moved} rows moved  "
           f"unpermute gives back {list(unpermute(b.req_ids, perm)) == before}")
-print("tokens run per request:", b.by_request(b.np("num_scheduled_tokens")))
+print("tokens run per request:", by_request(b, b.np("num_scheduled_tokens")))
 
 # %% [markdown]
 # ## 4. The alternative: move nothing, gather through an index map
@@ -188,7 +189,7 @@ order, num_decodes = decode_first_order(batch)
 print("order:", order.tolist(), "| decodes:", num_decodes)
 print("gathered block tables (first 3 columns):")
 print(batch.np("block_table")[order][:, :3])
-viz.draw_gather_map(batch.snapshot(), order, num_decodes)
+viz.draw_gather_map(batch_snapshot(batch), order, num_decodes)
 
 # %% [markdown]
 # Which is faster depends on how many fields the step reads against how many the batch

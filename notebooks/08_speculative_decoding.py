@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 import fleetlab
 from fleetlab import viz
 from fleetlab.bench.spec import measure, spec_config, trained_prompts
-from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
+from fleetlab.spec_decode.proposer_batch import ProposerInputBatch, proposer_fields
 
 # %% [markdown]
 # ## 1. Turn it on
@@ -137,25 +137,28 @@ viz.draw_spec_steps(loop_llm.traces, max_previous=12, title="ngram on a looping 
 # new to the text: the loop has moved on, so step 9 has nothing to copy (it samples one
 # plain token), and the drafts grow again with the new run.
 #
-# ## 3. The proposer's batch follows the main batch, row for row
+# ## 3. The proposer's batch moves with the main batch, row for row
 #
 # The draft model keeps per-request state of its own: how far *its* KV cache is computed,
 # and the drafts it proposed. fleetlab keeps that state in a `ProposerInputBatch`, one row
 # per row of the main `InputBatch`. Every step the main batch drops finished requests,
 # condenses, and reorders decode-first; a verify row (`1 + k` query tokens) counts as a
 # decode, since `reorder_threshold` is `k + 1`. If the proposer's rows did not make the
-# same moves, the draft model would read another request's state. So the proposer batch
-# is attached as a *follower* (`batch.add_follower(...)`): every move, clear and add of the
-# main batch is replayed on it.
+# same moves, the draft model would read another request's state. So the proposer keeps
+# that state as *fields of the main batch* (`proposer_fields(k)`, registered like any other
+# field): the batch's one row move carries them with the rest, and the `ProposerInputBatch`
+# is the proposer's view of them under its own names.
 #
 # Built by hand below with `k = 3`: five requests run; `c` just finished. Rows `a`, `d`, `f`
 # verify drafts (4 tokens each), `b` and `e` run prompt chunks.
 
 # %%
 K = 3
-batch = fleetlab.InputBatch(max_num_seqs=6, max_model_len=64, max_blocks_per_seq=16)
-proposer_batch = ProposerInputBatch(6, num_speculative_tokens=K)
-batch.add_follower(proposer_batch)
+fields = fleetlab.DEFAULT_FIELDS.copy()
+for field in proposer_fields(K):  # the draft proposer's state, as fields of the main batch
+    fields.register(field)
+batch = fleetlab.InputBatch(max_num_seqs=6, max_model_len=64, max_blocks_per_seq=16, fields=fields)
+proposer_batch = ProposerInputBatch(batch)
 # request: (prompt, generated so far, drafts to verify, prompt chunk when prefilling)
 requests = {"a": ("count 12", " 13", " 14", None), "b": ("the old man", "", "", 12), "c": ("45+38=", "83", "", None),
             "d": ("is the cat", " blue", "? y", None), "e": ("the red cat sat on the mat.", "", "", 8),
@@ -179,15 +182,15 @@ lockstep_before = viz.lockstep_rows(batch, proposer_batch, decode_threshold=K + 
 batch.condense()
 _, num_decodes = batch.reorder_split_prefill_and_decode(decode_threshold=K + 1)
 lockstep_after = viz.lockstep_rows(batch, proposer_batch, decode_threshold=K + 1)
-proposer_batch.check_lockstep(batch)  # raises if any row holds different requests
 lockstep_figure = viz.draw_lockstep(lockstep_before, lockstep_after, tokenizer=tokenizer, num_decodes=num_decodes)
 lockstep_figure
 
 # %% [markdown]
 # `condense()` slides `d`, `e` and `f` up into `c`'s hole; the decode-first scan then
 # swaps `b` (a prefill) with `f` (a verify row), so the three verify rows lead and the
-# decode kernel gets tokens 0-11. The proposer's batch made the same four moves (same
-# arrows, same rows outlined): each request's draft-model state moved with it. Its
+# decode kernel gets tokens 0-11. The proposer's fields made the same four moves (same
+# arrows, same rows outlined), being fields of the batch that moved: each request's
+# draft-model state moved with it. Its
 # numbers differ from the main batch's on purpose: the draft model's cache is ahead of
 # the target's (request `a`: 14 against 11, `k` = 3 ahead), because while proposing it ran
 # the newest token and wrote the K/V of its first `k - 1` drafts, which the target computes
@@ -197,11 +200,12 @@ lockstep_figure
 #
 # The same holds in the running engine. Below, six requests share a budget of 16 tokens
 # with `reorder=True`, so verify rows and prompt chunks meet in one step and the reorder
-# has work to do. After every step we check both batches row by row
-# (`llm.proposer.batch.check_lockstep(llm.runner.batch)`) and keep their rows in the order
-# the step ran them. Both halves of a row show the same moment, the step's start: the main
-# batch still holds its counts as the step began (the next step's message updates them),
-# and for the proposer we take its counts and drafts just before the step
+# has work to do. The proposer's view reads the runner's own batch
+# (`llm.proposer.batch.main is llm.runner.batch`), so there is no second copy to fall out
+# of step; after every step we keep both halves of every row in the order the step ran
+# them. Both halves of a row show the same moment, the step's start: the main batch still
+# holds its counts as the step began (the next step's message updates them), and for the
+# proposer we take its counts and drafts just before the step
 # (`viz.draft_state`), so its column shows the drafts this step verifies, as in the
 # picture above (request `a`: 14 against 11).
 
@@ -217,12 +221,12 @@ with fleetlab.LLM(model, tokenizer, block_size=4, max_num_batched_tokens=16, max
     while live.has_unfinished_requests():
         as_began = viz.draft_state(live.proposer.batch)  # the draft model's counts and drafts before the step
         live.step()
-        live.proposer.batch.check_lockstep(live.runner.batch)  # raises if any row differs
+        assert live.proposer.batch.main is live.runner.batch  # one set of rows: nothing to replay
         live_frames.append(viz.lockstep_rows(live.runner.batch, live.proposer.batch, decode_threshold=K + 1,
                                              proposer_state=as_began))
     live_traces = live.traces
 moves = [t.step for t in live_traces if t.order_before != t.order_after]
-print(f"{len(live_traces)} steps, in lockstep after every one; the reorder moved rows in steps {moves}")
+print(f"{len(live_traces)} steps, each row's draft state with its request; the reorder moved rows in steps {moves}")
 for t in live_traces:
     if t.step in moves:
         print(f"  step {t.step}: rows before the reorder {t.order_before} -> after {t.order_after}")
@@ -410,8 +414,8 @@ for excerpt in rejection_sources.values():
 # >   `Proposer` (`fastdeploy/spec_decode/base.py`), `NgramProposer` (`ngram.py`, the
 # >   `ngram_match` op) and `MTPProposer` (`mtp.py`: a multi-token-prediction layer with
 # >   its own KV cache).
-# > - **The proposer's batch**: fleetlab's `ProposerInputBatch` follows the main
-# >   `InputBatch` through a field registry of its own. FastDeploy's `ProposerInputBatch`
+# > - **The proposer's batch**: fleetlab's `ProposerInputBatch` is a group of fields the
+# >   proposer registers on the main `InputBatch`, moved by its one row move. FastDeploy's `ProposerInputBatch`
 # >   (`fastdeploy/worker/input_batch.py`), which `MTPProposer` builds from the target's
 # >   batch, swaps its rows through its own hand-written `swap_states` list, the kind of list
 # >   that can forget a buffer. vLLM's proposers keep no per-request batch that must be

@@ -29,6 +29,7 @@ from fleetlab.attention.naive import naive_paged_attention
 from fleetlab.context import ForwardContext
 from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.sampler import Sampler
+from fleetlab.inspect.batch import batch_snapshot
 from fleetlab.inspect.pool import pool_snapshot
 from fleetlab.kv.manager import KVCacheManager
 from fleetlab.validation import InputProcessor
@@ -137,7 +138,7 @@ print("num_scheduled_tokens:", plan.num_scheduled_tokens, "| total:", plan.total
 viz.show_source(KVCacheManager.allocate_slots, body_only=True)
 
 # %%
-tables, pool_now, pool_stats = llm.block_tables(), pool_snapshot(llm.pool), llm.pool.stats()
+tables, pool_now, pool_stats = llm.block_tables(), pool_snapshot(llm.pool), fleetlab.inspect.pool.pool_stats(llm.pool)
 print("block tables:", tables)
 print(llm.pool)
 tokens_after = {rid: llm.scheduler.requests[rid].num_computed_tokens + n
@@ -192,7 +193,7 @@ row_order = RowOrder()
 llm.hooks.attach(row_order)
 result = llm.runner.update_batch(plan)
 llm.hooks.detach(row_order)
-rows = llm.runner.batch.snapshot()
+rows = batch_snapshot(llm.runner.batch)
 order_before, order_after = row_order.req_ids, llm.runner.batch.req_ids
 print("rows before / after the reorder:", order_before, order_after)
 rows_figure = viz.draw_batch(rows)

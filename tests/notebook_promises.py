@@ -261,7 +261,7 @@ assert [int(x) for x in mixed_mask.key_slot[~mixed_mask.key_cached]] == written
 '''
 
 PROMISES["04_input_batch_reorder"] = '''
-from fleetlab.engine.input_batch import unpermute as _unpermute  # noqa: F401  (the notebook's import)
+from fleetlab.inspect.batch import unpermute as _unpermute  # noqa: F401  (the notebook's import)
 
 split_before, split_after = viz.token_split(rows_before), viz.token_split(rows_after)
 # "here T = 37 tokens"; "Before, only row a is in the decode kernel's range: the five other decodes
@@ -287,11 +287,11 @@ for i, frame in enumerate(frames):
     red = {int(p.get_gid().split(":")[2]) for p in reorder_strip.axes[i].patches
            if (p.get_gid() or "").startswith("strip:") and p.get_linewidth() > 2}
     assert red == set(frame.moved), (i, red, frame.moved)
-# the code beside the strip: condense moves the live rows with one _move_rows, which copies every registered field;
+# the code beside the strip: condense moves the live rows with one move_rows, which copies every registered field;
 # two_pointer_swaps pairs lefts with reversed rights: "frames 2 and 3 above"
-assert "self._move_rows(np.arange(n), live)" in str(condense_source)
+assert "self.move_rows(np.arange(n), live)" in str(condense_source)
 assert "for buf in self._np.values():" in str(move_source) and "buf[dst] = buf[src]" in str(move_source)
-assert "two_pointer_swaps(mask)" in str(reorder_source) and "self._move_rows(dst, src)" in str(reorder_source)
+assert "two_pointer_swaps(mask)" in str(reorder_source) and "self.move_rows(dst, src)" in str(reorder_source)
 _b = make_batch()
 _b.condense()
 _lefts, _rights = two_pointer_swaps(_b.is_decode())

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import fleetlab.prefix_cache.hash_chain as block_pool_module
-from fleetlab.inspect.pool import BlockInfo, check_pool, pool_snapshot
+from fleetlab.inspect.pool import BlockInfo, BlockPoolStats, check_pool, pool_snapshot, pool_stats
 from fleetlab.kv.block_pool import BlockPool as PlainPool
-from fleetlab.kv.block_pool import BlockPoolStats, NoFreeBlocksError
+from fleetlab.kv.block_pool import NoFreeBlocksError
 from fleetlab.prefix_cache.hash_chain import HashChainCache
 
 
@@ -45,6 +45,9 @@ class BlockPool:
 
     def snapshot(self):
         return pool_snapshot(self.pool)
+
+    def stats(self):
+        return pool_stats(self.pool)
 
     def check_invariants(self):
         check_pool(self.pool)
@@ -466,7 +469,7 @@ class PoolMachine(RuleBasedStateMachine):
     @invariant()
     def bookkeeping_is_consistent(self):
         self.pool.check_invariants()
-        s = self.pool.stats()
+        s = pool_stats(self.pool)
         assert s.num_free_blocks + s.num_used_blocks == s.num_blocks
         assert (s.num_free_blocks, s.num_cached_blocks, s.evictions) == (
             len(self.free_order),

@@ -5,7 +5,7 @@ import pytest
 from conftest import random_prompts
 
 from fleetlab import LLM, SamplingParams
-from fleetlab.inspect.pool import check_pool
+from fleetlab.inspect.pool import check_pool, pool_stats
 from fleetlab.patching.parity import reference_greedy
 
 MAX_NEW = 6
@@ -99,7 +99,7 @@ def test_prefix_cache_hit_on_a_whole_block_prompt_still_computes_one_token(fleet
     finally:
         llm.handle.unpatch()
     assert first[0].token_ids == want[0] == again[0].token_ids
-    assert llm.pool.stats().hit_tokens > 0
+    assert pool_stats(llm.pool).hit_tokens > 0
 
 
 def test_trace_reports_decode_first_rows(fleet_model, oracle):

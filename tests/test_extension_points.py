@@ -24,6 +24,7 @@ from fleetlab import (
 from fleetlab.attention.naive import naive_paged_attention
 from fleetlab.attention.tiled import TiledBackend
 from fleetlab.engine.logits_processor import LogitsProcessor
+from fleetlab.inspect.batch import check_batch
 from fleetlab.patching.parity import reference_greedy
 
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
@@ -171,7 +172,7 @@ def test_fields_of_a_live_batch_are_fixed():
         batch.fields.register(Field("lora_id", (), "int32"))
     assert "lora_id" in str(err.value)
     batch.add_request("a", [1, 2])  # still works
-    batch.check_invariants()
+    check_batch(batch)
 
 
 def test_a_rejected_extra_value_leaves_no_ghost_row():
@@ -181,7 +182,7 @@ def test_a_rejected_extra_value_leaves_no_ghost_row():
     batch.add_request("a", [1, 2], extra={"lora_id": 1})
     with pytest.raises(ValueError, match="'b'.*lora_id"):
         batch.add_request("b", [3], extra={"lora_id": "adapter-A"})
-    batch.check_invariants()
+    check_batch(batch)
     assert batch.req_ids == ["a"] and batch.num_reqs == 1
 
 

@@ -14,6 +14,7 @@ from fleetlab import LLM, SamplingParams
 from fleetlab.engine.batch_fields import Field
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.sampler import Sampler
+from fleetlab.inspect.batch import check_batch
 from fleetlab.inspect.pool import check_kv_manager
 from fleetlab.models import tiny
 from fleetlab.patching.parity import reference_greedy
@@ -190,10 +191,10 @@ def test_a_nan_fill_field_is_not_reported_as_corrupt():
     batch = InputBatch(2, 4, 2, fields=fields)
     batch.add_request("a", [1, 2], extra={"score": 0.5})
     batch.remove_request("a")
-    batch.check_invariants()  # the emptied row holds NaN again: that is its fill, not data
+    check_batch(batch)  # the emptied row holds NaN again: that is its fill, not data
     batch.add_request("b", [1, 2], extra={"score": 0.5})
     batch.np("score")[0] = 0.5
     batch.remove_request("b")
     batch.buffer("score")[0] = 0.25  # a stale value left in an empty row
     with pytest.raises(RuntimeError, match="score"):
-        batch.check_invariants()
+        check_batch(batch)

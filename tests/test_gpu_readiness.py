@@ -10,12 +10,13 @@ import numpy as np
 import paddle
 import pytest
 from conftest import random_prompts
+from sampler_helpers import host_tensors
 
 import fleetlab
 from fleetlab import LLM, SamplingParams
 from fleetlab.attention import tiled
 from fleetlab.attention import triton_backend as tb
-from fleetlab.engine.sampler import Sampler, SamplingTensors
+from fleetlab.engine.sampler import Sampler
 from fleetlab.models import tiny
 from fleetlab.patching import patch_model
 from fleetlab.syncs import count_syncs, describe
@@ -229,10 +230,10 @@ def test_the_kv_cache_stores_the_models_dtype(dtype):
 def test_the_sampler_works_in_float32_whatever_the_logits(dtype):
     logits = paddle.to_tensor(np.random.default_rng(0).normal(size=(6, 50)).astype(np.float32))
     n = 6
-    st = SamplingTensors.from_host(np.r_[np.zeros(3), np.ones(3)].astype(np.float32), np.zeros(n, np.int64),
+    st = host_tensors(np.r_[np.zeros(3), np.ones(3)].astype(np.float32), np.zeros(n, np.int64),
                                    np.ones(n, np.float32), np.arange(n), np.zeros(n, np.int64))
-    want = Sampler()(logits.astype(dtype).astype("float32"), st)
-    assert (Sampler()(logits.astype(dtype), st) == want).all()
+    want = Sampler().sample(logits.astype(dtype).astype("float32"), st).tokens
+    assert (Sampler().sample(logits.astype(dtype), st).tokens == want).all()
 
 
 # ---------------------------------------------------------------- device placement

@@ -11,7 +11,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS, Field, FieldRegistry
-from fleetlab.engine.input_batch import InputBatch, invert_permutation, two_pointer_swaps, unpermute
+from fleetlab.engine.input_batch import InputBatch, two_pointer_swaps
+from fleetlab.inspect.batch import (
+    append_block_ids,
+    append_tokens,
+    batch_snapshot,
+    by_request,
+    check_batch,
+    invert_permutation,
+    swap_rows,
+    unpermute,
+)
 from fleetlab.lessons.reorder import decode_first_order, stable_partition, stable_reorder
 
 
@@ -55,7 +65,7 @@ def stamp(batch: InputBatch, row: int, tag: int) -> None:
 
 def check_fingerprints(batch: InputBatch, tags: dict) -> None:
     """Every live row carries exactly one request's tag in every field."""
-    batch.check_invariants()
+    check_batch(batch)
     assert set(batch.req_id_to_row) == set(tags)
     for req_id, row in batch.req_id_to_row.items():
         assert batch.buffer("req_id")[row] == req_id
@@ -97,7 +107,7 @@ def run_fingerprint_ops(batch: InputBatch, ops) -> None:
             batch.condense()
             assert batch.req_ids == live_before  # stable compaction, no holes left
         elif op[0] == "swap" and batch.num_rows:
-            batch.swap(op[1] % batch.num_rows, op[2] % batch.num_rows)
+            swap_rows(batch, op[1] % batch.num_rows, op[2] % batch.num_rows)
         elif op[0] == "reorder":
             check_reorder(batch, tags, threshold=op[1], stable=op[2])
         check_fingerprints(batch, tags)
@@ -105,7 +115,7 @@ def run_fingerprint_ops(batch: InputBatch, ops) -> None:
 
 def check_reorder(batch: InputBatch, tags: dict, threshold: int, stable: bool) -> None:
     if batch.has_holes:
-        with pytest.raises(RuntimeError, match="condense"):
+        with pytest.raises(AssertionError, match="condense"):
             batch.reorder_split_prefill_and_decode(threshold)
         return
     before = batch.req_ids
@@ -196,7 +206,7 @@ def test_reorder_by_scheduled_tokens_and_results_by_request():
     assert num_decodes == 2 and set(batch.req_ids[:2]) == {"r1", "r3"}
     assert (perm != np.arange(5)).sum() == 2  # one swap: r0 <-> r3
     sampled = np.array([100 + int(r[1:]) for r in batch.req_ids])  # "results" in row order
-    assert batch.by_request(sampled) == {f"r{i}": 100 + i for i in range(5)}
+    assert by_request(batch, sampled) == {f"r{i}": 100 + i for i in range(5)}
     _, num_decodes2 = batch.reorder_split_prefill_and_decode(decode_threshold=2)
     assert num_decodes2 == 3 and set(batch.req_ids[:3]) == {"r1", "r3", "r4"}
     order, nd = decode_first_order(batch, decode_threshold=2)
@@ -208,7 +218,7 @@ def test_unscheduled_rows_are_classed_by_prompt_progress():
     batch.add_request("fresh", [1, 2, 3])
     batch.add_request("running", [1, 2], output_token_ids=[5], num_computed_tokens=2)
     assert batch.is_decode().tolist() == [False, True]
-    assert [r.phase for r in batch.snapshot()] == ["prefill", "decode"]
+    assert [r.phase for r in batch_snapshot(batch)] == ["prefill", "decode"]
 
 
 def test_gather_map_skips_holes_and_agrees_with_reorder():
@@ -237,12 +247,16 @@ def test_add_request_fills_every_field():
     assert batch.np("temperature")[0] == np.float32(0.7) and batch.top_k[0] == 5
     assert batch.seed[0] == 11 and batch.max_tokens[0] == 4 and batch.min_tokens[0] == 1
     assert batch.ignore_eos[0] and batch.stop_token_ids[0].tolist() == [2, -1] and batch.eos_token_id[0] == 1
-    batch.append_token(0, 3)
-    batch.append_block_ids(0, [10])
+    append_tokens(batch, 0, [3])
+    append_block_ids(batch, 0, [10])
     assert batch.token_ids[0, :5].tolist() == [4, 5, 6, 7, 3] and batch.num_output_tokens[0] == 2
     assert batch.block_table[0].tolist() == [8, 9, 10] and batch.num_blocks[0] == 3
+    # A setting left None keeps the field's fill (the edge resolves seeds and max_tokens; a direct
+    # call passes what it wants), and an explicit seed wins over the sampling object's.
     unseeded = batch.add_request("b", [1], sampling=Sampling(seed=None, max_tokens=None))
-    assert batch.max_tokens[unseeded] == SIZES["max_model_len"] - 1 and batch.seed[unseeded] >= 0
+    assert batch.max_tokens[unseeded] == 0 and batch.seed[unseeded] == 0
+    seeded = batch.add_request("c", [1], sampling=Sampling(seed=None), seed=5)
+    assert batch.seed[seeded] == 5 and batch.max_tokens[seeded] == 4
 
 
 @pytest.mark.parametrize(
@@ -256,12 +270,11 @@ def test_add_request_fills_every_field():
         (lambda b: b.add_request("st", [1], sampling=Sampling(stop_token_ids=(1, 2, 3))), "'st'.*stop_"),
         (lambda b: b.add_request("x", [1], extra={"nope": 1}), "'x'.*nope"),
         (lambda b: b.remove_request("ghost"), "'ghost'.*req_id"),
-        (lambda b: b.append_token(5, 1), "row 5"),
-        (lambda b: b.append_block_ids(0, [1, 2, 3]), "'r0'.*block_table"),
+        (lambda b: append_tokens(b, 5, [1]), "row 5"),
+        (lambda b: append_block_ids(b, 0, [1, 2, 3]), "'r0'.*block_table"),
         (lambda b: b.set_num_scheduled({"r0": 3}), "'r0'.*num_scheduled_tokens"),
         (lambda b: b.set_num_scheduled({"ghost": 1}), "'ghost'"),
-        (lambda b: b.swap(0, 4), "row 4"),
-        (lambda b: b.dev("token_ids"), "host"),
+        (lambda b: swap_rows(b, 0, 4), "row 4"),
     ],
 )
 def test_clear_errors(call, match):
@@ -270,7 +283,7 @@ def test_clear_errors(call, match):
     batch.add_request("r1", [1])
     with pytest.raises(ValueError, match=match):
         call(batch)
-    batch.check_invariants()  # a rejected call leaves the batch as it was
+    check_batch(batch)  # a rejected call leaves the batch as it was
     assert batch.req_ids == ["r0", "r1"]
 
 
@@ -285,7 +298,7 @@ def test_full_batch_and_missing_ok():
     with pytest.raises(ValueError, match="full"):
         full = InputBatch(**SIZES)
         full.add_request("f", [1] * 8)
-        full.append_token(0, 1)
+        append_tokens(full, 0, [1])
 
 
 def test_remove_trims_trailing_holes_and_condense_reports_moves():
@@ -298,7 +311,7 @@ def test_remove_trims_trailing_holes_and_condense_reports_moves():
     assert batch.num_rows == 4 and batch.has_holes and batch.req_ids == ["r0", None, "r2", "r3"]
     assert batch.condense().tolist() == [0, 2, 3]
     assert batch.req_ids == ["r0", "r2", "r3"] and dict(batch.req_id_to_row) == {"r0": 0, "r2": 1, "r3": 2}
-    batch.check_invariants()
+    check_batch(batch)
 
 
 # ---------------------------------------------------------------- device mirror and snapshot
@@ -306,10 +319,12 @@ def test_sync_to_device_mirrors_live_rows():
     batch = InputBatch(**SIZES, fields=extended_registry())
     for i in range(4):
         batch.add_request(f"r{i}", [1, 2], block_ids=[i], sampling=Sampling(seed=i, temperature=i / 4))
-    with pytest.raises(RuntimeError, match="sync_to_device"):
+    with pytest.raises(AssertionError, match="sync_to_device"):
         batch.dev("seed")
+    with pytest.raises(AssertionError, match="host"):
+        batch.dev("token_ids")
     batch.remove_request("r1")
-    with pytest.raises(RuntimeError, match="condense"):
+    with pytest.raises(AssertionError, match="condense"):
         batch.sync_to_device()
     batch.condense()
     batch.buffer("lora_scale")[:3] = 0.5
@@ -320,8 +335,8 @@ def test_sync_to_device_mirrors_live_rows():
         mirror = batch.dev(name)
         assert mirror.shape[0] == 3
         np.testing.assert_array_equal(mirror.numpy(), batch.np(name))
-    batch.swap(0, 2)
-    with pytest.raises(RuntimeError, match="stale"):
+    swap_rows(batch, 0, 2)
+    with pytest.raises(AssertionError, match="stale"):
         batch.dev("block_table")
     batch.sync_to_device()
     assert batch.dev("seed").numpy().tolist() == [3, 2, 0]
@@ -369,15 +384,15 @@ def test_snapshot_describes_rows():
     batch.add_request("d", [1, 2], output_token_ids=[3], num_computed_tokens=2, block_ids=[5, 6])
     batch.remove_request("gone")
     batch.set_num_scheduled({"p": 3, "d": 1})
-    snap = batch.snapshot()
+    snap = batch_snapshot(batch)
     phases = [(r.row, r.req_id, r.phase) for r in snap]
     assert phases == [(0, "p", "prefill"), (1, None, "empty"), (2, "d", "decode")]
     assert snap[2].block_table == [5, 6] and snap[2].num_tokens == 3 and snap[2].num_computed_tokens == 2
     assert snap[0].num_prompt_tokens == 3 and snap[0].num_scheduled_tokens == 3 and snap[1].block_table == []
-    assert len(batch.snapshot(include_free=True)) == SIZES["max_num_seqs"]
+    assert len(batch_snapshot(batch, include_free=True)) == SIZES["max_num_seqs"]
     batch.condense()
     batch.reorder_split_prefill_and_decode()
-    assert [r.req_id for r in batch.snapshot()] == ["d", "p"]
+    assert [r.req_id for r in batch_snapshot(batch)] == ["d", "p"]
 
 
 # ---------------------------------------------------------------- stateful: batch vs a plain model
@@ -426,7 +441,7 @@ class BatchMachine(RuleBasedStateMachine):
     def append_token(self, data, token):
         req_id = data.draw(st.sampled_from(sorted(self.model)))
         if len(self.model[req_id].tokens) < SIZES["max_model_len"]:
-            self.batch.append_token(self.batch.req_id_to_row[req_id], token)
+            append_tokens(self.batch, self.batch.req_id_to_row[req_id], [token])
             self.model[req_id].tokens.append(token)
 
     @precondition(lambda self: self.model)
@@ -452,7 +467,7 @@ class BatchMachine(RuleBasedStateMachine):
     def swap(self, data):
         i = data.draw(st.integers(0, self.batch.num_rows - 1))
         j = data.draw(st.integers(0, self.batch.num_rows - 1))
-        self.batch.swap(i, j)
+        swap_rows(self.batch, i, j)
 
     @precondition(lambda self: not self.batch.has_holes)
     @rule(threshold=st.integers(1, 3), stable=st.booleans())
@@ -478,7 +493,7 @@ class BatchMachine(RuleBasedStateMachine):
     @invariant()
     def rows_match_model(self):
         b = self.batch
-        b.check_invariants()
+        check_batch(b)
         assert set(b.req_id_to_row) == set(self.model) and b.num_reqs == len(self.model)
         for req_id, s in self.model.items():
             row = b.req_id_to_row[req_id]

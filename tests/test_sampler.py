@@ -4,13 +4,14 @@ import numpy as np
 import paddle
 import pytest
 from conftest import random_prompts
+from sampler_helpers import host_tensors
 
 from fleetlab import LLM, SamplingParams
-from fleetlab.engine.sampler import Sampler, SamplingTensors
+from fleetlab.engine.sampler import Sampler
 
 
 def tensors(n, temperature=1.0, top_k=0, top_p=1.0, seeds=None, draw=None, banned=None):
-    return SamplingTensors.from_host(
+    return host_tensors(
         np.full(n, temperature, np.float32), np.full(n, top_k, np.int64), np.full(n, top_p, np.float32),
         np.arange(n) if seeds is None else seeds, np.zeros(n, np.int64) if draw is None else draw, banned)
 
@@ -20,12 +21,12 @@ LOGITS = np.log(np.array([[0.5, 0.3, 0.15, 0.05]], dtype=np.float32))
 
 def draw_many(n=4000, **kw):
     logits = paddle.to_tensor(np.repeat(LOGITS, n, axis=0))
-    return Sampler()(logits, tensors(n, **kw))
+    return Sampler().sample(logits, tensors(n, **kw)).tokens
 
 
 def test_greedy_is_argmax():
     logits = paddle.to_tensor(np.random.default_rng(0).normal(size=(5, 11)).astype(np.float32))
-    got = Sampler()(logits, tensors(5, temperature=0.0))
+    got = Sampler().sample(logits, tensors(5, temperature=0.0)).tokens
     assert (got == logits.numpy().argmax(-1)).all()
 
 

@@ -12,6 +12,7 @@ from conftest import random_prompts
 from fleetlab import LLM, Field, InputBatch, SamplingParams
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS
 from fleetlab.engine.sampler import SamplingTensors
+from fleetlab.inspect.batch import swap_rows
 from fleetlab.patching.parity import full_forward_logits, reference_greedy
 from fleetlab.processors.penalties import PenaltiesProcessor
 
@@ -162,7 +163,7 @@ def test_the_penalty_processor_matches_numpy_row_by_row():
                             repetition_penalty=s.get("repetition", 1.0), logit_bias=s.get("bias"))
         batch.add_request(f"r{i}", prompt, output, extra=proc.request_values(sp))
         seqs.append((prompt, output))
-    batch.swap(0, 3)  # the settings move with their rows
+    swap_rows(batch, 0, 3)  # the settings move with their rows
     order = [batch.req_ids.index(f"r{i}") for i in range(len(settings))]
     logits = rng.normal(size=(len(settings), vocab)).astype(np.float32) * 3
     rows = np.array(order)

@@ -13,7 +13,7 @@ from fleetlab.engine.messages import ModelRunnerOutput
 from fleetlab.engine.request import Request, RequestStatus
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
-from fleetlab.inspect.pool import check_kv_manager
+from fleetlab.inspect.pool import check_kv_manager, pool_stats
 from fleetlab.inspect.spec_stats import SpecDecodingStats
 from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.manager import KVCacheManager
@@ -131,7 +131,7 @@ def test_prefix_reuse_across_steps_and_within_one_step():
     assert new["b"].num_computed_tokens == 12 and new["b"].block_ids[:3] == new["a"].block_ids[:3]
     s.add_request(request("c", prefix + [60, 61]))
     so, _ = step(s)
-    assert so.num_scheduled_tokens["c"] == 2 and s.kv.pool.stats().hit_rate > 0
+    assert so.num_scheduled_tokens["c"] == 2 and pool_stats(s.kv.pool).hit_rate > 0
     check_kv_manager(s.kv, s.requests)
 
 
@@ -141,10 +141,10 @@ def test_a_preempted_request_takes_back_its_same_step_prefix_registrations():
     step(s)
     s.add_request(request("b", range(40, 52), order=1, max_tokens=30, ignore_eos=True))  # 3 blocks, registered
     so = schedule(s)
-    assert "b" in so.num_scheduled_tokens and s.kv.pool.stats().num_cached_blocks >= 4
+    assert "b" in so.num_scheduled_tokens and pool_stats(s.kv.pool).num_cached_blocks >= 4
     s.rollback(so)  # the runner failed: b goes back to waiting, its unwritten blocks leave the cache
     assert s.requests["b"].status is RequestStatus.WAITING and s.kv.get_block_ids("b") == []
-    assert s.kv.pool.stats().num_cached_blocks == 2  # a's prompt only
+    assert pool_stats(s.kv.pool).num_cached_blocks == 2  # a's prompt only
     so, _ = step(s)  # the retried step resends everything in full
     assert {n.req_id for n in so.scheduled_new_reqs} == {"a", "b"}
     check_kv_manager(s.kv, s.requests)

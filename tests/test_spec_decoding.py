@@ -19,9 +19,10 @@ from hypothesis import strategies as st
 import fleetlab
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.input_batch import InputBatch
+from fleetlab.inspect.batch import swap_rows
 from fleetlab.inspect.pool import check_kv_manager, check_pool
 from fleetlab.models import FAMILIES, tiny
-from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
+from fleetlab.spec_decode.proposer_batch import ProposerInputBatch, proposer_fields
 from fleetlab.spec_decode.rejection import RejectionSampler
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -34,7 +35,7 @@ def generate(llm, prompts, sp=GREEDY):
 
 def check_clean(llm) -> None:
     """Every block back in the pool (the draft's cache uses the same block ids), nothing
-    left queued, the proposer's batch in step with the runner's. (The runner drops the rows
+    left queued, the proposer's batch the runner's own rows. (The runner drops the rows
     of finished requests when the next step's message tells it they finished.)"""
     assert llm.pool.num_free_blocks == llm.pool.num_blocks
     check_pool(llm.pool)
@@ -42,7 +43,7 @@ def check_clean(llm) -> None:
     assert not llm.has_unfinished_requests()
     proposer_batch = getattr(llm.proposer, "batch", None)
     if proposer_batch is not None:
-        proposer_batch.check_lockstep(llm.runner.batch)
+        assert proposer_batch.np("req_id") is llm.runner.batch.buffer("req_id")
 
 
 def repetitive_prompts(seed):
@@ -158,9 +159,11 @@ OPS = st.lists(st.one_of(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(OPS)
 def test_proposer_batch_moves_in_lockstep_with_the_main_batch(ops):
-    batch = InputBatch(max_num_seqs=6, max_model_len=16, max_blocks_per_seq=4)
-    follower = ProposerInputBatch(6, num_speculative_tokens=3)
-    batch.add_follower(follower)
+    fields = fleetlab.DEFAULT_FIELDS.copy()
+    for field in proposer_fields(3):
+        fields.register(field)
+    batch = InputBatch(max_num_seqs=6, max_model_len=16, max_blocks_per_seq=4, fields=fields)
+    follower = ProposerInputBatch(batch)
     fingerprint = {}  # request id -> what the proposer wrote into its row
     next_id = 0
     for op in ops:
@@ -184,8 +187,7 @@ def test_proposer_batch_moves_in_lockstep_with_the_main_batch(ops):
                                      for i, r in enumerate(live)})
             batch.reorder_split_prefill_and_decode(decode_threshold=2)
         elif op[0] == "swap" and batch.num_rows:
-            batch.swap(op[1] % batch.num_rows, op[2] % batch.num_rows)
-        follower.check_lockstep(batch)
+            swap_rows(batch, op[1] % batch.num_rows, op[2] % batch.num_rows)
         for rid, (computed, drafts) in fingerprint.items():
             row = batch.row_of(rid)
             assert follower.num_computed_tokens[row] == computed

@@ -12,7 +12,7 @@ from fleetlab.attention import tiled
 from fleetlab.attention.backend import get_attention_backend
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.attention.naive import naive_paged_attention
-from fleetlab.attention.tiled import ReferenceMetadata, TiledBackend, paged_attention
+from fleetlab.attention.tiled import TiledBackend, TiledMetadata, paged_attention
 from fleetlab.kv.paged_cache import PagedKVCache
 
 HQ, D, SCALE = 8, 4, 0.37
@@ -175,7 +175,7 @@ def test_garbage_outside_every_rows_context_changes_nothing(attention, poison):
 def test_the_tiled_backend_plans_once_per_layer_shape():
     world = World([6, 3], num_kv_heads=2, block_size=4)
     md = TiledBackend().build_metadata(AttentionMetadata.build([6, 3], [0, 0], world.tables, 4))
-    assert isinstance(md, ReferenceMetadata) and md.plans == {}
+    assert isinstance(md, TiledMetadata) and md.plans == {}
     q = paddle.zeros([9, HQ, D])
     for _ in range(3):  # three layers of one step
         paged_attention(q, world.cache.key_cache(0), world.cache.value_cache(0), md, scale=SCALE)

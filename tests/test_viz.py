@@ -12,6 +12,7 @@ from matplotlib.figure import Figure
 
 from fleetlab import LLM, BlockPool, InputBatch, SamplingParams, viz
 from fleetlab.engine.outputs import RequestOutput
+from fleetlab.inspect.batch import batch_snapshot
 from fleetlab.inspect.pool import pool_snapshot
 from fleetlab.inspect.recorder import RowTrace, StepTrace
 from fleetlab.prefix_cache.hash_chain import HashChainCache
@@ -213,7 +214,7 @@ def test_gather_map_moves_no_row_and_points_slots_at_rows():
     from fleetlab.lessons.reorder import decode_first_order
 
     order, num_decodes = decode_first_order(batch)
-    fig = viz.draw_gather_map(batch.snapshot(), order, num_decodes)
+    fig = viz.draw_gather_map(batch_snapshot(batch), order, num_decodes)
     assert batch.req_ids == before
     expected = {f"gather:{k}" for k, i in enumerate(order) if k != i}
     assert set(by_gid(fig.artists, "gather:")) == expected and expected
@@ -547,17 +548,17 @@ def test_token_split_matches_attention_metadata_before_and_after_reorder():
 
     batch = make_batch()
     batch.condense()
-    rows = batch.snapshot()
+    rows = batch_snapshot(batch)
     batch.reorder_split_prefill_and_decode()
-    for records in (rows, batch.snapshot()):
+    for records in (rows, batch_snapshot(batch)):
         split = viz.token_split(records)
         md = AttentionMetadata.build([r.num_scheduled_tokens for r in records],
                                      [r.num_computed_tokens for r in records],
                                      [list(range(16))] * len(records), 4)  # any allocated blocks will do
         assert (split.num_decodes, split.num_decode_tokens, split.num_tokens) == (
             md.num_decodes, md.num_decode_tokens, md.num_tokens)
-    assert not viz.token_split(batch.snapshot()).stranded
-    fig = viz.draw_token_axis(rows, batch.snapshot())
+    assert not viz.token_split(batch_snapshot(batch)).stranded
+    fig = viz.draw_token_axis(rows, batch_snapshot(batch))
     hatched = {g.split(":")[2] for g, p in by_gid(fig.axes[0].patches, "token:before:").items() if p.get_hatch()}
     assert hatched == set(viz.token_split(rows).stranded) and hatched
 

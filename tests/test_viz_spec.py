@@ -7,8 +7,9 @@ from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 
 from fleetlab import LLM, InputBatch, SamplingParams, viz
+from fleetlab.engine.batch_fields import DEFAULT_FIELDS
 from fleetlab.inspect.recorder import RowTrace, StepTrace
-from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
+from fleetlab.spec_decode.proposer_batch import NAMES, ProposerInputBatch, proposer_fields
 from fleetlab.viz._style import ALERT_COLOR
 from fleetlab.viz.spec import TOKEN_KINDS
 
@@ -96,9 +97,11 @@ def test_token_labels():
 
 # ----------------------------------------------------------------- lockstep
 def lockstep_batches(k=2):
-    batch = InputBatch(max_num_seqs=5, max_model_len=32, max_blocks_per_seq=8)
-    follower = ProposerInputBatch(5, num_speculative_tokens=k)
-    batch.add_follower(follower)
+    fields = DEFAULT_FIELDS.copy()
+    for field in proposer_fields(k):
+        fields.register(field)
+    batch = InputBatch(max_num_seqs=5, max_model_len=32, max_blocks_per_seq=8, fields=fields)
+    follower = ProposerInputBatch(batch)
     for rid, n, generated in (("a", 5, 2), ("b", 6, 0), ("c", 4, 1), ("d", 3, 2)):
         r = batch.add_request(rid, range(3, 3 + n), output_token_ids=[9] * generated,
                               num_computed_tokens=n + generated - 1 if generated else 0, block_ids=[0, 1, 2])
@@ -132,8 +135,10 @@ def test_lockstep_rows_pair_both_batches_and_the_drawing_shows_the_moves():
 def test_a_broken_lockstep_is_drawn_in_red():
     batch, follower = lockstep_batches()
     batch.condense()
-    follower.np("req_id")[0] = "zz"  # what a forgotten buffer would do
-    rows = viz.lockstep_rows(batch, follower)
+    apart = {name: follower.np(name).copy() for name in NAMES}  # a proposer state kept in buffers of its own
+    apart["req_id"][0] = "zz"  # what a forgotten move would do to them
+    rows = viz.lockstep_rows(batch, type("Apart", (), {"np": lambda self, name: apart[name],
+                                                            "reach": lambda self: apart["num_computed_tokens"]})())
     assert not rows[0].in_step
     fig = viz.draw_lockstep(None, rows, title="live")
     assert len(fig.axes) == 2 and "OUT OF STEP at rows [0]" in fig.axes[1].get_title()

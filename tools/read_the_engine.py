@@ -56,7 +56,8 @@ SPEC_PATH = [
     ("fleetlab/spec_decode/proposer.py", "`Proposer`: how many drafts a row may take"),
     ("fleetlab/spec_decode/ngram.py", "prompt lookup"),
     ("fleetlab/spec_decode/draft.py", "a draft model on its own paged cache"),
-    ("fleetlab/spec_decode/proposer_batch.py", "`ProposerInputBatch`: the proposer's rows, in lockstep"),
+    ("fleetlab/spec_decode/proposer_batch.py",
+     "`ProposerInputBatch`: the proposer's fields in the main batch, moved with its rows"),
     ("fleetlab/spec_decode/rejection.py", "`RejectionSampler`: drafts verified, the target's distribution kept"),
 ]
 # The core as issue 31 counts it: engine/, kv/, attention/ (naive, metadata, backend; the tiled and

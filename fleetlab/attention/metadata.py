@@ -27,8 +27,9 @@ class AttentionMetadata:
       seq_lens_kv:   int32 ``[B]``  context length of each row after this step's writes
                      (``num_computed_tokens + num_scheduled_tokens``).
       block_tables:  int32 ``[B, max_blocks_per_seq]`` physical block ids, unused entries -1.
-    Host copies (numpy) of ``cu_seqlens_q`` and ``seq_lens_kv`` let backends plan their
-    work without a device-to-host sync. A backend that needs more (a plan of its kernels'
+    Host copies (numpy) of ``cu_seqlens_q``, ``seq_lens_kv`` and ``positions`` (with
+    ``token_rows_host``, the batch row of each packed token) let backends and the runner plan
+    their work without a device-to-host sync. A backend that needs more (a plan of its kernels'
     work) builds it once per step in ``AttentionBackend.build_metadata``, as a subclass of
     this class (:meth:`extend`), and every layer of the step reads that.
     ``batch``: the engine's ``InputBatch`` when built :meth:`from_batch` (row ``i`` of the
@@ -49,6 +50,8 @@ class AttentionMetadata:
     cu_seqlens_q_host: np.ndarray
     seq_lens_kv_host: np.ndarray
     batch: object = None
+    positions_host: np.ndarray | None = None
+    token_rows_host: np.ndarray | None = None
 
     def extend(self, cls, **extra):
         """This metadata as an instance of ``cls`` (a dataclass subclass of this class), with
@@ -81,15 +84,8 @@ class AttentionMetadata:
         return md
 
     @classmethod
-    def build(
-        cls,
-        query_lens,
-        num_computed_tokens,
-        block_tables,
-        block_size: int,
-        decode_threshold: int = 1,
-        block_tables_device=None,
-    ) -> AttentionMetadata:
+    def build(cls, query_lens, num_computed_tokens, block_tables, block_size: int, decode_threshold: int = 1,
+              block_tables_device=None) -> AttentionMetadata:
         """Build the metadata from host arrays.
 
         Args:
@@ -111,34 +107,45 @@ class AttentionMetadata:
         assert query_lens.ndim == 1 and query_lens.shape == num_computed.shape, "one query_len per row"
         assert tables.ndim == 2 and tables.shape[0] == query_lens.shape[0], f"block_tables {tables.shape}"
         assert (query_lens >= 1).all(), f"every row schedules a token; got {query_lens.tolist()}"
-        if int(block_size) < 1:
-            raise ValueError(f"block_size must be >= 1; got {block_size}")
         cu = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=cu[1:])
         row_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
         positions = num_computed[row_of_token] + (np.arange(cu[-1]) - cu[:-1][row_of_token])
-        block_idx = positions // block_size
-        if (block_idx >= tables.shape[1]).any():
-            raise ValueError(f"a scheduled position falls beyond its row's block table "
-                             f"({tables.shape[1]} blocks of {block_size} tokens)")
-        blocks = tables[row_of_token, block_idx] if len(positions) else np.zeros(0, np.int32)
-        assert (blocks >= 0).all(), "a scheduled position has no block allocated (block table holds -1)"
-        slot_mapping = blocks.astype(np.int64) * block_size + positions % block_size
+        slot_mapping = _slots(tables, row_of_token, positions, int(block_size))
         seq_lens = (num_computed + query_lens).astype(np.int32)
-        is_decode = query_lens <= decode_threshold
-        num_decodes = int(np.argmin(is_decode)) if not is_decode.all() else len(query_lens)
+        num_decodes = num_leading_decodes(query_lens, decode_threshold)
+        return cls(*upload_packed(positions, slot_mapping, cu, seq_lens),
+                   block_tables=upload(tables) if block_tables_device is None else block_tables_device,
+                   block_size=int(block_size), num_decodes=num_decodes, num_decode_tokens=int(cu[num_decodes]),
+                   max_query_len=int(query_lens.max(initial=0)), max_seq_len=int(seq_lens.max(initial=0)),
+                   cu_seqlens_q_host=cu, seq_lens_kv_host=seq_lens, positions_host=positions,
+                   token_rows_host=row_of_token)
 
-        return cls(
-            *upload_packed(positions, slot_mapping, cu, seq_lens),
-            block_tables=upload(tables) if block_tables_device is None else block_tables_device,
-            block_size=int(block_size),
-            num_decodes=num_decodes,
-            num_decode_tokens=int(cu[num_decodes]),
-            max_query_len=int(query_lens.max(initial=0)),
-            max_seq_len=int(seq_lens.max(initial=0)),
-            cu_seqlens_q_host=cu,
-            seq_lens_kv_host=seq_lens,
-        )
+
+def is_decode_row(query_lens, decode_threshold: int = 1) -> np.ndarray:
+    """The one definition of a decode row: it runs ``1..decode_threshold`` query tokens this step
+    (one, or ``k + 1`` when verifying ``k`` drafts); more is a prefill (chunk)."""
+    query_lens = np.asarray(query_lens)
+    return (query_lens >= 1) & (query_lens <= decode_threshold)
+
+
+def num_leading_decodes(query_lens, decode_threshold: int = 1) -> int:
+    """How many rows lead with decodes (after a decode-first reorder: every decode row)."""
+    is_decode = is_decode_row(query_lens, decode_threshold)
+    return int(np.argmin(is_decode)) if not is_decode.all() else len(is_decode)
+
+
+def _slots(tables: np.ndarray, row_of_token: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slot of each token: its row's block holding its position, and the offset in it.
+    The one check of ``build``'s inputs (learners call it directly; the engine's steps always fit)."""
+    block_idx = positions // max(block_size, 1)
+    if block_size < 1 or (block_idx >= tables.shape[1]).any():
+        raise ValueError(f"block_size={block_size} must be >= 1 and every scheduled position must fall in its "
+                         f"row's block table ({tables.shape[1]} blocks of {block_size} tokens): a position "
+                         "falls beyond its row's block table")
+    blocks = tables[row_of_token, block_idx] if len(positions) else np.zeros(0, np.int32)
+    assert (blocks >= 0).all(), "a scheduled position has no block allocated (block table holds -1)"
+    return blocks.astype(np.int64) * block_size + positions % block_size
 
 
 def _padded(block_tables) -> np.ndarray:

@@ -141,7 +141,7 @@ class _StepPlan:
 
 
 @dataclass(slots=True)
-class ReferenceMetadata(AttentionMetadata):
+class TiledMetadata(AttentionMetadata):
     """The tiled backend's per-step metadata: the common fields plus its tile plans,
     one per layer shape (heads, window), built by the first layer of that shape and reused
     by the others."""
@@ -150,12 +150,12 @@ class ReferenceMetadata(AttentionMetadata):
 
 
 def _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, place) -> _StepPlan:
-    """The plan for this step and layer shape (memoized in a ``ReferenceMetadata``; planned
+    """The plan for this step and layer shape (memoized in a ``TiledMetadata``; planned
     afresh for plain ``AttentionMetadata``). However many tiles, its host arrays go to the
     device in two copies (one per dtype)."""
     limits = tile_limits()
     key = (num_heads, num_kv_heads, head_dim, sliding_window, limits, str(place))
-    plans = metadata.plans if isinstance(metadata, ReferenceMetadata) else {}
+    plans = metadata.plans if isinstance(metadata, TiledMetadata) else {}
     if key not in plans:
         tiles = plan_tiles(metadata, num_heads, num_kv_heads * head_dim, sliding_window, limits)
         packer = Packer()
@@ -202,7 +202,9 @@ def _index_tile(tile, parts, packer, table, block_size, num_kv_heads, sliding_wi
 
 def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: int,
                sliding_window: int | None, limits: TileLimits) -> list[_Tile]:
-    """Split the batch into tiles: decode rows, then prefill rows, each cut to fit ``limits``.
+    """Split the batch into tiles: rows of one query token, then rows of more (each group padded
+    alike; not the engine's decode split, which counts draft-verifying rows as decodes), each cut
+    to fit ``limits``.
 
     ``kv_token_elements`` is ``Hkv * D``, the size of one token's keys.
     """
@@ -376,9 +378,9 @@ class TiledBackend(AttentionBackend):
     name = "tiled"
     requires_reorder = False
 
-    def build_metadata(self, common: AttentionMetadata) -> ReferenceMetadata:
+    def build_metadata(self, common: AttentionMetadata) -> TiledMetadata:
         """The step's metadata with an empty plan memo the step's layers fill."""
-        return common.extend(ReferenceMetadata)
+        return common.extend(TiledMetadata)
 
     def attend(self, query, key_cache, value_cache, metadata, *, layer_id, scale, sliding_window=None,
                sinks=None):

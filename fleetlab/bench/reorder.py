@@ -37,6 +37,7 @@ import paddle
 from fleetlab.bench.machine import MachineRecord, describe
 from fleetlab.bench.progress import add_quiet, section
 from fleetlab.engine.input_batch import InputBatch
+from fleetlab.inspect.batch import append_tokens
 from fleetlab.lessons.reorder import decode_first_order
 
 DEFAULT_OUT = Path("benchmarks/results")
@@ -117,7 +118,7 @@ def _finish_step(batch: InputBatch, sched: dict[str, int]) -> None:
         row = batch.req_id_to_row[rid]
         batch.num_computed_tokens[row] += n
         if batch.num_computed_tokens[row] == batch.num_tokens[row]:
-            batch.append_token(row, 7)
+            append_tokens(batch, row, [7])
 
 
 def _time_moves(batch: InputBatch, threshold: int) -> tuple[float, float, int, list]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fleetlab.errors import FieldTypeError
+
 HOMES = ("host", "device")
 
 
@@ -44,52 +46,28 @@ class Field:
     doc: str = ""
 
     def __post_init__(self) -> None:
-        if not self.name.isidentifier() or self.name.startswith("_"):
-            raise ValueError(f"field name {self.name!r} must be a public Python identifier")
-        if self.home not in HOMES:
-            raise ValueError(f"field {self.name!r}: home must be one of {HOMES}, got {self.home!r}")
-        if self.dtype != "object":
-            try:
-                np.dtype(self.dtype)
-            except TypeError as exc:
-                raise ValueError(f"field {self.name!r}: unknown dtype {self.dtype!r}") from exc
-        elif self.home == "device":
-            raise ValueError(f"field {self.name!r}: dtype 'object' cannot live on the device")
-        if not isinstance(self.per_row_shape, tuple):
-            raise TypeError(f"field {self.name!r}: per_row_shape must be a tuple")
-
-    def check_value(self, where: str, value):
-        """``value`` as one row of this field (a numpy value of its dtype and rank; an object
-        field takes anything), or ``ValueError`` naming the field: a value of another kind
-        (text for a number, a float for an int) or out of the dtype's range is never coerced."""
-        if self.dtype == "object":
-            return value
-        raw = np.asarray(value)
-        kinds = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}.get(np.dtype(self.dtype).kind, "")
-        with np.errstate(over="ignore", invalid="ignore"):
-            cast = raw.astype(self.dtype) if raw.dtype.kind in kinds else None
-        # A float may round (to float32), but never overflow; an int must stay the same int.
-        same = cast is not None and (np.isfinite(cast) | ~np.isfinite(raw) if cast.dtype.kind == "f"
-                                     else cast == raw).all()
-        if not same or raw.ndim != len(self.per_row_shape):
-            raise ValueError(f"{where} {self.name}={value!r:.60} does not fit the field: {self.dtype} values of "
-                             f"shape {self.per_row_shape} per row")
-        return cast
+        try:
+            dtype_ok = self.dtype == "object" or bool(np.dtype(self.dtype))
+        except TypeError:
+            dtype_ok = False
+        broken = [  # (is it broken, what to say after "field <name>: ")
+            (not self.name.isidentifier() or self.name.startswith("_"), "must be a public Python identifier"),
+            (self.home not in HOMES, f"home must be one of {HOMES}, got {self.home!r}"),
+            (not dtype_ok, f"unknown dtype {self.dtype!r}"),
+            (self.dtype == "object" and self.home == "device", "dtype 'object' cannot live on the device"),
+            (not isinstance(self.per_row_shape, tuple), "per_row_shape must be a tuple"),
+        ]
+        why = next((what for is_broken, what in broken if is_broken), None)
+        if why:
+            raise ValueError(f"field {self.name!r}: {why}")
 
     def resolve_shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
         """``per_row_shape`` with size-parameter names replaced by their values."""
-        shape = []
-        for dim in self.per_row_shape:
-            if isinstance(dim, str):
-                if dim not in sizes:
-                    raise ValueError(
-                        f"field {self.name!r}: unknown size parameter {dim!r}; known: {sorted(sizes)}"
-                    )
-                dim = sizes[dim]
-            if not isinstance(dim, (int, np.integer)) or dim < 0:
-                raise ValueError(f"field {self.name!r}: per-row dimension {dim!r} must be an int >= 0")
-            shape.append(int(dim))
-        return tuple(shape)
+        shape = tuple(sizes.get(dim, dim) if isinstance(dim, str) else dim for dim in self.per_row_shape)
+        if not all(isinstance(dim, (int, np.integer)) and dim >= 0 for dim in shape):
+            raise ValueError(f"field {self.name!r}: per-row shape {self.per_row_shape} must hold ints >= 0 or "
+                             f"known size parameters {sorted(sizes)} (an unknown size parameter?)")
+        return tuple(int(dim) for dim in shape)
 
 
 class FieldRegistry:
@@ -109,14 +87,17 @@ class FieldRegistry:
 
     def register(self, field: Field) -> Field:
         """Add ``field``; a second field with the same name is an error."""
-        if getattr(self, "frozen", False):
-            raise ValueError(f"cannot add field {field.name!r}: a batch's fields are fixed once it is built; "
-                             "register it on a copy and pass it as InputBatch(..., fields=...) "
-                             "(or LLM(..., batch_fields=[...]))")
-        if not isinstance(field, Field):
-            raise TypeError(f"expected a Field, got {type(field).__name__}")
-        if field.name in self._fields:
-            raise ValueError(f"field {field.name!r} is already registered")
+        broken = [
+            (getattr(self, "frozen", False), f"cannot add field {getattr(field, 'name', field)!r}: a batch's fields "
+             "are fixed once it is built; register it on a copy and pass it as InputBatch(..., fields=...) "
+             "(or LLM(..., batch_fields=[...]))"),
+            (not isinstance(field, Field), f"expected a Field, got {type(field).__name__}"),
+            (getattr(field, "name", None) in self._fields,
+             f"field {getattr(field, 'name', '')!r} is already registered"),
+        ]
+        why = next((what for is_broken, what in broken if is_broken), None)
+        if why:
+            raise FieldTypeError(why)  # a TypeError (not a Field) and a ValueError (the rest) at once
         self._fields[field.name] = field
         return field
 
@@ -128,8 +109,6 @@ class FieldRegistry:
         return list(self._fields)
 
     def __getitem__(self, name: str) -> Field:
-        if name not in self._fields:
-            raise KeyError(f"no field {name!r}; registered: {self.names()}")
         return self._fields[name]
 
     def __contains__(self, name: object) -> bool:

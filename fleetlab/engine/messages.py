@@ -11,28 +11,10 @@ alone turns it into progress.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-
-@dataclass(frozen=True, slots=True)
-class RowSampling:
-    """A request's sampling and stopping settings, as a batch row stores them.
-
-    ``seed`` is resolved (the engine draws one for requests that set none);
-    ``eos_token_id`` is None when the model has no EOS token; ``num_logprobs`` /
-    ``num_prompt_logprobs``: top log-probabilities wanted per sampled / prompt token (None: none).
-    """
-
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    max_tokens: int
-    min_tokens: int
-    ignore_eos: bool
-    stop_token_ids: tuple[int, ...]
-    eos_token_id: int | None
-    num_logprobs: int | None = None
-    num_prompt_logprobs: int | None = None
+if TYPE_CHECKING:
+    from fleetlab.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -41,6 +23,9 @@ class NewRequestData:
 
     Sent on admission, after a preemption (``num_computed_tokens`` restarts from the
     prefix-cache hits), and when a running request was left out of the previous step.
+    ``sampling_params``: the request's settings as the edge resolved them (``max_tokens``
+    clamped, ``top_k`` >= 0); ``seed``: its own (the edge draws one for requests that set none);
+    ``eos_token_id``: None when the model has no EOS token.
     ``extra``: values of the request's own batch fields by name (side data such as
     ``prompt_embeds``, or a prototype's field like a LoRA id), set on its row.
     """
@@ -48,7 +33,9 @@ class NewRequestData:
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    sampling: RowSampling
+    sampling_params: SamplingParams
+    seed: int
+    eos_token_id: int | None
     block_ids: list[int]
     num_computed_tokens: int
     extra: dict = field(default_factory=dict)

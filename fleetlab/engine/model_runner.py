@@ -2,7 +2,7 @@
 
 It applies the step's :class:`SchedulerOutput` to its InputBatch (new requests in full, the
 rest as diffs), condenses it, reorders it decode-first when the attention backend asks (a
-proposer's batch follows row for row), builds the attention metadata, runs the model on the
+proposer's fields move with the rows), builds the attention metadata, runs the model on the
 packed tokens under ``forward_context``, computes logits only at the positions it scores
 (each row's last token; a row verifying ``k`` drafts scores ``k + 1``), samples, and lets a
 speculative proposer draft the next tokens. Results leave keyed by request id in a
@@ -36,10 +36,11 @@ from fleetlab.kv_transfer.base import NULL_CONNECTOR
 class StepInputs:
     """The packed step: attention metadata, input ids ``[1, T]``, and the scored positions.
 
-    logits_indices: int64 device ``[P + Q]`` packed token index of each scored position, then of the
-      ``Q`` prompt positions whose logprobs are asked for (none unless a request wants them);
-    pos_row: ``[P]`` its batch row; pos_offset: ``[P]`` its index among its row's scored
-    positions (0 = the last known token, ``i`` = after ``i`` drafts);
+    logits_indices: int64 device ``[P + Q]`` packed token index of each of the ``P`` scored
+      positions (where a row's logits are taken), then of the ``Q`` prompt positions whose
+      logprobs are asked for (none unless a request wants them);
+    pos_row: ``[P]`` each scored position's batch row; pos_offset: ``[P]`` its index among its
+    row's scored positions (0 = the last known token, ``i`` = after ``i`` drafts);
     embeds: None, or ``(packed token indices [m], vectors [m, hidden])`` replacing those
     tokens' embeddings (side data of the rows' requests);
     prompt_rows, prompt_positions: int64 ``[Q]``: the batch row and prompt position of each of
@@ -128,7 +129,7 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             b.add_request(new.req_id, new.prompt_token_ids, output_token_ids=new.output_token_ids,
                           num_computed_tokens=new.num_computed_tokens, block_ids=new.block_ids,
-                          sampling=new.sampling, eos_token_id=new.sampling.eos_token_id, extra=new.extra)
+                          sampling=new.sampling_params, seed=new.seed, eos_token_id=new.eos_token_id, extra=new.extra)
         cached = so.scheduled_cached_reqs
         b.update_requests(cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens,
                           cached.num_blocks)
@@ -148,26 +149,26 @@ class ModelRunner:
         q = b.num_scheduled_tokens[:n].astype(np.int64)
         c = b.num_computed_tokens[:n].astype(np.int64)
         md = AttentionMetadata.from_batch(b, self.block_size, self.decode_threshold)  # one copy per dtype
-        row_of_token = np.repeat(np.arange(n), q)
-        pos = c[row_of_token] + np.arange(md.num_tokens) - md.cu_seqlens_q_host[:-1][row_of_token]
+        token_rows, positions = md.token_rows_host, md.positions_host
         # A row scores its last known token and each draft after it, once its chunk gets there.
         num_scored = np.where(c + q >= b.num_tokens[:n], b.num_spec_tokens[:n] + 1, 0).astype(np.int64)
         pos_row = np.repeat(np.arange(n), num_scored)
         starts = np.concatenate([[0], np.cumsum(num_scored)[:-1]])
         pos_offset = np.arange(len(pos_row)) - starts[pos_row]
         logits_indices = md.cu_seqlens_q_host[1:][pos_row] - num_scored[pos_row] + pos_offset
-        extra = self._prompt_positions(row_of_token, pos) if (b.num_prompt_logprobs[:n] >= 0).any() else pos[:0]
+        wants_prompt = (b.num_prompt_logprobs[:n] >= 0).any()
+        extra = self._prompt_positions(token_rows, positions) if wants_prompt else positions[:0]
         input_ids, logits_indices = upload_packed(  # and one for these
-            b.token_ids[row_of_token, pos].reshape(1, -1).astype(np.int64, copy=False),
+            b.token_ids[token_rows, positions].reshape(1, -1).astype(np.int64, copy=False),
             np.concatenate([logits_indices, extra]))
-        prompt = (row_of_token[extra], pos[extra]) if len(extra) else (None, None)
+        prompt = (token_rows[extra], positions[extra]) if len(extra) else (None, None)
         return StepInputs(md, input_ids, logits_indices, pos_row, pos_offset, self._step_embeds(md, q, c), *prompt)
 
-    def _prompt_positions(self, row_of_token: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def _prompt_positions(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Packed indices of the chunk's prompt positions whose logprobs are asked for: position ``j``
         (before the prompt's last) predicts prompt token ``j + 1``; the last one is scored anyway."""
-        wanted = self.batch.num_prompt_logprobs[row_of_token] >= 0
-        return np.flatnonzero(wanted & (pos < self.batch.num_prompt_tokens[row_of_token] - 1))
+        wanted = self.batch.num_prompt_logprobs[token_rows] >= 0
+        return np.flatnonzero(wanted & (positions < self.batch.num_prompt_tokens[token_rows] - 1))
 
     def _step_embeds(self, md: AttentionMetadata, q: np.ndarray, c: np.ndarray) -> tuple | None:
         """The step's embedding replacements, from the rows that carry side data (None if none)."""

@@ -64,27 +64,18 @@ class SamplingTensors:
     prompt_num_logprobs: np.ndarray | None = None
     row_errors: dict = field(default_factory=dict)
 
-    @classmethod
-    def from_host(cls, temperature, top_k, top_p, seeds, draw_index, banned=None,
-                  draft_token_ids=None) -> SamplingTensors:
-        """Build from host arrays (uploads the settings the sampler reads on the device)."""
-        temperature = np.asarray(temperature, dtype=np.float32)
-        return cls(temperature == 0, upload(temperature), upload(top_k),
-                   upload(top_p, np.float32), np.asarray(seeds),
-                   np.asarray(draw_index), banned or [[] for _ in temperature],
-                   None if draft_token_ids is None else np.asarray(draft_token_ids, dtype=np.int64))
-
 
 @dataclass(slots=True)
 class SampleResult:
-    """Host arrays ``[P]``: the token each position draws and whether its logits were
-    finite; ``extra``: more device results read in the same read (a subclass's), ``[k, num
-    sampled positions]``; ``logprobs``: a ``TokenLogprobs`` per position (None where not
-    asked for); ``prompt_logprobs``: one per prompt position of ``st.prompt_targets``."""
+    """Host arrays ``[P]``: the token each position draws and whether its logits were finite;
+    ``draws``: the sampled positions' device results by name (``"token"``, and a subclass's own,
+    such as the rejection sampler's ``"accepted"``), ``[num sampled positions]`` each, read in the
+    same read; ``logprobs``: a ``TokenLogprobs`` per position (None where not asked for);
+    ``prompt_logprobs``: one per prompt position of ``st.prompt_targets``."""
 
     tokens: np.ndarray
     finite: np.ndarray
-    extra: np.ndarray
+    draws: dict
     logprobs: list | None = None
     prompt_logprobs: list | None = None
 
@@ -100,7 +91,7 @@ def request_rng(seed: int, draw_index: int) -> np.random.Generator:
 
 
 class Sampler:
-    """``sampler(logits [P, vocab], st)`` -> int64 numpy ``[P]``; ``sample_rows`` groups them by row.
+    """``sample(logits [P, vocab], st)`` -> a :class:`SampleResult`; ``sample_rows`` groups its tokens by row.
 
     ``processors``: :class:`~fleetlab.engine.logits_processor.LogitsProcessor` s applied, in
     order, to the logits of every step before anything is picked.
@@ -108,9 +99,6 @@ class Sampler:
 
     def __init__(self, processors=()):
         self.processors = list(processors)
-
-    def __call__(self, logits: paddle.Tensor, st: SamplingTensors) -> np.ndarray:
-        return self.sample(logits, st).tokens
 
     def sample_rows(self, logits: paddle.Tensor, st: SamplingTensors) -> tuple[list[list[int] | None], SampleResult]:
         """The tokens each scored row gains (None where its logits were not finite), and the
@@ -120,45 +108,45 @@ class Sampler:
 
     def sample(self, logits: paddle.Tensor, st: SamplingTensors) -> SampleResult:
         """Draw every position; one device-to-host read in all."""
-        if logits.dtype != paddle.float32:
-            logits = logits.astype("float32")
-        num = len(st.greedy)
-        prompt_logits = logits[num:] if st.prompt_targets is not None else None
+        logits = logits if logits.dtype == paddle.float32 else logits.astype("float32")
+        num, none = len(st.greedy), np.zeros(0, np.int64)
         blocks = []
-        if prompt_logits is not None:
-            blocks.append(lp.gather(paddle.nn.functional.log_softmax(prompt_logits, -1),
+        if st.prompt_targets is not None:  # rows past the scored ones: prompt positions
+            blocks.append(lp.gather(paddle.nn.functional.log_softmax(logits[num:], -1),
                                     upload(st.prompt_targets, np.int64), int(st.prompt_num_logprobs.max())))
         if num == 0:  # only prompt positions this step (a chunk short of its prompt's end)
-            return self._read([], blocks, st, np.zeros(0, np.int64), np.zeros(0, np.int64))
-        logits = logits[:num]
-        lp_rows = np.flatnonzero(st.num_logprobs >= 0) if st.num_logprobs is not None else np.zeros(0, np.int64)
-        lp_index = upload(lp_rows) if len(lp_rows) else None
-        ok = paddle.isfinite(logits)
-        finite = ok.all(axis=-1)  # the model's own logits: a row that is not finite finishes with an error
-        masks = [p for p in self.processors if getattr(p, "masks_tokens", False)]
-        for processor in masks:  # a grammar's: -inf is masked, not broken, and no logprob ranks it
-            logits = processor(logits, st)
-        raw = self._raw_logprobs(paddle.gather(logits, lp_index, axis=0)) if len(lp_rows) else None
-        for processor in self.processors:
-            if processor not in masks:
-                logits = processor(logits, st)
-        if any(st.banned):
-            logits = self._ban(logits, st.banned)
+            return self._read([], {}, blocks, st, none, none)
+        ok = paddle.isfinite(logits[:num])
+        lp_rows = np.flatnonzero(st.num_logprobs >= 0) if st.num_logprobs is not None else none
+        logits, raw = self._process(logits[:num], st, lp_rows)
         chosen = paddle.argmax(logits, axis=-1)
-        parts = [chosen, finite.astype("int64")]
-        rows = np.flatnonzero(~st.greedy)
+        head = [chosen, ok.all(axis=-1).astype("int64")]  # a row not finite finishes with an error
+        rows, draws = np.flatnonzero(~st.greedy), {}
         if len(rows):
             clean = paddle.where(ok, logits, paddle.zeros_like(logits))  # keeps the sampled rows defined
             index = upload(rows if st.pos_row is None else st.pos_row[rows])  # the settings' rows
-            sampled = upload(rows)
-            probs = self.probs(paddle.gather(clean, sampled, axis=0), paddle.gather(st.temperature, index),
+            probs = self.probs(paddle.gather(clean, upload(rows), axis=0), paddle.gather(st.temperature, index),
                                paddle.gather(st.top_k, index), paddle.gather(st.top_p, index))
-            parts += self.draw(probs, st, rows)
+            draws = self.draw(probs, st, rows)
             if raw is not None:  # the logprobs of the token each row takes
-                chosen = paddle.scatter(chosen, sampled, self.taken(parts, st, rows))
+                chosen = paddle.scatter(chosen, upload(rows), self.taken(draws, st, rows))
         if raw is not None:  # before the prompt block: _read unpacks in this order
+            lp_index = upload(lp_rows)
             blocks.insert(0, lp.gather(raw, paddle.gather(chosen, lp_index), int(st.num_logprobs[lp_rows].max())))
-        return self._read(parts, blocks, st, rows, lp_rows)
+        return self._read(head, draws, blocks, st, rows, lp_rows)
+
+    def _process(self, logits: paddle.Tensor, st: SamplingTensors, lp_rows: np.ndarray) -> tuple:
+        """The logits after every processor and ban, and the raw logprobs of rows ``lp_rows``
+        (None if none): a grammar's mask comes first (-inf is masked, not broken, and no logprob
+        ranks it), then the logprobs are taken, then the other processors run."""
+        masks = [p for p in self.processors if getattr(p, "masks_tokens", False)]
+        for processor in masks:
+            logits = processor(logits, st)
+        raw = self._raw_logprobs(paddle.gather(logits, upload(lp_rows), axis=0)) if len(lp_rows) else None
+        for processor in self.processors:
+            if processor not in masks:
+                logits = processor(logits, st)
+        return (self._ban(logits, st.banned) if any(st.banned) else logits), raw
 
     @staticmethod
     def _raw_logprobs(logits: paddle.Tensor) -> paddle.Tensor:
@@ -167,40 +155,38 @@ class Sampler:
         return paddle.where(paddle.isinf(logits), logits, paddle.nn.functional.log_softmax(logits, -1))
 
     @staticmethod
-    def _read(parts: list, blocks: list, st: SamplingTensors, rows: np.ndarray, lp_rows: np.ndarray) -> SampleResult:
-        """The step's one device-to-host read: the int64 ``parts`` (as float64, exact for token
-        ids, when logprob ``blocks`` ride along), unpacked into a :class:`SampleResult`."""
-        num = len(st.greedy)
-        if blocks:
-            host = paddle.concat([p.astype("float64") for p in parts] + blocks).numpy()
-        else:
-            host = paddle.concat(parts).numpy()
-        size = num * 2 + len(rows) * max(len(parts) - 2, 0)
-        tokens = host[:num].astype(np.int64)
-        extra = host[2 * num: size].astype(np.int64).reshape(max(len(parts) - 2, 0), len(rows))
-        if len(rows):
-            tokens[rows] = extra[0]
-        res = SampleResult(tokens, host[num: 2 * num].astype(bool), extra)
-        rest = host[size:]
+    def _read(head: list, draws: dict, blocks: list, st: SamplingTensors, rows: np.ndarray,
+              lp_rows: np.ndarray) -> SampleResult:
+        """The step's one device-to-host read: the int64 argmax and finite flags of every position
+        and the named ``draws`` of the sampled ones (as float64, exact for token ids, when logprob
+        ``blocks`` ride along), unpacked into a :class:`SampleResult`."""
+        num, k, parts = len(st.greedy), len(rows), head + list(draws.values())
+        host = paddle.concat([p.astype("float64") for p in parts] + blocks if blocks else parts).numpy()
+        tokens, finite = host[:num].astype(np.int64), host[num: 2 * num].astype(bool)
+        named = {name: host[2 * num + i * k: 2 * num + (i + 1) * k].astype(np.int64) for i, name in enumerate(draws)}
+        if k:
+            tokens[rows] = named["token"]
+        res = SampleResult(tokens, finite, named)
+        rest = host[2 * num + len(draws) * k:]
         if len(lp_rows):
-            k = int(st.num_logprobs[lp_rows].max())
+            width = 2 + 2 * int(st.num_logprobs[lp_rows].max())
             res.logprobs = [None] * num
-            for r, item in zip(lp_rows.tolist(), lp.unpack(rest[: len(lp_rows) * (2 + 2 * k)], tokens[lp_rows],
+            for r, item in zip(lp_rows.tolist(), lp.unpack(rest[: len(lp_rows) * width], tokens[lp_rows],
                                                             st.num_logprobs[lp_rows])):
                 res.logprobs[r] = item
-            rest = rest[len(lp_rows) * (2 + 2 * k):]
+            rest = rest[len(lp_rows) * width:]
         if st.prompt_targets is not None:
             res.prompt_logprobs = lp.unpack(rest, st.prompt_targets, st.prompt_num_logprobs)
         return res
 
-    def taken(self, parts: list, st: SamplingTensors, rows: np.ndarray) -> paddle.Tensor:
+    def taken(self, draws: dict, st: SamplingTensors, rows: np.ndarray) -> paddle.Tensor:
         """The token each sampled position ``rows`` takes (its logprob is returned): the drawn one."""
-        return parts[2]
+        return draws["token"]
 
-    def draw(self, probs: paddle.Tensor, st: SamplingTensors, rows: np.ndarray) -> list[paddle.Tensor]:
-        """``[drawn token ids]`` (int64 device ``[len(rows)]``) for the sampled positions ``rows``."""
+    def draw(self, probs: paddle.Tensor, st: SamplingTensors, rows: np.ndarray) -> dict:
+        """``{"token": drawn ids}`` (int64 device ``[len(rows)]``) for the sampled positions ``rows``."""
         u = upload([uniform_for(st.seeds[r], st.draw_index[r]) for r in rows.tolist()], np.float32)
-        return [self.inverse_cdf(probs, u)]
+        return {"token": self.inverse_cdf(probs, u)}
 
     @staticmethod
     def inverse_cdf(probs: paddle.Tensor, u: paddle.Tensor) -> paddle.Tensor:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 
-from fleetlab.engine.messages import ModelRunnerOutput, NewRequestData, RowSampling, SchedulerOutput
+from fleetlab.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.policies import POLICIES, SchedulingPolicy
 from fleetlab.engine.request import Request, RequestStatus
@@ -199,12 +199,9 @@ class Scheduler:
 
     @staticmethod
     def _new_request_data(req: Request, blocks: list[int]) -> NewRequestData:
-        sp = req.sampling_params
-        sampling = RowSampling(sp.temperature, sp.top_k, sp.top_p, req.seed, sp.max_tokens, sp.min_tokens,
-                               sp.ignore_eos, tuple(sp.stop_token_ids), req.eos_token_id, sp.logprobs,
-                               sp.prompt_logprobs)
-        return NewRequestData(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids), sampling,
-                              blocks, req.num_computed_tokens, req.extra)
+        return NewRequestData(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids),
+                              req.sampling_params, req.seed, req.eos_token_id, blocks, req.num_computed_tokens,
+                              req.extra)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         logger.debug("step %d: preempting %s", self.step_count, req.request_id)

@@ -1,8 +1,36 @@
-"""A block pool seen from outside: each block's state, and the pool's bookkeeping checked."""
+"""A block pool seen from outside: its counters, each block's state, and its bookkeeping checked."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class BlockPoolStats:
+    """Counters of a :class:`~fleetlab.kv.block_pool.BlockPool` and its prefix cache.
+
+    num_free_blocks counts cached blocks nobody holds too (they can be allocated at any time);
+    num_cached_blocks counts blocks that hold a cached prefix, free or in use.
+    hit_rate is ``hit_tokens / query_tokens`` over all lookups (0.0 before any).
+    """
+
+    num_blocks: int
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    queries: int
+    hit_tokens: int
+    query_tokens: int
+    hit_rate: float
+    evictions: int
+
+
+def pool_stats(pool) -> BlockPoolStats:
+    """The counters of ``pool`` and its prefix cache, now."""
+    c, free = pool.prefix_cache, pool.num_free_blocks
+    queries, hits, tokens, evictions = (c.queries, c.hit_tokens, c.query_tokens, c.evictions) if c else (0,) * 4
+    return BlockPoolStats(pool.num_blocks, free, pool.num_blocks - free, c.num_cached_blocks if c else 0,
+                          queries, hits, tokens, hits / tokens if tokens else 0.0, evictions)
 
 
 @dataclass(slots=True, frozen=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from fleetlab.engine.hooks import PHASES
 from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.outputs import RequestOutput
+from fleetlab.inspect.batch import batch_snapshot
 
 
 @dataclass(slots=True)
@@ -96,7 +97,7 @@ class StepRecorder:
         kept = {o.request_id: o.new_token_ids for o in outputs if o.new_token_ids}
         rows, order_after, num_decodes = [], [], 0
         if so.num_scheduled_tokens:  # the runner's rows still hold the step's inputs, in the order they ran
-            rows = [self._row(rec, so, result, kept) for rec in self.batch.snapshot()]
+            rows = [self._row(rec, so, result, kept) for rec in batch_snapshot(self.batch)]
             order_after = [r.request_id for r in rows]
             num_decodes = int(self.batch.is_decode(self.decode_threshold).sum()) if self.reorder else 0
         self.traces.append(StepTrace(

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from fleetlab.inspect.pool import pool_stats
+
 
 def engine_stats(llm) -> dict:
     """Pool and cache figures: blocks, free blocks, hit rate, preemptions, utilization, steps,
     generated tokens, the requests running and waiting now, and with speculation the drafts
     verified and accepted (see :class:`~fleetlab.inspect.spec_stats.SpecDecodingStats`)."""
     pool, scheduler = llm.pool, llm.scheduler
-    s = pool.stats()
+    s = pool_stats(pool)
     used = s.num_blocks - s.num_free_blocks
     tokens_held = sum(r.num_computed_tokens for r in scheduler.running)
     stats = {

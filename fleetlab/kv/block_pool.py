@@ -24,31 +24,10 @@ from __future__ import annotations
 import operator
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 
 class NoFreeBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than the pool has free."""
-
-
-@dataclass(slots=True)
-class BlockPoolStats:
-    """Counters of a :class:`BlockPool` and its prefix cache.
-
-    num_free_blocks counts cached blocks nobody holds too (they can be allocated at any time);
-    num_cached_blocks counts blocks that hold a cached prefix, free or in use.
-    hit_rate is ``hit_tokens / query_tokens`` over all lookups (0.0 before any).
-    """
-
-    num_blocks: int
-    num_free_blocks: int
-    num_used_blocks: int
-    num_cached_blocks: int
-    queries: int
-    hit_tokens: int
-    query_tokens: int
-    hit_rate: float
-    evictions: int
 
 
 class BlockPool:
@@ -109,11 +88,7 @@ class BlockPool:
         """Drop one reference on each block of a request's block table, tail first (a
         prefix's head is what others most likely share: it is handed out last). Raises
         ValueError, changing nothing, for an unknown block or one freed more often than held."""
-        ids = [self._check_id(b) for b in block_ids]
-        for block_id, times in Counter(ids).items():
-            if self._ref_counts[block_id] < times:
-                raise ValueError(f"block {block_id} has reference count {self._ref_counts[block_id]}, "
-                                 f"cannot free it {times} time(s) (double free?)")
+        ids = self._checked(block_ids, "free")
         for block_id in reversed(ids):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
@@ -126,10 +101,7 @@ class BlockPool:
         """Take a reference on each block the prefix cache found; a free one stops being free.
         Raises ValueError, changing nothing, for an unknown id or a free block with no cached
         prefix (there is nothing to share in it)."""
-        ids = [self._check_id(b) for b in block_ids]
-        for block_id in ids:
-            if self._ref_counts[block_id] == 0 and not self.is_cached(block_id):
-                raise ValueError(f"block {block_id} is free and holds no cached prefix")
+        ids = self._checked(block_ids, "touch")
         for block_id in ids:
             if self._ref_counts[block_id] == 0:
                 self._kept.discard(block_id)
@@ -148,21 +120,23 @@ class BlockPool:
 
     def ref_count(self, block_id: int) -> int:
         """Number of live owners of a block (0 when free)."""
-        return self._ref_counts[self._check_id(block_id)]
+        return self._ref_counts[self._checked([block_id])[0]]
 
     def is_cached(self, block_id: int) -> bool:
         """Whether the block holds a cached prefix (live or free)."""
         return self.prefix_cache is not None and self.prefix_cache.is_cached(block_id)
 
-    def _check_id(self, block_id: int) -> int:
-        block_id = operator.index(block_id)
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"unknown block id {block_id} (pool has {self.num_blocks} blocks)")
-        return block_id
-
-    def stats(self) -> BlockPoolStats:
-        """A snapshot of the pool's and its prefix cache's counters."""
-        c, free = self.prefix_cache, self.num_free_blocks
-        queries, hits, tokens, evictions = (c.queries, c.hit_tokens, c.query_tokens, c.evictions) if c else (0,) * 4
-        return BlockPoolStats(self.num_blocks, free, self.num_blocks - free, c.num_cached_blocks if c else 0,
-                              queries, hits, tokens, hits / tokens if tokens else 0.0, evictions)
+    def _checked(self, block_ids: Sequence[int], use: str = "") -> list[int]:
+        """The ids, or ValueError (before anything changes) for an unknown id, a block freed more
+        often than it is held (``use="free"``) or a free block with no cached prefix (``"touch"``)."""
+        ids = [operator.index(b) for b in block_ids]
+        unknown = [b for b in ids if not 0 <= b < self.num_blocks]
+        counts = Counter(ids) if use == "free" and not unknown else {}
+        over = [f"block {b} has reference count {self._ref_counts[b]}, cannot free it {n} time(s) (double free?)"
+                for b, n in counts.items() if self._ref_counts[b] < n]
+        empty = [f"block {b} is free and holds no cached prefix" for b in ids if use == "touch" and not unknown
+                 and self._ref_counts[b] == 0 and not self.is_cached(b)]
+        problems = [f"unknown block id {b} (pool has {self.num_blocks} blocks)" for b in unknown[:1]] + over + empty
+        if problems:
+            raise ValueError(problems[0])
+        return ids

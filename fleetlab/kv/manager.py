@@ -2,8 +2,10 @@
 
 The pool knows blocks; the manager knows which blocks each request holds, how many of a
 new request's tokens the prefix cache already holds, and which blocks become shareable.
-The scheduler never touches the pool: it asks the manager and gets :class:`KVCacheBlocks`
-back, an opaque list of block ids it forwards to the model runner.
+The scheduler never touches the pool: it asks the manager. ``allocate_slots`` answers with a
+:class:`KVCacheBlocks` (None: no room) and ``get_computed_blocks`` with the prefix-cache hits
+as one; a request's whole block table, what the scheduler sends the runner, comes from
+:meth:`KVCacheManager.get_block_ids`.
 
 Same-step sharing: a full block of *known* tokens (prompt or accepted output, never a
 speculative draft) is registered in the prefix cache as soon as it is allocated for tokens
@@ -24,7 +26,9 @@ from fleetlab.kv.block_pool import BlockPool
 
 @dataclass(frozen=True, slots=True)
 class KVCacheBlocks:
-    """Block ids handed to the scheduler: it forwards them, it never looks inside."""
+    """The block ids one call handed out (prefix-cache hits, or those plus the new blocks): the
+    scheduler checks that there were enough and passes hits back to ``allocate_slots``; the
+    request's table is :meth:`KVCacheManager.get_block_ids`."""
 
     block_ids: tuple[int, ...] = ()
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from fleetlab.inspect.batch import permute_rows
+
 
 def stable_partition(is_decode: np.ndarray) -> np.ndarray:
     """``perm`` (``perm[new] = old``) putting decode rows first, keeping order within groups."""
@@ -23,7 +25,7 @@ def stable_reorder(batch, decode_threshold: int = 1) -> tuple[np.ndarray, int]:
     like ``InputBatch.reorder_split_prefill_and_decode``."""
     mask = batch.is_decode(decode_threshold)
     perm = stable_partition(mask)
-    batch.permute(perm)
+    permute_rows(batch, perm)
     return perm, int(mask.sum())
 
 

@@ -4,11 +4,11 @@
 - :mod:`fleetlab.spec_decode.proposer`: the ``Proposer`` interface and its lazy registry;
 - :mod:`fleetlab.spec_decode.ngram`: prompt lookup (no model);
 - :mod:`fleetlab.spec_decode.draft`: a small draft model with its own paged KV cache and its own
-  :class:`~fleetlab.spec_decode.proposer_batch.ProposerInputBatch`, kept in lockstep with the
-  main ``InputBatch`` row for row.
+  :class:`~fleetlab.spec_decode.proposer_batch.ProposerInputBatch` (fields it registers on the
+  main ``InputBatch``, moved with its rows);
+- :mod:`fleetlab.spec_decode.rejection`: the verification (``RejectionSampler``, a ``Sampler``):
+  the longest agreeing prefix plus a bonus token, rejection sampling when sampling.
 
-The verification itself (accept the longest agreeing prefix plus a bonus token; rejection
-sampling when sampling) lives in :mod:`fleetlab.spec_decode.rejection` (``RejectionSampler``,
-a ``Sampler``), the bookkeeping (roll
-``num_computed_tokens`` back past rejected drafts) in :mod:`fleetlab.engine.scheduler`.
+The bookkeeping (``num_computed_tokens`` rolled back past rejected drafts) is the scheduler's
+``update`` (:mod:`fleetlab.engine.scheduler`).
 """

@@ -3,8 +3,9 @@
 The draft model has its **own paged KV cache** (its own layers and heads) addressed by the
 **same block ids** as the target's: the scheduler allocates a request's blocks once and
 both caches use them, so a block shared through the prefix cache holds valid K/V in both.
-Its per-request state lives in a :class:`~fleetlab.spec_decode.proposer_batch.ProposerInputBatch`
-that follows the main ``InputBatch`` row for row (condense, reorder decode-first).
+Its per-request state lives in a :class:`~fleetlab.spec_decode.proposer_batch.ProposerInputBatch`:
+fields it registers on the main ``InputBatch``, so they move with its rows (condense, reorder
+decode-first).
 
 Each step, after the target's step:
 
@@ -32,7 +33,8 @@ from fleetlab.device import check_model_dtype_runs, upload
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.patching import PatchHandle, patch_model
 from fleetlab.spec_decode.proposer import Proposer
-from fleetlab.spec_decode.proposer_batch import ProposerInputBatch
+from fleetlab.spec_decode.proposer_batch import ProposerInputBatch, proposer_fields
+from fleetlab.validation import check_draft_vocab
 
 
 class DraftModelProposer(Proposer):
@@ -47,15 +49,14 @@ class DraftModelProposer(Proposer):
         self._owns_patch = self.handle is not model
         try:
             check_model_dtype_runs(self.handle.dtype, "speculative_config model")
-            if self.handle.vocab_size != context.vocab_size:
-                raise ValueError(f"speculative_config: field 'model' has vocabulary {self.handle.vocab_size}, "
-                                 f"the target {context.vocab_size}: a draft must share the target's tokenizer")
+            check_draft_vocab(self.handle.vocab_size, context.vocab_size)
         except ValueError:
             self.close()
             raise
         self.kv_cache = PagedKVCache.for_handle(self.handle, context.num_blocks, context.block_size)
         self.block_size = context.block_size
         self.decode_threshold = context.decode_threshold
+        self.fields = proposer_fields(self.num_speculative_tokens)  # registered on the main batch
         self.batch: ProposerInputBatch | None = None
 
     @property
@@ -63,12 +64,7 @@ class DraftModelProposer(Proposer):
         return self.num_speculative_tokens
 
     def bind(self, batch) -> None:
-        self.batch = ProposerInputBatch(batch.max_num_seqs, self.num_speculative_tokens)
-        batch.add_follower(self.batch)
-
-    def reset(self) -> None:
-        if self.batch is not None:
-            self.batch.reset()
+        self.batch = ProposerInputBatch(batch)
 
     def close(self) -> None:
         """Undo the patch this proposer applied to the draft model."""
@@ -76,8 +72,9 @@ class DraftModelProposer(Proposer):
             self.handle.unpatch()
 
     def propose(self, batch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-        n, req_ids = batch.num_reqs, batch.req_ids
-        start = batch.num_computed_tokens[:n].astype(np.int64)
+        n, req_ids, reach = batch.num_reqs, batch.req_ids, self.batch.num_computed_tokens
+        # What both models' caches hold: drafts past the target's count that it rejected are redone.
+        start = np.minimum(self.batch.reach()[:n], batch.num_computed_tokens[:n]).astype(np.int64)
         num_tokens = batch.num_tokens[:n].astype(np.int64)
         gained = np.array([len(sampled.get(rid, ())) for rid in req_ids], dtype=np.int64)
         upto = np.where(gained > 0, num_tokens + gained,
@@ -91,7 +88,6 @@ class DraftModelProposer(Proposer):
         scored = np.flatnonzero(max_drafts[rows] > 0)  # catch-up rows that propose, in row order
         logits = self._forward(batch, rows, (upto - start)[rows], start[rows], upload(ids.reshape(1, -1), np.int64),
                                scored)
-        reach = self.batch.num_computed_tokens  # a record of the draft cache's extent, for drawing
         reach[rows] = upto[rows]
         prop_rows = rows[scored]
         if len(prop_rows) == 0:  # the catch-up alone keeps the draft's cache in step

@@ -36,6 +36,7 @@ class Proposer:
     """
 
     name: ClassVar[str] = "base"
+    fields: tuple = ()  # batch fields of its per-request state, registered on the runner's InputBatch
 
     def __init__(self, config, context: ProposerContext) -> None:
         self.config = config

@@ -34,7 +34,7 @@ class RejectionSampler(Sampler):
         drafts = st.draft_token_ids
         accepted = (drafts >= 0) & (drafts == res.tokens)  # greedy positions: the draft is the argmax
         sampled = np.flatnonzero(~st.greedy)
-        accepted[sampled] = res.extra[1].astype(bool) if len(sampled) else accepted[sampled]
+        accepted[sampled] = res.draws["accepted"].astype(bool) if len(sampled) else accepted[sampled]
         if res.logprobs is not None:  # label an accepted draft's position with the draft (see taken)
             for p in np.flatnonzero(accepted & (drafts >= 0)).tolist():
                 if res.logprobs[p] is not None:
@@ -50,12 +50,12 @@ class RejectionSampler(Sampler):
             rows.append(drafts[start : start + m].tolist() + [int(res.tokens[start + m])])
         return rows, res
 
-    def taken(self, parts: list, st: SamplingTensors, rows: np.ndarray) -> paddle.Tensor:
+    def taken(self, draws: dict, st: SamplingTensors, rows: np.ndarray) -> paddle.Tensor:
         """A sampled position takes its draft when it accepts it, else the token drawn in its place."""
-        return paddle.where(parts[3] == 1, upload(st.draft_token_ids[rows]), parts[2])
+        return paddle.where(draws["accepted"] == 1, upload(st.draft_token_ids[rows]), draws["token"])
 
-    def draw(self, probs: paddle.Tensor, st: SamplingTensors, rows: np.ndarray) -> list[paddle.Tensor]:
-        """``[drawn, accepted]`` for the sampled positions ``rows``: a draft is accepted with
+    def draw(self, probs: paddle.Tensor, st: SamplingTensors, rows: np.ndarray) -> dict:
+        """``{"token": drawn, "accepted": 0/1}`` for the sampled positions ``rows``: a draft is accepted with
         probability ``p(draft)``; the drawn token comes from ``p`` without the draft."""
         drafts = st.draft_token_ids[rows]
         u = upload([[uniform_for(st.seeds[r], st.draw_index[r]),
@@ -68,7 +68,8 @@ class RejectionSampler(Sampler):
         accepted = paddle.logical_and(has_draft, self.accept(p_draft, u[:, 1]))
         is_draft = paddle.logical_and(paddle.arange(probs.shape[-1], dtype="int64").unsqueeze(0) == draft_col,
                                       has_draft.unsqueeze(-1))
-        return [self.inverse_cdf(self.residual(probs, is_draft), u[:, 0]), accepted.astype("int64")]
+        drawn = self.inverse_cdf(self.residual(probs, is_draft), u[:, 0])
+        return {"token": drawn, "accepted": accepted.astype("int64")}
 
     @staticmethod
     def accept(p_draft: paddle.Tensor, u: paddle.Tensor) -> paddle.Tensor:

@@ -1,7 +1,7 @@
 """Drawings of the persistent batch: its rows, condense, the decode-first reorder, and the
 gather-index alternative that moves no row at all.
 
-Inputs are the ``RowRecord`` lists of :meth:`fleetlab.InputBatch.snapshot` (one per row:
+Inputs are the ``RowRecord`` lists of :func:`fleetlab.inspect.batch.batch_snapshot` (one per row:
 request id, phase, token counts, block table). A row's box is coloured by its phase
 (decode blue, prefill orange, empty grey) with a square of its request's colour on the left.
 
@@ -29,6 +29,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import ConnectionPatch, Patch, Rectangle
 
+from fleetlab.inspect.batch import batch_snapshot, swap_rows
 from fleetlab.viz._style import ALERT_COLOR, EDGE_COLOR, integer_steps, phase_color, request_color
 
 _ROW_WIDTH = 10.0
@@ -80,7 +81,7 @@ def draw_batch(records: Sequence, *, ax=None, title: str | None = None, highligh
     """Draw one batch snapshot, one box per row from row 0 at the top.
 
     Args:
-      records: ``InputBatch.snapshot()`` rows (``RowRecord``).
+      records: ``fleetlab.inspect.batch.batch_snapshot`` rows (``RowRecord``).
       highlight: row indices outlined in red (e.g. the rows a swap just moved).
       num_decodes: draw a dashed line after the first ``num_decodes`` rows (decode | prefill).
     Returns the Figure; row boxes have gid ``"row:<index>"``.
@@ -147,21 +148,21 @@ def reorder_frames(batch, decode_threshold: int = 1) -> list[ReorderFrame]:
     """
     from fleetlab.engine.input_batch import two_pointer_swaps
 
-    frames = [ReorderFrame("as the step begins (finished requests left holes)", batch.snapshot(decode_threshold),
+    frames = [ReorderFrame("as the step begins (finished requests left holes)", batch_snapshot(batch, decode_threshold),
                            (), None)]
     live = batch.condense()
     mask = batch.is_decode(decode_threshold)
     num_decodes = int(mask.sum())
     moved = tuple(int(new) for new, old in enumerate(live) if new != old)
     frames.append(ReorderFrame(f"condense: {len(moved)} rows slide up into the holes",
-                               batch.snapshot(decode_threshold), moved, num_decodes))
+                               batch_snapshot(batch, decode_threshold), moved, num_decodes))
     lefts, rights = two_pointer_swaps(mask)
     for k, (left, right) in enumerate(zip(lefts.tolist(), rights.tolist()), start=1):
-        batch.swap(left, right)
+        swap_rows(batch, left, right)
         frames.append(ReorderFrame(f"swap {k}/{len(lefts)}: prefill row {left} <-> decode row {right}",
-                                   batch.snapshot(decode_threshold), (left, right), num_decodes))
+                                   batch_snapshot(batch, decode_threshold), (left, right), num_decodes))
     if len(lefts) == 0:
-        frames.append(ReorderFrame("already decode-first: no swap needed", batch.snapshot(decode_threshold), (),
+        frames.append(ReorderFrame("already decode-first: no swap needed", batch_snapshot(batch, decode_threshold), (),
                                    num_decodes))
     return frames
 
@@ -238,7 +239,7 @@ def draw_gather_map(records: Sequence, order: Sequence[int], num_decodes: int):
     """The reorder that moves no row: rows stay put and the step gathers them by index.
 
     Args:
-      records: the batch's rows (``InputBatch.snapshot()``), holes allowed.
+      records: the batch's rows (``fleetlab.inspect.batch.batch_snapshot``), holes allowed.
       order: ``fleetlab.lessons.reorder.decode_first_order``'s index map: step slot ``k`` reads row ``order[k]``.
       num_decodes: slots ``[0, num_decodes)`` are decodes.
     Left: the rows as stored; right: the step's view. An arrow (gid ``"gather:<k>"``) joins
@@ -283,7 +284,7 @@ class TokenSplit:
 
 
 def token_split(records: Sequence, decode_threshold: int = 1) -> TokenSplit:
-    """The :class:`TokenSplit` of rows ``records`` (``InputBatch.snapshot()`` rows, or anything
+    """The :class:`TokenSplit` of rows ``records`` (``fleetlab.inspect.batch.batch_snapshot`` rows, or anything
     with ``req_id``/``request_id`` and ``num_scheduled_tokens``); empty rows are skipped.
 
     A row is a decode when it runs ``1..decode_threshold`` tokens, as the metadata counts it.

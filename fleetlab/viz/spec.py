@@ -14,8 +14,8 @@
   the distribution).
 - :func:`draw_spec_benchmark`: the stored result of ``python -m fleetlab bench spec``.
 
-Everything here reads public state only (``StepTrace``/``RowTrace``, ``InputBatch.snapshot``
-and ``np(name)``, ``ProposerInputBatch.np(name)``); nothing reaches into the engine.
+Everything here reads public state only (``StepTrace``/``RowTrace``, ``fleetlab.inspect.batch.batch_snapshot``
+and ``np(name)``, ``ProposerInputBatch.np(name)`` and ``reach()``); nothing reaches into the engine.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import ConnectionPatch, Patch, Rectangle
 
+from fleetlab.inspect.batch import batch_snapshot
 from fleetlab.viz._style import ALERT_COLOR, EDGE_COLOR, integer_steps, phase_color, request_color
 
 # What a token cell in a step line is, and its colour.
@@ -263,7 +264,7 @@ def draft_state(proposer_batch) -> dict:
     """``{request id: (draft num_computed_tokens, drafts)}`` of every row of a proposer batch,
     as it stands now: take it before a step to show the step's rows as they began
     (``lockstep_rows(..., draft_state=...)``)."""
-    p_req, p_computed = proposer_batch.np("req_id"), proposer_batch.np("num_computed_tokens")
+    p_req, p_computed = proposer_batch.np("req_id"), proposer_batch.reach()
     p_drafts, p_num = proposer_batch.np("draft_token_ids"), proposer_batch.np("num_draft_tokens")
     return {p_req[r]: (int(p_computed[r]), p_drafts[r, : int(p_num[r])].tolist())
             for r in range(len(p_req)) if p_req[r] is not None}
@@ -282,7 +283,7 @@ def lockstep_rows(batch, proposer_batch, decode_threshold: int = 1, proposer_sta
     p_req = proposer_batch.np("req_id")
     state = draft_state(proposer_batch) if proposer_state is None else proposer_state
     rows = []
-    for rec in batch.snapshot(decode_threshold):
+    for rec in batch_snapshot(batch, decode_threshold):
         r = rec.row
         live = rec.phase != "empty"
         computed, drafts = state.get(p_req[r], (0, []))
