@@ -210,10 +210,8 @@ class LLM:
         sp = req.sampling_params
         if sp.n == 1 and (sp.best_of or 1) == 1:
             return None, [req]
-        parent = ParentRequest(req.request_id, sp)
-        return parent, [self.processor.process(None, parent.child_params(i), req.prompt_token_ids, cid, live,
-                                               req.priority, None, dict(req.extra))
-                        for i, cid in enumerate(parent.child_ids)]
+        parent = ParentRequest(req.request_id, sp, live)
+        return parent, [self.processor.child(req, parent.child_params(i), cid) for i, cid in enumerate(parent.child_ids)]
 
     def _queue(self, parent: ParentRequest | None, reqs: list) -> None:
         self.handle.check_live()  # a stale LLM (its model closed or re-patched) queues nothing
@@ -258,7 +256,8 @@ class LLM:
             req.finish_time = now
         return self.output_processor.process([RequestOutput.from_request(req, []) for req in aborted])[0]
 
-    def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = True):
+    def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = True,
+                 extra=None):
         """Run every prompt to completion; returns ``RequestOutput`` s in input order (with
         ``n > 1``: the prompt's ``n`` sequences in ``index`` order, then the next prompt's).
 
@@ -266,12 +265,13 @@ class LLM:
         ``prompt_token_ids``: a list of token-id lists. ``sampling_params``: one
         ``SamplingParams`` for all, or one per prompt. Every request is validated before
         any runs, so a bad one raises ``ValueError`` and nothing is queued. If the loop is
-        interrupted (an exception, Ctrl-C), this call's requests are aborted first.
+        interrupted (an exception, Ctrl-C), this call's requests are aborted first. ``extra``:
+        batch-field values as in ``add_request``, one dict for all prompts or one per prompt.
         """
         live = set(self.scheduler.requests) | set(self.output_processor.parents)
         queued = []
-        for prompt, ids, sp in generate_items(prompts, prompt_token_ids, sampling_params):
-            req = self.processor.process(prompt, sp, ids, None, live)
+        for prompt, ids, sp, values in generate_items(prompts, prompt_token_ids, sampling_params, extra):
+            req = self.processor.process(prompt, sp, ids, None, live, extra=values)
             parent, reqs = self._fan_out(req, live)
             live |= {req.request_id, *(r.request_id for r in reqs)}
             queued.append((req.request_id, req.sampling_params.n, parent, reqs))

@@ -60,6 +60,10 @@ class SamplingParams:
       :class:`~fleetlab.structured_output.StructuredOutputsParams` or a dict of its fields
       (vLLM's: ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``; see
       :mod:`fleetlab.structured_output`). Not with ``ignore_eos`` (the grammar ends the output).
+    extra_args: None or a dict with str keys, free-form (vLLM's ``extra_args``): a key that
+      names one of the engine's own batch fields (``LLM(..., batch_fields=[Field("lora_id")])``)
+      sets that field for the request, checked like ``add_request(extra=...)``; other keys are
+      left for logits processors to read in ``request_values(sampling_params)``.
 
     numpy scalars count as the numbers they hold (``temperature=np.float32(0.7)``); a
     ``bool`` is not an int, and nothing else is converted: a wrong type raises
@@ -89,6 +93,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
+    extra_args: dict | None = None
 
     @property
     def greedy(self) -> bool:
