@@ -148,7 +148,7 @@ class LLM:
     def _build_proposer(self, cfg, num_blocks: int, decode_threshold: int):
         context = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
                                   self.handle.vocab_size, decode_threshold)
-        proposer = PROPOSERS.get(self.spec_config.method)(self.spec_config, context)
+        proposer = PROPOSERS.make(self.spec_config.method, self.spec_config, context, **self.spec_config.options)
         self._closables.append(proposer)
         return proposer
 

@@ -325,21 +325,30 @@ def resolve_max_model_len(cfg: EngineConfig, model_max_len: int) -> int:
 
 
 def check_speculative_config(config):
-    """A checked ``SpeculativeConfig`` from a dict (or one passed through); see its docstring."""
+    """A checked ``SpeculativeConfig`` from a dict (or one passed through); see its docstring.
+
+    ``method`` is a registered name, a ``Proposer`` subclass or an instance (as everywhere a
+    registry's kind is taken). Keys that are not ``SpeculativeConfig`` fields are the
+    proposer's own options: accepted when its class takes them as keyword arguments of its
+    ``__init__`` (kept in ``options``), refused by name otherwise."""
     if not isinstance(config, SpeculativeConfig):
         if not isinstance(config, dict):
             raise FieldTypeError(f"speculative_config must be a dict; got {type(config).__name__}")
-        unknown = sorted(set(config) - {f.name for f in fields(SpeculativeConfig)})
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: "
-                             f"{sorted(f.name for f in fields(SpeculativeConfig))}")
         missing = [name for name in ("method", "num_speculative_tokens") if name not in config]
         if missing:
             raise ValueError(f"speculative_config: field {missing[0]!r} is required")
-        config = SpeculativeConfig(**config)
-    if not isinstance(config.method, str) or config.method not in PROPOSERS.names():
-        raise ValueError(f"speculative_config: method={config.method!r} is not a registered proposer; "
-                         f"known: {PROPOSERS.names()}")
+        known = {f.name for f in fields(SpeculativeConfig)} - {"options"}
+        options = {k: v for k, v in config.items() if k not in known}
+        config = SpeculativeConfig(**{k: v for k, v in config.items() if k in known}, options=options)
+    cls = _proposer_class(config.method)
+    unknown = sorted(set(config.options) - _keyword_options(cls))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: "
+                         f"{sorted(f.name for f in fields(SpeculativeConfig) if f.name != 'options')}"
+                         f" and {cls.__name__}'s own options {sorted(_keyword_options(cls))}")
+    if isinstance(config.method, PROPOSERS.base) and config.options:
+        raise ValueError(f"speculative_config: options {sorted(config.options)} cannot reach a proposer instance "
+                         "(it is built already): pass its class, or build it with them")
     where = "speculative_config: field"
     config.num_speculative_tokens = int_field(where, "num_speculative_tokens", config.num_speculative_tokens, 1, 16)
     config.prompt_lookup_min = int_field(where, "prompt_lookup_min", config.prompt_lookup_min, 1, 64)
@@ -350,7 +359,31 @@ def check_speculative_config(config):
     if config.method == "draft" and config.model is None:
         raise ValueError("speculative_config: method='draft' needs field 'model' (e.g. "
                          "fleetlab.models.load_tiny_draft()[0])")
+    k = getattr(config.method, "num_speculative_tokens", config.num_speculative_tokens)
+    if k != config.num_speculative_tokens:
+        raise ValueError(f"speculative_config: num_speculative_tokens={config.num_speculative_tokens}, but the "
+                         f"proposer instance drafts {k!r}")
     return config
+
+
+def _proposer_class(method) -> type:
+    """The proposer class ``method`` names (a name, a subclass or an instance)."""
+    try:
+        return PROPOSERS.resolve(method)
+    except TypeError:
+        raise FieldTypeError(f"speculative_config: method={method!r:.60} must be a registered proposer "
+                             f"({PROPOSERS.names()}), a Proposer subclass or an instance of one") from None
+    except ValueError:
+        raise ValueError(f"speculative_config: method={method!r:.60} is not a registered proposer; "
+                         f"known: {PROPOSERS.names()}") from None
+
+
+def _keyword_options(cls) -> set[str]:
+    """The keyword-only parameters of a proposer class's ``__init__`` (its own options)."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {p.name for p in params if p.kind is p.KEYWORD_ONLY}
 
 
 # ----------------------------------------------------------------------------- requests
@@ -626,3 +659,72 @@ def generate_items(prompts, prompt_token_ids, sampling_params, extra=None) -> li
     if len(extras) != len(items):
         raise ValueError(f"generate: {len(extras)} extra dicts for {len(items)} prompts")
     return [(p, ids, sp, e) for (p, ids), sp, e in zip(items, sps, extras)]
+
+
+# ----------------------------------------------------------------------------- what extensions return
+# A prototype's own code (a logits processor, a proposer, a scheduling policy) is checked where
+# the engine receives what it returns: a mistake there is named after the extension, never left
+# to fail later in Paddle (or in the embedding: a draft id of 10**9 crashed the process).
+def apply_processor(processor, logits, st):
+    """``processor(logits, st)``, checked where the sampler receives it.
+
+    A result that is not a tensor of the shape and dtype it was given (``[P, vocab]``: a column
+    more would let an id outside the vocabulary out, one less shifts nothing visibly) raises
+    ``ValueError`` naming the processor (the step is rolled back). A processor that is not
+    fleetlab's own is also checked for NaN: a position it made NaN stops that request with an
+    error naming the processor (``st.row_errors``), the others go on. That check costs one
+    device-to-host read of ``[P]`` flags per such processor and step.
+    """
+    import paddle
+
+    out = processor(logits, st)
+    name = f"logits processor {type(processor).__name__}"
+    if not isinstance(out, paddle.Tensor):
+        raise ValueError(f"{name} returned {type(out).__name__}; it must return the logits tensor it was given "
+                         f"({list(logits.shape)}), changed")
+    if list(out.shape) != list(logits.shape) or out.dtype != logits.dtype:
+        raise ValueError(f"{name} returned logits {list(out.shape)} {out.dtype}; it was given {list(logits.shape)} "
+                         f"{logits.dtype} ([scored positions, vocab]) and must return that shape and dtype")
+    if not type(processor).__module__.startswith("fleetlab.") and out.shape[0]:
+        for p in np.flatnonzero(paddle.isnan(out).any(axis=-1).numpy()).tolist():
+            row = int(st.pos_row[p]) if st.pos_row is not None else p
+            st.row_errors.setdefault(row, f"{name} returned NaN logits for this request")
+    return out
+
+
+def check_drafts(proposer, drafts, req_ids, vocab_size: int) -> dict[str, list[int]]:
+    """What ``proposer.propose`` returned, checked where the runner receives it: a dict from
+    ids of the batch's requests (``req_ids``) to at most ``k`` int token ids in
+    ``[0, vocab_size)``. Anything else raises ``ValueError`` naming the proposer and the
+    request (the step is rolled back)."""
+    name = f"proposer {getattr(proposer, 'name', '?')!r} ({type(proposer).__name__})"
+    if not isinstance(drafts, Mapping):
+        raise FieldTypeError(f"{name}: propose returned {type(drafts).__name__}; it must return a dict "
+                             "{request id: [draft token ids]}")
+    live, k = set(req_ids) - {None}, proposer.num_speculative_tokens
+    out = {}
+    for rid, ids in drafts.items():
+        if rid not in live:
+            raise ValueError(f"{name}: propose returned drafts for request {rid!r:.60}, which is not in the batch")
+        ids = token_ids_field(f"{name}: request {rid!r}:", "drafts", ids)
+        if len(ids) > k:
+            raise ValueError(f"{name}: request {rid!r}: {len(ids)} drafts, more than num_speculative_tokens={k}")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name}: request {rid!r}: draft ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        out[rid] = ids
+    return out
+
+
+def check_victim(policy, victim, running: list):
+    """What ``policy.pick_victim(running)`` returned, checked where the scheduler receives it:
+    one of the ``running`` requests themselves (not an id, a copy or None), else a
+    ``TypeError`` / ``ValueError`` naming the policy (raised before anything is preempted)."""
+    if any(victim is r for r in running):
+        return victim
+    name = f"scheduling policy {getattr(policy, 'name', '?')!r} ({type(policy).__name__})"
+    if not isinstance(victim, Request):
+        raise FieldTypeError(f"{name}: pick_victim returned {_short(victim)} ({type(victim).__name__}); it must "
+                             "return one of the Request objects in the list it is given")
+    raise ValueError(f"{name}: pick_victim returned request {victim.request_id!r}, which is not running; it must "
+                     "return one of the requests in the list it is given")

@@ -22,6 +22,7 @@ import paddle
 
 from fleetlab.device import upload
 from fleetlab.engine import logprobs as lp
+from fleetlab.validation import apply_processor
 
 
 @dataclass(slots=True)
@@ -137,11 +138,11 @@ class Sampler:
         finite = ok.all(axis=-1)  # the model's own logits: a row that is not finite finishes with an error
         masks = [p for p in self.processors if getattr(p, "masks_tokens", False)]
         for processor in masks:  # a grammar's: -inf is masked, not broken, and no logprob ranks it
-            logits = processor(logits, st)
+            logits = apply_processor(processor, logits, st)
         raw = self._raw_logprobs(paddle.gather(logits, lp_index, axis=0)) if len(lp_rows) else None
         for processor in self.processors:
             if processor not in masks:
-                logits = processor(logits, st)
+                logits = apply_processor(processor, logits, st)
         if any(st.banned):
             logits = self._ban(logits, st.banned)
         chosen = paddle.argmax(logits, axis=-1)
