@@ -552,8 +552,8 @@ class InputProcessor:
         """The request's own batch-field values: ``extra`` (by field name, each value checked by
         the field's dtype and its row's shape), the keys of ``sampling_params.extra_args`` that
         name such a field, and side data ``prompt_embeds``. Only fields the user added are open
-        to ``extra``: the engine's own (``temperature``, ``token_ids``...) and the processors'
-        are set from the sampling params, within their bounds."""
+        to ``extra``: the engine's own (``temperature``, ``token_ids``...) and its built-in
+        processors' are set from the sampling params, within their bounds."""
         where = f"request {rid!r}: extra"
         if extra is not None and not isinstance(extra, Mapping):
             raise FieldTypeError(f"{where}={_short(extra)} must be a dict {{field name: value}}, "
@@ -573,9 +573,11 @@ class InputProcessor:
         return out
 
     def _user_fields(self) -> frozenset:
-        """The batch fields ``extra`` may set: neither the engine's nor a logits processor's."""
+        """The batch fields ``extra`` may set: the user's (``batch_fields``, their own logits
+        processors'), not the engine's nor its built-in processors' (penalties, grammars)."""
         if self._open_fields is None:
-            owned = set(DEFAULT_FIELDS.names()) | {f.name for p in self.processors for f in p.fields}
+            owned = set(DEFAULT_FIELDS.names()) | {f.name for p in self.processors for f in p.fields
+                                                   if type(p).__module__.startswith("fleetlab.")}
             self._open_fields = frozenset(n for n in self.batch_fields.names() if n not in owned)
         return self._open_fields
 

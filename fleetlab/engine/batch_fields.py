@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 HOMES = ("host", "device")
+DEVICE_DTYPES = ("bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,8 @@ class Field:
                 raise ValueError(f"field {self.name!r}: unknown dtype {self.dtype!r}") from exc
         elif self.home == "device":
             raise ValueError(f"field {self.name!r}: dtype 'object' cannot live on the device")
+        if self.home == "device" and np.dtype(self.dtype).name not in DEVICE_DTYPES:
+            raise ValueError(f"field {self.name!r}: dtype {self.dtype!r} cannot live on the device; Paddle holds {DEVICE_DTYPES}")
         if not isinstance(self.per_row_shape, tuple):
             raise TypeError(f"field {self.name!r}: per_row_shape must be a tuple")
 
