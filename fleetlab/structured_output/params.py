@@ -64,7 +64,7 @@ class StructuredOutputsParams:
             raise FieldTypeError(f"request {request_id!r}: structured_outputs={_short(value)} must be a "
                                  f"StructuredOutputsParams or a dict of its fields, not {type(value).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
+        unknown = sorted(map(str, set(value) - known))  # keys of any type: sorted as text
         if unknown:
             raise ValueError(f"request {request_id!r}: structured_outputs has unknown fields {unknown}; "
                              f"fleetlab supports {sorted(known)}")
