@@ -133,8 +133,9 @@ class LLM:
         self._closables.append(self.structured_outputs)
         processors = [self.structured_outputs, *processors]
         fields = DEFAULT_FIELDS.copy()
-        for field in batch_fields + [f for p in processors for f in p.fields]:
-            fields.register(field)
+        for owner, field in [("LLM(batch_fields=...)", f) for f in batch_fields] + [
+                (f"logits processor {type(p).__name__}", f) for p in processors for f in p.fields]:
+            fields.register(field, owner=owner)
         batch = InputBatch(max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                            max_blocks_per_seq=-(-self.max_model_len // cfg.block_size), fields=fields)
         self.runner = ModelRunner(self.handle, self.kv_cache, batch, reorder=backend_cls.requires_reorder

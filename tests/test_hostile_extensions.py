@@ -320,3 +320,49 @@ def test_a_rolled_back_step_leaves_the_prefix_cache_counters_unchanged(model, or
         assert after["prefix_cache_queries"] == before["prefix_cache_queries"] + 1  # counted once, not twice
         assert after["prefix_cache_hit_tokens"] == before["prefix_cache_hit_tokens"] + 12
         assert llm.pool.num_free_blocks == llm.pool.num_blocks
+
+
+def test_step_trace_reordered_means_rows_moved(model, oracle):
+    with LLM(model, block_size=4, max_num_batched_tokens=16, reorder=True, record_traces=True) as llm:
+        llm.generate(prompt_token_ids=oracle[0][:1], sampling_params=GREEDY, use_tqdm=False)  # one row: nothing moves
+        assert llm.traces and all(t.reorder and not t.reordered for t in llm.traces)
+        llm.generate(prompt_token_ids=[oracle[0][0] * 3, *oracle[0]], sampling_params=GREEDY, use_tqdm=False)
+        moved = [t for t in llm.traces if t.reordered]
+        assert all(t.order_before != t.order_after for t in moved)
+        assert all(t.order_before == t.order_after for t in llm.traces if not t.reordered)
+
+
+class IdsTokenizer:
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_offline_text_leaves_out_the_stop_tokens_text_as_vllm(model, oracle):
+    prompt, want = oracle[0][0], oracle[1][0]
+    stop = want[2]
+    with LLM(model, IdsTokenizer(), block_size=4, max_num_batched_tokens=16) as llm:
+        for include in (False, True):
+            sp = SamplingParams(max_tokens=6, stop_token_ids=[stop], include_stop_str_in_output=include)
+            out, = llm.generate(prompt_token_ids=[prompt], sampling_params=sp, use_tqdm=False)
+            end = want.index(stop) + 1
+            assert out.token_ids == want[:end] and out.stop_reason == stop  # the token stays in the ids
+            assert out.text == " ".join(map(str, want[: end if include else end - 1]))
+
+
+class AlsoScale(LogitsProcessor):
+    fields = (Field("scale", (), "float32"),)
+
+    def __call__(self, logits, st):
+        return logits
+
+
+def test_a_field_declared_twice_names_who_declared_it_first(model):
+    with pytest.raises(ValueError, match=r"field 'scale' of logits processor AlsoScale is already registered by "
+                                         r"LLM\(batch_fields=...\)"):
+        LLM(model, batch_fields=[Field("scale", (3,), "float32")], logits_processors=[AlsoScale()])
+    with pytest.raises(ValueError, match=r"field 'seed' of LLM\(batch_fields=...\) is already registered by the "
+                                         r"engine"):
+        LLM(model, batch_fields=[Field("seed")])

@@ -104,14 +104,17 @@ class FieldRegistry:
     was built with.
     """
 
-    def __init__(self, fields: tuple[Field, ...] | list[Field] = (), *, frozen: bool = False) -> None:
+    def __init__(self, fields: tuple[Field, ...] | list[Field] = (), *, frozen: bool = False,
+                 owners: Mapping[str, str] | None = None) -> None:
         self._fields: dict[str, Field] = {}
+        self._owners = dict(owners or {})  # field name -> who registered it, for the duplicate's message
         for field in fields:
-            self.register(field)
+            self.register(field, owner=self._owners.get(field.name, ""))
         self.frozen = frozen
 
-    def register(self, field: Field) -> Field:
-        """Add ``field``; a second field with the same name is an error."""
+    def register(self, field: Field, owner: str = "") -> Field:
+        """Add ``field`` (``owner``: who declares it, named if another declares it again); a second
+        field with the same name is an error."""
         if getattr(self, "frozen", False):
             raise ValueError(f"cannot add field {field.name!r}: a batch's fields are fixed once it is built; "
                              "register it on a copy and pass it as InputBatch(..., fields=...) "
@@ -119,13 +122,15 @@ class FieldRegistry:
         if not isinstance(field, Field):
             raise TypeError(f"expected a Field, got {type(field).__name__}")
         if field.name in self._fields:
-            raise ValueError(f"field {field.name!r} is already registered")
+            first = self._owners.get(field.name) or "an earlier registration"
+            raise ValueError(f"field {field.name!r}{' of ' + owner if owner else ''} is already registered by {first}")
         self._fields[field.name] = field
+        self._owners[field.name] = owner
         return field
 
     def copy(self, *, frozen: bool = False) -> FieldRegistry:
         """An independent registry with the same fields (unfrozen unless asked)."""
-        return FieldRegistry(tuple(self._fields.values()), frozen=frozen)
+        return FieldRegistry(tuple(self._fields.values()), frozen=frozen, owners=self._owners)
 
     def names(self) -> list[str]:
         return list(self._fields)
@@ -185,3 +190,4 @@ DEFAULT_FIELDS = FieldRegistry(
            "side data bound to the request: (positions, embeddings) replacing prompt token embeddings"),
     ]
 )
+DEFAULT_FIELDS._owners = dict.fromkeys(DEFAULT_FIELDS.names(), "the engine (fleetlab DEFAULT_FIELDS)")
