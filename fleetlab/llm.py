@@ -212,7 +212,7 @@ class LLM:
         if sp.n == 1 and (sp.best_of or 1) == 1:
             return None, [req]
         parent = ParentRequest(req.request_id, sp, live)
-        return parent, [self.processor.child(req, parent.child_params(i), cid) for i, cid in enumerate(parent.child_ids)]
+        return parent, [self.processor.child(req, parent.child_params(i), c) for i, c in enumerate(parent.child_ids)]
 
     def _queue(self, parent: ParentRequest | None, reqs: list) -> None:
         self.handle.check_live()  # a stale LLM (its model closed or re-patched) queues nothing

@@ -116,8 +116,8 @@ def test_logit_bias_keys_that_look_like_digits_are_refused_naming_the_field(llm,
     ({"scale": ["a", "b", "c"]}, ValueError, "scale"),
     ({"poison": 2**40}, ValueError, "poison"),
     ({1: 2}, TypeError, "field name 1 must be a str"),
-], ids=["list", "str", "temperature", "token_ids", "seed", "penalty", "prompt_embeds", "grammar", "bias", "unknown", "broadcast",
-        "scalar", "rank", "text", "overflow", "int-key"])
+], ids=["list", "str", "temperature", "token_ids", "seed", "penalty", "prompt_embeds", "grammar", "bias", "unknown",
+        "broadcast", "scalar", "rank", "text", "overflow", "int-key"])
 def test_extra_is_checked_at_the_edge(llm, oracle, extra, exc, words):
     with pytest.raises(exc, match=r"request 'x': extra.*" + words):
         llm.add_request(prompt_token_ids=oracle[0][0], request_id="x", extra=extra)
@@ -249,8 +249,12 @@ def test_a_proposer_class_instance_and_its_options_are_accepted(model, oracle):
             assert (llm.proposer.token, llm.proposer.count) == (want[0][1], 2)
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
             assert [o.token_ids for o in outs] == want
-            assert llm.stats()["num_accepted_tokens"] > 0
-    with pytest.raises(ValueError, match=r"unknown field\(s\) \['tokn'\].*OptionProposer's own options \['count', 'token'\]"):
+            stats = llm.stats()
+            assert stats["num_accepted_tokens"] > 0 and stats["num_drafts"] > 0
+            assert sum(stats["num_accepted_tokens_per_pos"]) == stats["num_accepted_tokens"]
+            assert len(stats["num_accepted_tokens_per_pos"]) <= 2
+    own = r"unknown field\(s\) \['tokn'\].*OptionProposer's own options \['count', 'token'\]"
+    with pytest.raises(ValueError, match=own):
         LLM(model, speculative_config={"method": OptionProposer, "num_speculative_tokens": 2, "tokn": 1})
 
 

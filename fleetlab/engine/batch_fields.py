@@ -57,7 +57,7 @@ class Field:
         elif self.home == "device":
             raise ValueError(f"field {self.name!r}: dtype 'object' cannot live on the device")
         if self.home == "device" and np.dtype(self.dtype).name not in DEVICE_DTYPES:
-            raise ValueError(f"field {self.name!r}: dtype {self.dtype!r} cannot live on the device; Paddle holds {DEVICE_DTYPES}")
+            raise ValueError(f"field {self.name!r}: dtype {self.dtype!r} cannot live on the device: {DEVICE_DTYPES}")
         if not isinstance(self.per_row_shape, tuple):
             raise TypeError(f"field {self.name!r}: per_row_shape must be a tuple")
 

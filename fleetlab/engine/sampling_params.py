@@ -29,11 +29,13 @@ class SamplingParams:
       the same tokens whatever else shares the batch (each draw uses the seed and the
       token's index, not a shared generator).
     stop_token_ids: token ids (a sequence of ints >= 0, inside the vocabulary; at most the
-      batch's ``max_stop_ids``): generation stops after emitting one (it stays in token_ids).
+      batch's ``max_stop_ids``): generation stops after emitting one (it stays in token_ids;
+      its text, as EOS's, is left out of ``text`` unless ``include_stop_str_in_output``, as vLLM).
     stop: strings that end the output where one appears in its text (a string or a list of
       non-empty strings; needs a tokenizer): ``finish_reason="stop"`` and ``stop_reason`` the
       string; the text is cut before it (see :mod:`fleetlab.output.stop`).
-    include_stop_str_in_output: keep the stop string at the end of the text (True or False).
+    include_stop_str_in_output: keep the stop string (or the stop token's text) at the end of the
+      text (True or False).
     ignore_eos: keep going past the model's EOS token (True or False).
     min_tokens: EOS and stop tokens are masked out until this many tokens exist; an int in
       ``[0, max_tokens]`` (clamped with ``max_tokens``).

@@ -49,7 +49,8 @@ class StepTrace:
     rows: the batch rows in the order the model ran them; order_before / order_after:
     request ids by batch row before and after the decode-first reorder (equal when the step
     did not reorder); reordered: the reorder moved rows this step; reorder: it is on for this
-    engine (a step may still find every decode first already); tokens: request id -> the tokens it kept this step; timings: seconds
+    engine (a step may still find every decode first already); tokens: request id -> the
+    tokens it kept this step; timings: seconds
     spent in each of ``STEP_TIMING_PARTS``, and in ``"record"`` the recorder's own (building
     this trace: what the step would not spend without a recorder).
     """
