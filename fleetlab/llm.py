@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 import weakref
+from collections import ChainMap
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -199,7 +200,7 @@ class LLM:
         model's vocabulary ends the request with ``finish_reason="error"`` once it runs
         (``generate`` and the server refuse it before anything is queued).
         """
-        live = _LiveIds(self.scheduler.requests, self.output_processor.parents)
+        live = ChainMap(self.scheduler.requests, self.output_processor.parents)  # the ids it may not take
         req = self.processor.process(prompt, sampling_params, prompt_token_ids, request_id, live, priority,
                                      prompt_embeds, extra)
         self._queue(*self._fan_out(req, live))
@@ -318,17 +319,6 @@ class LLM:
         """Pool and cache figures (:func:`fleetlab.inspect.stats.engine_stats`: blocks, hit rate,
         preemptions, steps, requests running and waiting; drafts accepted with speculation)."""
         return engine_stats(self)
-
-
-class _LiveIds:
-    """The ids a new request may not take (``in`` only): the engine's requests, and the
-    parallel-sampling parents still running."""
-
-    def __init__(self, requests, parent_ids):
-        self.requests, self.parent_ids = requests, parent_ids
-
-    def __contains__(self, request_id) -> bool:
-        return request_id in self.requests or request_id in self.parent_ids
 
 
 def _release(handle, proposers) -> None:
