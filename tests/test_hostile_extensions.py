@@ -283,12 +283,26 @@ class IdVictim(SchedulingPolicy):
         return running[-1].request_id  # an id, not the request
 
 
-def test_a_policy_returning_an_id_as_victim_is_named(model, oracle):
+class CopyVictim(SchedulingPolicy):
+    name = "copy-victim"
+
+    def pick_victim(self, running):
+        import copy
+
+        return copy.copy(running[-1])  # a request, but not the running one
+
+
+@pytest.mark.parametrize("policy, exc, words", [
+    (IdVictim(), TypeError, r"scheduling policy 'id-victim' \(IdVictim\): pick_victim returned '\d+'"),
+    (CopyVictim(), ValueError, r"scheduling policy 'copy-victim' \(CopyVictim\): pick_victim returned request "
+                               r"'\d+', which is not running"),
+], ids=["id", "copy"])
+def test_a_policy_returning_no_running_request_as_victim_is_named(model, oracle, policy, exc, words):
     with LLM(model, block_size=4, max_num_batched_tokens=16, num_blocks=8, max_model_len=32,
-             scheduling_policy=IdVictim()) as llm:
+             scheduling_policy=policy) as llm:
         for prompt in oracle[0]:
             llm.add_request(prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=24, ignore_eos=True))
-        with pytest.raises(TypeError, match=r"scheduling policy 'id-victim' \(IdVictim\): pick_victim returned '\d+'"):
+        with pytest.raises(exc, match=words):
             while llm.has_unfinished_requests():
                 llm.step()
         llm.abort(list(llm.scheduler.requests))
