@@ -7,10 +7,13 @@ Four composable pieces, each driven by a notebook:
 3. a persistent batch with decode-first reordering (:class:`InputBatch`);
 4. a decode loop (:class:`Scheduler`, :class:`LLM`).
 
-The extension points are exported here too: :class:`AttentionBackend`,
-:class:`SchedulingPolicy`, :class:`Proposer`, :class:`KVConnector` and their ``register_*`` functions (one
-:class:`Registry` rule set), batch fields (:class:`Field`, :data:`DEFAULT_FIELDS`), and step
-observers (:class:`StepRecorder`).
+The extension points are exported here too: :class:`AttentionBackend` (and the default
+:class:`TiledBackend` to subclass), :class:`SchedulingPolicy` (and :class:`PriorityPolicy`; a
+policy sees :class:`Request` s), :class:`Proposer`, :class:`KVConnector` and their ``register_*``
+functions (one :class:`Registry` rule set), batch fields (:class:`Field`, :data:`DEFAULT_FIELDS`),
+:class:`LogitsProcessor` (called with the step's :class:`SamplingTensors`), step observers
+(:class:`StepRecorder`), and the correctness oracle, :func:`reference_greedy` (the unpatched
+model's own full forward).
 
 Names are imported lazily so that ``import fleetlab`` stays cheap and the
 pieces that need Paddle only load it when used. Importing fleetlab first also keeps
@@ -44,6 +47,12 @@ _LAZY = {
     "get_attention_backend": "fleetlab.attention.backend",
     "AttentionBackend": "fleetlab.attention.backend",
     "SchedulingPolicy": "fleetlab.engine.policies",
+    "PriorityPolicy": "fleetlab.engine.policies",
+    "Request": "fleetlab.engine.request",
+    "LogitsProcessor": "fleetlab.engine.logits_processor",
+    "SamplingTensors": "fleetlab.engine.sampler",
+    "TiledBackend": "fleetlab.attention.tiled",
+    "reference_greedy": "fleetlab.patching.parity",
     "register_policy": "fleetlab.engine.policies",
     "Proposer": "fleetlab.spec_decode.proposer",
     "register_proposer": "fleetlab.spec_decode.proposer",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 import weakref
+from collections import ChainMap
 from collections.abc import Sequence
 
 from tqdm.auto import tqdm
@@ -145,15 +146,18 @@ class LLM:
         self._closables.append(self.structured_outputs)
         processors = [self.structured_outputs, *processors]
         fields = DEFAULT_FIELDS.copy()
-        for field in batch_fields + [f for p in [*processors, self.proposer] if p is not None for f in p.fields]:
-            fields.register(field)
+        owned = [("LLM(batch_fields=...)", f) for f in batch_fields]
+        owned += [(f"{'proposer' if p is self.proposer else 'logits processor'} {type(p).__name__}", f)
+                  for p in [*processors, self.proposer] if p is not None for f in p.fields]
+        for owner, field in owned:
+            fields.register(field, owner=owner)
         return processors, InputBatch(max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                                       max_blocks_per_seq=-(-self.max_model_len // cfg.block_size), fields=fields)
 
     def _build_proposer(self, cfg, num_blocks: int, decode_threshold: int):
         context = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
                                   self.handle.vocab_size, decode_threshold)
-        proposer = PROPOSERS.get(self.spec_config.method)(self.spec_config, context)
+        proposer = PROPOSERS.make(self.spec_config.method, self.spec_config, context, **self.spec_config.options)
         self._closables.append(proposer)
         return proposer
 
@@ -203,7 +207,7 @@ class LLM:
         model's vocabulary ends the request with ``finish_reason="error"`` once it runs
         (``generate`` and the server refuse it before anything is queued).
         """
-        live = _LiveIds(self.scheduler.requests, self.output_processor.parents)
+        live = ChainMap(self.scheduler.requests, self.output_processor.parents)  # the ids it may not take
         req = self.processor.process(prompt, sampling_params, prompt_token_ids, request_id, live, priority,
                                      prompt_embeds, extra)
         self._queue(*self._fan_out(req, live))
@@ -215,10 +219,8 @@ class LLM:
         sp = req.sampling_params
         if sp.n == 1 and (sp.best_of or 1) == 1:
             return None, [req]
-        parent = ParentRequest(req.request_id, sp)
-        return parent, [self.processor.process(None, parent.child_params(i), req.prompt_token_ids, cid, live,
-                                               req.priority, None, dict(req.extra))
-                        for i, cid in enumerate(parent.child_ids)]
+        parent = ParentRequest(req.request_id, sp, live)
+        return parent, [self.processor.child(req, parent.child_params(i), c) for i, c in enumerate(parent.child_ids)]
 
     def _queue(self, parent: ParentRequest | None, reqs: list) -> None:
         self.handle.check_live()  # a stale LLM (its model closed or re-patched) queues nothing
@@ -263,7 +265,8 @@ class LLM:
             req.finish_time = now
         return self.output_processor.process([RequestOutput.from_request(req, []) for req in aborted])[0]
 
-    def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = True):
+    def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = True,
+                 extra=None):
         """Run every prompt to completion; returns ``RequestOutput`` s in input order (with
         ``n > 1``: the prompt's ``n`` sequences in ``index`` order, then the next prompt's).
 
@@ -271,12 +274,13 @@ class LLM:
         ``prompt_token_ids``: a list of token-id lists. ``sampling_params``: one
         ``SamplingParams`` for all, or one per prompt. Every request is validated before
         any runs, so a bad one raises ``ValueError`` and nothing is queued. If the loop is
-        interrupted (an exception, Ctrl-C), this call's requests are aborted first.
+        interrupted (an exception, Ctrl-C), this call's requests are aborted first. ``extra``:
+        batch-field values as in ``add_request``, one dict for all prompts or one per prompt.
         """
         live = set(self.scheduler.requests) | set(self.output_processor.parents)
         queued = []
-        for prompt, ids, sp in generate_items(prompts, prompt_token_ids, sampling_params):
-            req = self.processor.process(prompt, sp, ids, None, live)
+        for prompt, ids, sp, values in generate_items(prompts, prompt_token_ids, sampling_params, extra):
+            req = self.processor.process(prompt, sp, ids, None, live, extra=values)
             parent, reqs = self._fan_out(req, live)
             live |= {req.request_id, *(r.request_id for r in reqs)}
             queued.append((req.request_id, req.sampling_params.n, parent, reqs))
@@ -322,17 +326,6 @@ class LLM:
         """Pool and cache figures (:func:`fleetlab.inspect.stats.engine_stats`: blocks, hit rate,
         preemptions, steps, requests running and waiting; drafts accepted with speculation)."""
         return engine_stats(self)
-
-
-class _LiveIds:
-    """The ids a new request may not take (``in`` only): the engine's requests, and the
-    parallel-sampling parents still running."""
-
-    def __init__(self, requests, parent_ids):
-        self.requests, self.parent_ids = requests, parent_ids
-
-    def __contains__(self, request_id) -> bool:
-        return request_id in self.requests or request_id in self.parent_ids
 
 
 def _close_all(handle, closables) -> None:

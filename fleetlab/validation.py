@@ -23,6 +23,7 @@ from dataclasses import fields, replace
 import numpy as np
 
 from fleetlab.attention.backend import ATTENTION_BACKENDS
+from fleetlab.engine.batch_fields import DEFAULT_FIELDS
 from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.policies import POLICIES
 from fleetlab.engine.request import Request
@@ -172,7 +173,8 @@ def check_sampling_params(sp, request_id: str = "?"):
                    logit_bias=_logit_bias(where, sp.logit_bias),
                    logprobs=_num_logprobs(where, "logprobs", sp.logprobs),
                    prompt_logprobs=_num_logprobs(where, "prompt_logprobs", sp.prompt_logprobs),
-                   structured_outputs=_structured_outputs(where, request_id, sp.structured_outputs, ignore_eos))
+                   structured_outputs=_structured_outputs(where, request_id, sp.structured_outputs, ignore_eos),
+                   extra_args=_extra_args(where, sp.extra_args))
 
 
 MAX_NUM_SEQUENCES = 16384
@@ -212,11 +214,25 @@ def _logit_bias(where: str, bias) -> dict[int, float] | None:
                              f"not {type(bias).__name__}")
     out = {}
     for key, value in bias.items():
-        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        # "²" and "١" pass str.isdigit(); JSON's numeric keys are ASCII digits only
+        token = int(key) if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit() else key
         token = int_field(where, f"logit_bias key {key!r}", token, 0)
         value = float_field(where, f"logit_bias[{key!r}]", value, -FLOAT32_MAX, FLOAT32_MAX)
         out[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
     return out or None
+
+
+def _extra_args(where: str, value) -> dict | None:
+    """None, or a copy of a mapping with str keys (free-form: its values are checked where used)."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise FieldTypeError(f"{where} extra_args={_short(value)} must be a dict {{name: value}}, "
+                             f"not {type(value).__name__}")
+    bad = [k for k in value if not isinstance(k, str)]
+    if bad:
+        raise FieldTypeError(f"{where} extra_args key {_short(bad[0])} must be a str")
+    return dict(value)
 
 
 def _structured_outputs(where: str, request_id: str, value, ignore_eos: bool):
@@ -309,21 +325,30 @@ def resolve_max_model_len(cfg: EngineConfig, model_max_len: int) -> int:
 
 
 def check_speculative_config(config):
-    """A checked ``SpeculativeConfig`` from a dict (or one passed through); see its docstring."""
+    """A checked ``SpeculativeConfig`` from a dict (or one passed through); see its docstring.
+
+    ``method`` is a registered name, a ``Proposer`` subclass or an instance (as everywhere a
+    registry's kind is taken). Keys that are not ``SpeculativeConfig`` fields are the
+    proposer's own options: accepted when its class takes them as keyword arguments of its
+    ``__init__`` (kept in ``options``), refused by name otherwise."""
     if not isinstance(config, SpeculativeConfig):
         if not isinstance(config, dict):
             raise FieldTypeError(f"speculative_config must be a dict; got {type(config).__name__}")
-        unknown = sorted(set(config) - {f.name for f in fields(SpeculativeConfig)})
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: "
-                             f"{sorted(f.name for f in fields(SpeculativeConfig))}")
         missing = [name for name in ("method", "num_speculative_tokens") if name not in config]
         if missing:
             raise ValueError(f"speculative_config: field {missing[0]!r} is required")
-        config = SpeculativeConfig(**config)
-    if not isinstance(config.method, str) or config.method not in PROPOSERS.names():
-        raise ValueError(f"speculative_config: method={config.method!r} is not a registered proposer; "
-                         f"known: {PROPOSERS.names()}")
+        known = {f.name for f in fields(SpeculativeConfig)} - {"options"}
+        options = {k: v for k, v in config.items() if k not in known}
+        config = SpeculativeConfig(**{k: v for k, v in config.items() if k in known}, options=options)
+    cls = _proposer_class(config.method)
+    unknown = sorted(set(config.options) - _keyword_options(cls))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: "
+                         f"{sorted(f.name for f in fields(SpeculativeConfig) if f.name != 'options')}"
+                         f" and {cls.__name__}'s own options {sorted(_keyword_options(cls))}")
+    if isinstance(config.method, PROPOSERS.base) and config.options:
+        raise ValueError(f"speculative_config: options {sorted(config.options)} cannot reach a proposer instance "
+                         "(it is built already): pass its class, or build it with them")
     where = "speculative_config: field"
     config.num_speculative_tokens = int_field(where, "num_speculative_tokens", config.num_speculative_tokens, 1, 16)
     config.prompt_lookup_min = int_field(where, "prompt_lookup_min", config.prompt_lookup_min, 1, 64)
@@ -334,7 +359,31 @@ def check_speculative_config(config):
     if config.method == "draft" and config.model is None:
         raise ValueError("speculative_config: method='draft' needs field 'model' (e.g. "
                          "fleetlab.models.load_tiny_draft()[0])")
+    k = getattr(config.method, "num_speculative_tokens", config.num_speculative_tokens)
+    if k != config.num_speculative_tokens:
+        raise ValueError(f"speculative_config: num_speculative_tokens={config.num_speculative_tokens}, but the "
+                         f"proposer instance drafts {k!r}")
     return config
+
+
+def _proposer_class(method) -> type:
+    """The proposer class ``method`` names (a name, a subclass or an instance)."""
+    try:
+        return PROPOSERS.resolve(method)
+    except TypeError:
+        raise FieldTypeError(f"speculative_config: method={method!r:.60} must be a registered proposer "
+                             f"({PROPOSERS.names()}), a Proposer subclass or an instance of one") from None
+    except ValueError:
+        raise ValueError(f"speculative_config: method={method!r:.60} is not a registered proposer; "
+                         f"known: {PROPOSERS.names()}") from None
+
+
+def _keyword_options(cls) -> set[str]:
+    """The keyword-only parameters of a proposer class's ``__init__`` (its own options)."""
+    import inspect
+
+    params = inspect.signature(cls.__init__).parameters.values()
+    return {p.name for p in params if p.kind is p.KEYWORD_ONLY}
 
 
 # ----------------------------------------------------------------------------- requests
@@ -369,6 +418,9 @@ class InputProcessor:
         self.block_size, self.num_blocks, self.max_stop_ids = block_size, num_blocks, max_stop_ids
         self.batch_fields, self.processors, self.num_lookahead_tokens = batch_fields, processors, num_lookahead_tokens
         self._ids, self._arrivals = itertools.count(), itertools.count()
+        self._open_fields = None  # the batch fields extra may set (worked out on first use)
+        self._sizes = {"max_model_len": max_model_len, "max_stop_ids": max_stop_ids,
+                       "max_blocks_per_seq": -(-max_model_len // block_size)}  # as the InputBatch's
         self._rng = np.random.default_rng(seed)
 
     def process(self, prompt, sampling_params, prompt_token_ids, request_id, live_ids, priority=0,
@@ -385,7 +437,20 @@ class InputProcessor:
         sp = self._bound(rid, ids, check_sampling_params(sp, rid))
         if sp.stop and self.tokenizer is None:
             raise ValueError(f"request {rid!r}: sampling field stop: stop strings need a tokenizer; the LLM has none")
-        extra = self._extra(rid, extra, prompt_embeds, len(ids))
+        extra = self._extra(rid, extra, prompt_embeds, len(ids), sp.extra_args)
+        return self._request(rid, ids, sp, priority, extra)
+
+    def child(self, parent, sampling_params, request_id: str):
+        """Child ``request_id`` of the parallel-sampling request ``parent`` (a checked
+        ``Request``): its prompt, priority and batch-field values, its own settings
+        ``sampling_params`` (:func:`fleetlab.output.parallel_sampling.child_sampling_params`)."""
+        ids = parent.prompt_token_ids
+        sp = self._bound(request_id, ids, check_sampling_params(sampling_params, request_id))
+        extra = {k: v for k, v in parent.extra.items() if k in self._user_fields() or k == "prompt_embeds"}
+        return self._request(request_id, ids, sp, parent.priority, extra)
+
+    def _request(self, rid: str, ids: list[int], sp, priority: int, extra: dict):
+        """The ``Request``: processors' field values filled, its grammar's compile started."""
         for processor in self.processors:
             extra.update(processor.request_values(sp))
         waiting_on = None
@@ -475,23 +540,66 @@ class InputProcessor:
         if value is None:
             return None
         num = self.vocab_size if value == -1 else value
+        if num > self.vocab_size:
+            raise ValueError(f"request {rid!r}: sampling field {name}={value} asks for more log-probabilities per "
+                             f"token than the vocabulary's {self.vocab_size} tokens")
         if num > MAX_LOGPROBS:
             raise ValueError(f"request {rid!r}: sampling field {name}={value} asks for {num} log-probabilities per "
                              f"token, more than the {MAX_LOGPROBS} allowed (vLLM's default max_logprobs)")
         return num
 
-    def _extra(self, rid, extra, prompt_embeds, num_prompt_tokens: int) -> dict:
+    def _extra(self, rid, extra, prompt_embeds, num_prompt_tokens: int, extra_args=None) -> dict:
         """The request's own batch-field values: ``extra`` (by field name, each value checked by
-        the field's dtype and shape) and side data ``prompt_embeds``."""
-        extra = dict(extra or {})
+        the field's dtype and its row's shape), the keys of ``sampling_params.extra_args`` that
+        name such a field, and side data ``prompt_embeds``. Only fields the user added are open
+        to ``extra``: the engine's own (``temperature``, ``token_ids``...) and its built-in
+        processors' are set from the sampling params, within their bounds."""
+        where = f"request {rid!r}: extra"
+        if extra is not None and not isinstance(extra, Mapping):
+            raise FieldTypeError(f"{where}={_short(extra)} must be a dict {{field name: value}}, "
+                                 f"not {type(extra).__name__}")
+        values = {k: v for k, v in (extra_args or {}).items() if k in self._user_fields()}
+        values.update(extra or {})
+        out = {}
+        for name, value in values.items():
+            if not isinstance(name, str):
+                raise FieldTypeError(f"{where} field name {_short(name)} must be a str")
+            if name not in self._user_fields():
+                raise ValueError(f"{where} field {name!r} is not one of this LLM's own batch fields "
+                                 f"{sorted(self._user_fields())}" + _why_not_extra(name, self.batch_fields))
+            out[name] = check_field_value(self.batch_fields[name], f"{where} field", value, self._sizes)
         if prompt_embeds is not None:
-            extra["prompt_embeds"] = normalize_prompt_embeds(rid, prompt_embeds, num_prompt_tokens, self.hidden_size)
-        for name, value in extra.items():
-            if name not in self.batch_fields or name == "req_id":
-                raise ValueError(f"request {rid!r}: extra field {name!r} is not a field of the engine's InputBatch "
-                                 f"(pass LLM(..., batch_fields=[Field({name!r}, ...)]) to add it)")
-            extra[name] = field_value(self.batch_fields[name], f"request {rid!r}: extra field", value)
-        return extra
+            out["prompt_embeds"] = normalize_prompt_embeds(rid, prompt_embeds, num_prompt_tokens, self.hidden_size)
+        return out
+
+    def _user_fields(self) -> frozenset:
+        """The batch fields ``extra`` may set: the user's (``batch_fields``, their own logits
+        processors'), not the engine's nor its built-in processors' (penalties, grammars)."""
+        if self._open_fields is None:
+            owned = set(DEFAULT_FIELDS.names()) | {f.name for p in self.processors for f in p.fields
+                                                   if type(p).__module__.startswith("fleetlab.")}
+            self._open_fields = frozenset(n for n in self.batch_fields.names() if n not in owned)
+        return self._open_fields
+
+
+def _why_not_extra(name: str, batch_fields) -> str:
+    if name in DEFAULT_FIELDS or name in batch_fields:
+        return (f"; {name!r} is the engine's own (set it through SamplingParams or add_request's "
+                "arguments, within their bounds)")
+    return f" (pass LLM(..., batch_fields=[Field({name!r}, ...)]) to add it)"
+
+
+def check_field_value(field, where: str, value, sizes: Mapping[str, int]):
+    """``value`` as one row of batch field ``field``: its dtype (``field_value``) and
+    exactly its row's shape (``sizes`` resolves named dimensions); a scalar is never
+    broadcast over a row. ``ValueError`` naming the field otherwise."""
+    cast = field_value(field, where, value)
+    if field.dtype != "object":
+        shape = field.resolve_shape(sizes)
+        if tuple(cast.shape) != shape:
+            raise ValueError(f"{where} {field.name} has shape {list(cast.shape)}; the field holds "
+                             f"{field.dtype} values of shape {list(shape)} per row")
+    return cast
 
 
 def normalize_prompt_embeds(request_id: str, prompt_embeds, num_prompt_tokens: int, hidden_size: int):
@@ -528,8 +636,9 @@ def normalize_prompt_embeds(request_id: str, prompt_embeds, num_prompt_tokens: i
     return positions, values
 
 
-def generate_items(prompts, prompt_token_ids, sampling_params) -> list[tuple]:
-    """``generate``'s arguments as ``(prompt, prompt_token_ids, sampling_params)`` per request."""
+def generate_items(prompts, prompt_token_ids, sampling_params, extra=None) -> list[tuple]:
+    """``generate``'s arguments as ``(prompt, prompt_token_ids, sampling_params, extra)`` per
+    request (``extra``: None, one mapping for all, or a list of one per prompt)."""
     if (prompts is None) == (prompt_token_ids is None):
         raise ValueError("generate: give exactly one of prompts and prompt_token_ids")
     if prompts is not None:
@@ -548,8 +657,10 @@ def generate_items(prompts, prompt_token_ids, sampling_params) -> list[tuple]:
     sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
     if len(sps) != len(items):
         raise ValueError(f"generate: {len(sps)} sampling_params for {len(items)} prompts")
-    return [(p, ids, sp) for (p, ids), sp in zip(items, sps)]
-
+    extras = list(extra) if isinstance(extra, (list, tuple)) else [extra] * len(items)
+    if len(extras) != len(items):
+        raise ValueError(f"generate: {len(extras)} extra dicts for {len(items)} prompts")
+    return [(p, ids, sp, e) for (p, ids), sp, e in zip(items, sps, extras)]
 
 # ----------------------------------------------------------------------------- the core's public pieces
 # Checks of what a learner hands the core's pieces directly (a batch field's value); the
@@ -578,3 +689,73 @@ def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
     if draft_vocab_size != target_vocab_size:
         raise ValueError(f"speculative_config: field 'model' has vocabulary {draft_vocab_size}, the target "
                          f"{target_vocab_size}: a draft must share the target's tokenizer")
+
+
+
+# ----------------------------------------------------------------------------- what extensions return
+# A prototype's own code (a logits processor, a proposer, a scheduling policy) is checked where
+# the engine receives what it returns: a mistake there is named after the extension, never left
+# to fail later in Paddle (or in the embedding: a draft id of 10**9 crashed the process).
+def apply_processor(processor, logits, st):
+    """``processor(logits, st)``, checked where the sampler receives it.
+
+    A result that is not a tensor of the shape and dtype it was given (``[P, vocab]``: a column
+    more would let an id outside the vocabulary out, one less shifts nothing visibly) raises
+    ``ValueError`` naming the processor (the step is rolled back). A processor that is not
+    fleetlab's own is also checked for NaN: a position it made NaN stops that request with an
+    error naming the processor (``st.row_errors``), the others go on. That check costs one
+    device-to-host read of ``[P]`` flags per such processor and step.
+    """
+    import paddle
+
+    out = processor(logits, st)
+    name = f"logits processor {type(processor).__name__}"
+    if not isinstance(out, paddle.Tensor):
+        raise ValueError(f"{name} returned {type(out).__name__}; it must return the logits tensor it was given "
+                         f"({list(logits.shape)}), changed")
+    if list(out.shape) != list(logits.shape) or out.dtype != logits.dtype:
+        raise ValueError(f"{name} returned logits {list(out.shape)} {out.dtype}; it was given {list(logits.shape)} "
+                         f"{logits.dtype} ([scored positions, vocab]) and must return that shape and dtype")
+    if not type(processor).__module__.startswith("fleetlab.") and out.shape[0]:
+        for p in np.flatnonzero(paddle.isnan(out).any(axis=-1).numpy()).tolist():
+            row = int(st.pos_row[p]) if st.pos_row is not None else p
+            st.row_errors.setdefault(row, f"{name} returned NaN logits for this request")
+    return out
+
+
+def check_drafts(proposer, drafts, req_ids, vocab_size: int) -> dict[str, list[int]]:
+    """What ``proposer.propose`` returned, checked where the runner receives it: a dict from
+    ids of the batch's requests (``req_ids``) to at most ``k`` int token ids in
+    ``[0, vocab_size)``. Anything else raises ``ValueError`` naming the proposer and the
+    request (the step is rolled back)."""
+    name = f"proposer {getattr(proposer, 'name', '?')!r} ({type(proposer).__name__})"
+    if not isinstance(drafts, Mapping):
+        raise FieldTypeError(f"{name}: propose returned {type(drafts).__name__}; it must return a dict "
+                             "{request id: [draft token ids]}")
+    live, k = set(req_ids) - {None}, proposer.num_speculative_tokens
+    out = {}
+    for rid, ids in drafts.items():
+        if rid not in live:
+            raise ValueError(f"{name}: propose returned drafts for request {rid!r:.60}, which is not in the batch")
+        ids = token_ids_field(f"{name}: request {rid!r}:", "drafts", ids)
+        if len(ids) > k:
+            raise ValueError(f"{name}: request {rid!r}: {len(ids)} drafts, more than num_speculative_tokens={k}")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name}: request {rid!r}: draft ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        out[rid] = ids
+    return out
+
+
+def check_victim(policy, victim, running: list):
+    """What ``policy.pick_victim(running)`` returned, checked where the scheduler receives it:
+    one of the ``running`` requests themselves (not an id, a copy or None), else a
+    ``TypeError`` / ``ValueError`` naming the policy (raised before anything is preempted)."""
+    if any(victim is r for r in running):
+        return victim
+    name = f"scheduling policy {getattr(policy, 'name', '?')!r} ({type(policy).__name__})"
+    if not isinstance(victim, Request):
+        raise FieldTypeError(f"{name}: pick_victim returned {_short(victim)} ({type(victim).__name__}); it must "
+                             "return one of the Request objects in the list it is given")
+    raise ValueError(f"{name}: pick_victim returned request {victim.request_id!r}, which is not running; it must "
+                     "return one of the requests in the list it is given")

@@ -22,6 +22,7 @@ import numpy as np
 from fleetlab.errors import FieldTypeError
 
 HOMES = ("host", "device")
+DEVICE_DTYPES = ("bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +56,9 @@ class Field:
             (self.home not in HOMES, f"home must be one of {HOMES}, got {self.home!r}"),
             (not dtype_ok, f"unknown dtype {self.dtype!r}"),
             (self.dtype == "object" and self.home == "device", "dtype 'object' cannot live on the device"),
+            (dtype_ok and self.home == "device" and self.dtype != "object"
+             and np.dtype(self.dtype).name not in DEVICE_DTYPES,
+             f"dtype {self.dtype!r} cannot live on the device: {DEVICE_DTYPES}"),
             (not isinstance(self.per_row_shape, tuple), "per_row_shape must be a tuple"),
         ]
         why = next((what for is_broken, what in broken if is_broken), None)
@@ -79,31 +83,36 @@ class FieldRegistry:
     was built with.
     """
 
-    def __init__(self, fields: tuple[Field, ...] | list[Field] = (), *, frozen: bool = False) -> None:
+    def __init__(self, fields: tuple[Field, ...] | list[Field] = (), *, frozen: bool = False,
+                 owners: Mapping[str, str] | None = None) -> None:
         self._fields: dict[str, Field] = {}
+        self._owners = dict(owners or {})  # field name -> who registered it, for the duplicate's message
         for field in fields:
-            self.register(field)
+            self.register(field, owner=self._owners.get(field.name, ""))
         self.frozen = frozen
 
-    def register(self, field: Field) -> Field:
-        """Add ``field``; a second field with the same name is an error."""
+    def register(self, field: Field, owner: str = "") -> Field:
+        """Add ``field`` (``owner``: who declares it, named if another declares it again); a second
+        field with the same name is an error."""
         broken = [
             (getattr(self, "frozen", False), f"cannot add field {getattr(field, 'name', field)!r}: a batch's fields "
              "are fixed once it is built; register it on a copy and pass it as InputBatch(..., fields=...) "
              "(or LLM(..., batch_fields=[...]))"),
             (not isinstance(field, Field), f"expected a Field, got {type(field).__name__}"),
             (getattr(field, "name", None) in self._fields,
-             f"field {getattr(field, 'name', '')!r} is already registered"),
+             f"field {getattr(field, 'name', '')!r}{' of ' + owner if owner else ''} is already registered by "
+             f"{self._owners.get(getattr(field, 'name', None)) or 'an earlier registration'}"),
         ]
         why = next((what for is_broken, what in broken if is_broken), None)
         if why:
             raise FieldTypeError(why)  # a TypeError (not a Field) and a ValueError (the rest) at once
         self._fields[field.name] = field
+        self._owners[field.name] = owner
         return field
 
     def copy(self, *, frozen: bool = False) -> FieldRegistry:
         """An independent registry with the same fields (unfrozen unless asked)."""
-        return FieldRegistry(tuple(self._fields.values()), frozen=frozen)
+        return FieldRegistry(tuple(self._fields.values()), frozen=frozen, owners=self._owners)
 
     def names(self) -> list[str]:
         return list(self._fields)
@@ -161,3 +170,4 @@ DEFAULT_FIELDS = FieldRegistry(
            "side data bound to the request: (positions, embeddings) replacing prompt token embeddings"),
     ]
 )
+DEFAULT_FIELDS._owners = dict.fromkeys(DEFAULT_FIELDS.names(), "the engine (fleetlab DEFAULT_FIELDS)")

@@ -30,6 +30,7 @@ from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.sampler import Sampler, SamplingTensors
 from fleetlab.engine.side_data import chunk_embeds
 from fleetlab.kv_transfer.base import NULL_CONNECTOR
+from fleetlab.validation import check_drafts
 
 
 @dataclass(slots=True)
@@ -105,7 +106,8 @@ class ModelRunner:
             self.sample(logits, inputs, out)
         if self.proposer is not None:
             with phase("propose"):
-                out.spec_token_ids = self.proposer.propose(self.batch, out.sampled_token_ids)
+                drafts = self.proposer.propose(self.batch, out.sampled_token_ids)
+                out.spec_token_ids = check_drafts(self.proposer, drafts, self.batch.req_ids, self.handle.vocab_size)
         return out
 
     def reset(self) -> None:

@@ -22,6 +22,7 @@ import paddle
 
 from fleetlab.device import upload
 from fleetlab.engine import logprobs as lp
+from fleetlab.validation import apply_processor
 
 
 @dataclass(slots=True)
@@ -141,11 +142,11 @@ class Sampler:
         ranks it), then the logprobs are taken, then the other processors run."""
         masks = [p for p in self.processors if getattr(p, "masks_tokens", False)]
         for processor in masks:
-            logits = processor(logits, st)
+            logits = apply_processor(processor, logits, st)
         raw = self._raw_logprobs(paddle.gather(logits, upload(lp_rows), axis=0)) if len(lp_rows) else None
         for processor in self.processors:
             if processor not in masks:
-                logits = processor(logits, st)
+                logits = apply_processor(processor, logits, st)
         return (self._ban(logits, st.banned) if any(st.banned) else logits), raw
 
     @staticmethod

@@ -29,11 +29,13 @@ class SamplingParams:
       the same tokens whatever else shares the batch (each draw uses the seed and the
       token's index, not a shared generator).
     stop_token_ids: token ids (a sequence of ints >= 0, inside the vocabulary; at most the
-      batch's ``max_stop_ids``): generation stops after emitting one (it stays in token_ids).
+      batch's ``max_stop_ids``): generation stops after emitting one (it stays in token_ids;
+      its text, as EOS's, is left out of ``text`` unless ``include_stop_str_in_output``, as vLLM).
     stop: strings that end the output where one appears in its text (a string or a list of
       non-empty strings; needs a tokenizer): ``finish_reason="stop"`` and ``stop_reason`` the
       string; the text is cut before it (see :mod:`fleetlab.output.stop`).
-    include_stop_str_in_output: keep the stop string at the end of the text (True or False).
+    include_stop_str_in_output: keep the stop string (or the stop token's text) at the end of the
+      text (True or False).
     ignore_eos: keep going past the model's EOS token (True or False).
     min_tokens: EOS and stop tokens are masked out until this many tokens exist; an int in
       ``[0, max_tokens]`` (clamped with ``max_tokens``).
@@ -60,6 +62,10 @@ class SamplingParams:
       :class:`~fleetlab.structured_output.StructuredOutputsParams` or a dict of its fields
       (vLLM's: ``json``, ``regex``, ``choice``, ``grammar``, ``json_object``; see
       :mod:`fleetlab.structured_output`). Not with ``ignore_eos`` (the grammar ends the output).
+    extra_args: None or a dict with str keys, free-form (vLLM's ``extra_args``): a key that
+      names one of the engine's own batch fields (``LLM(..., batch_fields=[Field("lora_id")])``)
+      sets that field for the request, checked like ``add_request(extra=...)``; other keys are
+      left for logits processors to read in ``request_values(sampling_params)``.
 
     numpy scalars count as the numbers they hold (``temperature=np.float32(0.7)``); a
     ``bool`` is not an int, and nothing else is converted: a wrong type raises
@@ -89,6 +95,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
+    extra_args: dict | None = None
 
     @property
     def greedy(self) -> bool:

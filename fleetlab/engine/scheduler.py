@@ -32,6 +32,7 @@ from fleetlab.engine.policies import POLICIES, SchedulingPolicy
 from fleetlab.engine.request import Request, RequestStatus
 from fleetlab.kv.manager import KVCacheManager
 from fleetlab.kv_transfer.base import NULL_CONNECTOR, KVConnector, requests_to_recompute
+from fleetlab.validation import check_victim
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class Scheduler:
             req = self.running[i]
             n = self._num_new_tokens(req, budget)
             while self.kv.allocate_slots(req, n, self._lookahead(req, n), max_num_tokens=self.max_model_len) is None:
-                victim = self.policy.pick_victim(self.running)
+                victim = check_victim(self.policy, self.policy.pick_victim(self.running), self.running)
                 budget += out.num_scheduled_tokens.pop(victim.request_id, 0)
                 out.scheduled_spec_decode_tokens.pop(victim.request_id, None)
                 if self.running.index(victim) < i:

@@ -49,7 +49,9 @@ class StepTrace:
 
     rows: the batch rows in the order the model ran them; order_before / order_after:
     request ids by batch row before and after the decode-first reorder (equal when the step
-    did not reorder); tokens: request id -> the tokens it kept this step; timings: seconds
+    did not reorder); reordered: the reorder moved rows this step; reorder: it is on for this
+    engine (a step may still find every decode first already); tokens: request id -> the
+    tokens it kept this step; timings: seconds
     spent in each of ``STEP_TIMING_PARTS``, and in ``"record"`` the recorder's own (building
     this trace: what the step would not spend without a recorder).
     """
@@ -67,6 +69,7 @@ class StepTrace:
     num_blocks: int
     num_batched_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
+    reorder: bool = False
 
 
 # The parts of a step that StepTrace.timings times, in the order they run.
@@ -102,10 +105,10 @@ class StepRecorder:
             num_decodes = int(self.batch.is_decode(self.decode_threshold).sum()) if self.reorder else 0
         self.traces.append(StepTrace(
             step=so.step, rows=rows, order_before=self._order_before if rows else [], order_after=order_after,
-            num_decodes=num_decodes, reordered=self.reorder and bool(rows), tokens=kept,
+            num_decodes=num_decodes, reordered=self._order_before != order_after if rows else False, tokens=kept,
             preempted=list(so.preempted_req_ids), finished=[o.request_id for o in outputs if o.finished],
             num_free_blocks=self.pool.num_free_blocks, num_blocks=self.pool.num_blocks,
-            num_batched_tokens=so.total_num_scheduled_tokens, timings=self._timings))
+            num_batched_tokens=so.total_num_scheduled_tokens, timings=self._timings, reorder=self.reorder))
         self._timings, self._order_before = {}, []
         self.traces[-1].timings["record"] = time.perf_counter() - start
 

@@ -40,7 +40,9 @@ class SpecDecodingStats:
 
     def as_dict(self) -> dict:
         """The ``LLM.stats()`` keys of speculative decoding."""
-        return {"num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(self.accepted_per_position),  # vLLM's counts, by draft position
                 "spec_acceptance_rate": self.acceptance_rate,
                 "spec_mean_acceptance_length": (self.num_accepted_tokens + self.num_drafts) / max(1, self.num_drafts),
                 "spec_acceptance_by_position": [a / d for a, d in zip(self.accepted_per_position,

@@ -65,6 +65,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks already in the prefix cache
         self._step_log: dict[str, _Registration] = {}
+        self._counters_before = None  # the hit-rate counters before this step's first admission
 
     # ------------------------------------------------------------------ queries
     @property
@@ -97,7 +98,8 @@ class KVCacheManager:
         return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
 
     def record_lookup(self, request, num_hit_tokens: int) -> None:
-        """Count one admission's prefix-cache query in the hit rate."""
+        """Count one admission's prefix-cache query in the hit rate (undone if the step fails)."""
+        self._counters_before = self._counters_before or self.prefix_cache.lookup_counters()
         self.prefix_cache.record_lookup(request.num_tokens, num_hit_tokens // self.block_size)
 
     def allocate_slots(self, request, num_new_tokens: int, num_lookahead_tokens: int = 0,
@@ -186,9 +188,13 @@ class KVCacheManager:
     def commit_step(self) -> None:
         """The step ran: its registrations stand."""
         self._step_log.clear()
+        self._counters_before = None
 
     def rollback_step(self) -> None:
-        """The step failed: drop every prefix-cache registration it made."""
+        """The step failed: drop every prefix-cache registration it made, and its queries' counts."""
+        if self._counters_before is not None:
+            self.prefix_cache.restore_lookup_counters(self._counters_before)
+            self._counters_before = None
         for rid, log in self._step_log.items():
             self.pool.uncache(log.block_ids)
             if rid in self._num_cached:

@@ -12,7 +12,8 @@ block on write instead; that would also share the last partial block, but needs 
 operation and copy-on-write in the block pool and the kernels, for at most ``block_size - 1``
 tokens per child. ``tests/test_sampling_parity.py`` measures the prompt tokens computed.
 
-Child ``i`` is request ``f"{i}_{parent id}"`` (vLLM's naming) with ``n = 1`` and its own seed
+Child ``i`` is request ``f"{i}_{parent id}"`` (vLLM's naming; ``f"{i}_{parent id}_{k}"`` where a
+live request already holds that id) with ``n = 1`` and its own seed
 stream, ``seed + i`` (a request without a seed gets a drawn seed per child), so seeded children
 differ from each other and are reproducible. Its outputs come back under the parent's id with
 ``index = i``. With ``best_of > n`` nothing is returned until every child has finished; then the
@@ -29,9 +30,15 @@ from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.sampling_params import SamplingParams
 
 
-def child_request_id(parent_id: str, index: int) -> str:
-    """The engine id of child ``index`` of request ``parent_id`` (vLLM's ``f"{index}_{parent_id}"``)."""
-    return f"{index}_{parent_id}"
+def child_request_id(parent_id: str, index: int, taken=()) -> str:
+    """The engine id of child ``index`` of request ``parent_id``: vLLM's ``f"{index}_{parent_id}"``,
+    or, where a live request already holds that id (``taken``: anything with ``in``),
+    ``f"{index}_{parent_id}_{k}"`` with the smallest ``k >= 1`` that is free."""
+    rid, k = f"{index}_{parent_id}", 0
+    while rid in taken:  # a user's own id, or an automatic id that looks like a child's
+        k += 1
+        rid = f"{index}_{parent_id}_{k}"
+    return rid
 
 
 def child_sampling_params(sp: SamplingParams, index: int) -> SamplingParams:
@@ -57,15 +64,15 @@ class ParentRequest:
 
     Args:
       request_id: the parent's id (what the user sees); sampling_params: checked, with ``n``
-        and ``best_of``.
+        and ``best_of``; taken: the ids of live requests, which no child id may equal.
     """
 
-    def __init__(self, request_id: str, sampling_params: SamplingParams):
+    def __init__(self, request_id: str, sampling_params: SamplingParams, taken=()):
         self.request_id = request_id
         self.sampling_params = sampling_params
         self.n = sampling_params.n
         self.best_of = sampling_params.best_of or sampling_params.n
-        self.child_ids = [child_request_id(request_id, i) for i in range(self.best_of)]
+        self.child_ids = [child_request_id(request_id, i, taken) for i in range(self.best_of)]
         self._index = {cid: i for i, cid in enumerate(self.child_ids)}
         self._finished: dict[int, RequestOutput] = {}
 

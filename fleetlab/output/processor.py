@@ -12,7 +12,9 @@ this turns them into what the user gets, in order:
 3. **stop reasons**: a request stopped by one of its ``stop_token_ids`` names it;
 4. **parallel-sampling fan-in** (:mod:`fleetlab.output.parallel_sampling`): a child's output
    becomes its parent's, with ``index``; with ``best_of``, the best ``n`` at the end;
-5. **text**: a finished output is detokenized (a stream decodes its own deltas).
+5. **text**: a finished output is detokenized (a stream decodes its own deltas); as in vLLM,
+   the text of the stop token that ended it (EOS, or one of ``stop_token_ids``) is left out
+   unless ``include_stop_str_in_output`` (the token stays in ``token_ids``).
 """
 
 from __future__ import annotations
@@ -84,11 +86,13 @@ class OutputProcessor:
         if stopped_by_string:
             return
         last = out.token_ids[-1] if out.token_ids else None
-        if (out.finish_reason == "stop" and sp is not None and last in sp.stop_token_ids
-                and (last != self.eos_token_id or sp.ignore_eos)):
+        by_token = out.finish_reason == "stop" and sp is not None and last is not None and (
+            last in sp.stop_token_ids or (last == self.eos_token_id and not sp.ignore_eos))
+        if by_token and last in sp.stop_token_ids and (last != self.eos_token_id or sp.ignore_eos):
             out.stop_reason = last
-        if self.tokenizer is not None:
-            out.text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        if self.tokenizer is not None:  # as vLLM: a stop token's text is not output unless asked for
+            ids = out.token_ids[:-1] if by_token and not sp.include_stop_str_in_output else out.token_ids
+            out.text = self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _fan_in(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Children's outputs as their parents'."""

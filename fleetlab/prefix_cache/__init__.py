@@ -99,6 +99,14 @@ class PrefixCache:
         self.query_tokens += int(num_tokens)
         self.hit_tokens += int(num_hit_blocks) * self.block_size
 
+    def lookup_counters(self) -> tuple[int, int, int]:
+        """``(queries, query_tokens, hit_tokens)``: what :meth:`restore_lookup_counters` puts back
+        when a step that counted admissions is rolled back (it never happened)."""
+        return self.queries, self.query_tokens, self.hit_tokens
+
+    def restore_lookup_counters(self, counters: tuple[int, int, int]) -> None:
+        self.queries, self.query_tokens, self.hit_tokens = counters
+
     def check_cache_args(self, token_ids, block_ids, num_cached_blocks, num_full_blocks) -> tuple[int, int]:
         """The arguments of :meth:`cache_blocks`, checked (ValueError names the bad one)."""
         num_cached_blocks, num_full_blocks = operator.index(num_cached_blocks), operator.index(num_full_blocks)

@@ -37,6 +37,9 @@ logger = logging.getLogger(__name__)
 UTF8_BYTES = [b for b in range(256) if b not in (0xC0, 0xC1) and b < 0xF5]
 """Byte values that can occur in UTF-8 text (0xFF, never one, is llguidance's special-token marker)."""
 
+MAX_CHOICES = 2000
+"""llguidance's ``max_items_in_row`` (its default): a choice of n strings puts n + 1 items in a row."""
+
 _LOG_LEVEL = 0  # llguidance's own messages off: errors come back through is_error()/get_error()
 
 
@@ -122,8 +125,9 @@ class GuidanceMatcher(GrammarMatcher):
         for t in ids:
             if self._m.is_stopped() and t == self._eos:
                 self._eos_unrecorded += 1
-            elif not self._m.consume_token(t):  # validated above: only a library fault lands here
-                raise RuntimeError(f"llguidance refused token {t} it had validated: {self._m.get_error()}")
+            elif not self._m.consume_token(t):  # validated, but a parser limit can still be hit here
+                # a ValueError: the processor stops this request with it, the others go on
+                raise ValueError(f"llguidance stopped at token {t}: {_one_line(self._m.get_error())}")
             self._num_tokens += 1
         return True
 
@@ -202,6 +206,9 @@ class GuidanceBackend(GrammarBackend):
                             f"PaddleFormers / Hugging Face tokenizers, not {type(tokenizer).__name__}")
         self._width = -(-self._lltok.vocab_size // 32)
         self._executor = None
+        # llguidance's default limits, but errors without the parser state and the whole grammar
+        # (a 1,500-property schema's message was 40 KB)
+        self._limits = llg.LLParserLimits(verbose_errors=False)
 
     @property
     def bitmask_width(self) -> int:
@@ -233,6 +240,7 @@ class GuidanceBackend(GrammarBackend):
         llg, kind = self._llg, params.kind
         if kind in ("json", "json_object"):
             schema = {"type": "object"} if kind == "json_object" else params.json
+            schema = {} if schema is True else schema  # JSON Schema's "anything": options need an object
             options = {"whitespace_flexible": whitespace and not params.disable_any_whitespace}
             if whitespace and params.whitespace_pattern is not None:
                 options["whitespace_pattern"] = params.whitespace_pattern
@@ -251,8 +259,11 @@ class GuidanceBackend(GrammarBackend):
             raise GrammarError("grammar", f"is not a valid grammar: {exc}") from None
 
     def validate(self, params: StructuredOutputsParams) -> None:
+        if params.kind == "choice" and len(params.choice) >= MAX_CHOICES:
+            raise GrammarError("choice", f"has {len(params.choice)} strings; llguidance's parser takes at most "
+                                         f"{MAX_CHOICES - 1} (a row of its parser holds {MAX_CHOICES} items)")
         grammar = self.grammar_text(params, spelled_only=False)  # errors then quote the user's own regex
-        is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, None)
+        is_error, messages = self._llg.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=self._limits)
         if is_error:
             raise GrammarError(params.kind, f"cannot be compiled: {_one_line(messages[0])}")
 
@@ -276,7 +287,12 @@ class GuidanceBackend(GrammarBackend):
                                            limit=self.bitmask_width * 32)
                 return GuidanceMatcher(search.deep_copy(), self.vocab_size, self._eos)
 
-            check_vocabulary(self, params.kind, new_matcher)
+            try:
+                check_vocabulary(self, params.kind, new_matcher)
+            except GrammarError:
+                raise
+            except ValueError as exc:  # a parser limit hit while searching: the constraint is refused
+                raise GrammarError(params.kind, f"cannot be served: {exc}") from None
         t2 = time.perf_counter()
         grammar = CompiledGrammar(key=params.cache_key(), kind=params.kind, compile_time_s=t2 - t0, backend=self,
                                   handle=template, check_time_s=t2 - t1)
@@ -284,7 +300,7 @@ class GuidanceBackend(GrammarBackend):
         return grammar
 
     def _matcher(self, params: StructuredOutputsParams, grammar: str):
-        m = self._llg.LLMatcher(self._lltok, grammar, log_level=_LOG_LEVEL)
+        m = self._llg.LLMatcher(self._lltok, grammar, log_level=_LOG_LEVEL, limits=self._limits)
         if m.is_error():
             raise GrammarError(params.kind, f"cannot be compiled: {_one_line(m.get_error())}")
         return m
@@ -313,7 +329,7 @@ class GuidanceBackend(GrammarBackend):
 
 
 def _one_line(message: str, limit: int = 300) -> str:
-    text = " ".join(message.split()) or "(no message)"
+    text = " ".join(message.replace("<non-verbose/>", "").split()) or "(no message)"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

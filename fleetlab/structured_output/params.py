@@ -27,8 +27,8 @@ KINDS = ("json", "regex", "choice", "grammar", "json_object")
 class StructuredOutputsParams:
     """The constraint of one request (vLLM's names; exactly one of the first five is set).
 
-    json: a JSON schema, as a dict (or ``True``/``False``, JSON Schema's boolean schemas) or as
-      the text of one.
+    json: a JSON schema, as a dict (or ``True``, JSON Schema's boolean schema for any value;
+      ``False``, the one no value satisfies, is refused) or as the text of one.
     regex: a regular expression the whole output must match (Rust ``regex`` syntax, which is
       Python's for everything but look-around and back-references).
     choice: a non-empty list of strings; the output is exactly one of them.
@@ -64,7 +64,7 @@ class StructuredOutputsParams:
             raise FieldTypeError(f"request {request_id!r}: structured_outputs={_short(value)} must be a "
                                  f"StructuredOutputsParams or a dict of its fields, not {type(value).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
+        unknown = sorted(map(str, set(value) - known))  # keys of any type: sorted as text
         if unknown:
             raise ValueError(f"request {request_id!r}: structured_outputs has unknown fields {unknown}; "
                              f"fleetlab supports {sorted(known)}")
@@ -133,6 +133,8 @@ def _schema(where: str, value) -> dict | bool:
     if not isinstance(value, (dict, bool)):
         raise FieldTypeError(f"{where} json={_short(value)} must be a JSON schema: a dict (or its JSON text), "
                              f"not {type(value).__name__}")
+    if value is False:
+        raise ValueError(f"{where} json=False is the schema no value satisfies: nothing could be generated")
     try:
         _json.dumps(value)
     except (TypeError, ValueError) as exc:

@@ -63,6 +63,10 @@ class StructuredOutputRequest:
             m.rollback(m.num_accepted_tokens - n)
         elif m.num_accepted_tokens < n:
             new = [int(t) for t in output_token_ids[m.num_accepted_tokens:]]
-            if not m.accept_tokens(new):
+            try:
+                accepted = m.accept_tokens(new)
+            except ValueError as exc:  # the library gave up (a parser limit): this request stops, named
+                raise ValueError(f"structured_outputs field {self.params.kind}: {exc}") from None
+            if not accepted:
                 raise ValueError(f"structured_outputs field {self.params.kind}: output tokens {new} leave the grammar")
         return m

@@ -164,6 +164,9 @@ def check_vocabulary(backend: GrammarBackend, field_name: str, new_matcher: Call
         text = "".join(backend.token_text(t) for t in example.path)
         lacking |= missing_characters(backend, text)
         shown = f" (an output it allows: {text!r})"
+    if not lacking and example.path is None:  # not the vocabulary: nothing at all matches
+        raise GrammarError(field_name, "matches no output at all (an unsatisfiable regex, or a schema no value "
+                                       "satisfies, such as a $ref that only refers to itself)")
     chars = ", ".join(repr(c) for c in sorted(lacking)) or "(none found)"
     raise GrammarError(field_name, f"cannot be spelled by the model's vocabulary: it has no {chars}{shown}")
 
