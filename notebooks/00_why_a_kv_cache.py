@@ -175,17 +175,20 @@ print(f"CPU ms of a decode step, by stretch: {decode_ms.min():.1f} to {decode_ms
 # %%
 from matplotlib.figure import Figure
 
-early = [t for t in steps_of_one_run[1:] if t.rows and t.rows[0].num_computed_tokens < 30]  # short decode steps
-# The fastest of each: a burst of load on a shared machine only ever adds time, so minima taken
-# minutes apart still compare where medians may not.
+# The engine's forward and a bare pass take turns, round by round: a burst of load on a shared
+# machine then hits both alike, and the fastest of each still compares.
+early, bare_wall = [], []
+for _ in range(6):
+    with fleetlab.LLM(model, tokenizer, record_traces=True, enable_prefix_caching=False) as llm:
+        timed_generation(llm, fleetlab.SamplingParams(max_tokens=12, ignore_eos=True))
+        early += [t for t in llm.traces[2:]]  # short decode steps (the first two: prefill and warm-up)
+    for _ in range(3):  # the model has its own attention back here
+        start = time.perf_counter()
+        full_forward_logits(model, sequences[8])  # a bare pass over a short sequence, without a cache
+        bare_wall.append(time.perf_counter() - start)
 engine_forward_ms = 1e3 * min(t.timings["forward"] for t in early)
 host_parts = [p for p in ("schedule", "batch_update", "metadata", "sample", "update") if p in early[0].timings]
 host_ms = {p: 1e3 * min(t.timings[p] for t in early) for p in host_parts}
-bare_wall = []
-for _ in range(15):
-    start = time.perf_counter()
-    full_forward_logits(model, sequences[8])  # a bare pass over a short sequence, without a cache
-    bare_wall.append(time.perf_counter() - start)
 bare_ms = 1e3 * min(bare_wall)
 crossing = next((n for n in lengths if pass_ms[n] > float(np.median(decode_ms))), None)
 print(f"engine decode step, fastest of {len(early)} short ones: forward {engine_forward_ms:.2f} ms, "
