@@ -26,6 +26,7 @@ flight are rolled back (the KV manager keeps an undo log per open step) and the 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -108,6 +109,7 @@ class OverlapEngineCore(EngineCore):
                 with self.hooks.phase("fill"):
                     fill(prepared, self.runner.batch, result)
                 planned.future = self._model_thread.submit(self.runner.run, prepared)
+                time.sleep(0)  # hand the GIL to the model thread now: its forward starts before our next Python
         except BaseException:
             self._rollback(planned)
             raise
