@@ -90,7 +90,8 @@ timeline_figure
 # updates the batch, builds the metadata and commits while the model does nothing. In the
 # overlapped loop the host's `schedule`, `batch_update` and `metadata` of step N+1 sit under
 # step N's forward; the host then `wait`s (hatched) for step N, `fill`s step N+1's
-# placeholders and starts it, and `update` commits step N while N+1 already runs.
+# placeholders and starts it, and `update` commits step N while N+1 already runs. Compare the
+# forwards' lengths in the two loops too: section 5 measures them.
 #
 # How much of the host's work ran under a forward, counted from the spans:
 
@@ -221,14 +222,18 @@ print(f"overlapped step / synchronous forward+sample: {bench['summary']['overlap
 print("command:", bench["command"])
 
 # %% [markdown]
-# On this CPU the overlapped loop is **slower**. The host's phases themselves take several
-# times longer than in the synchronous loop, and so does the forward on the model thread:
-# Paddle's eager forward of a tiny model is mostly Python between small kernels, and Python
-# holds the GIL. Two threads that both mostly run Python do not run at once; they take turns,
-# and each turn costs a hand-over. Overlap pays where the forward is long device work the host
-# does not wait on: a GPU, where the kernels run asynchronously and the host thread is free
-# between launches, or large kernels that release the GIL. The loop is right here (same tokens
-# as the synchronous loop, every scenario); the speed is the machine's to give.
+# On this CPU the overlapped loop is **slower** (fewer tokens a second than the synchronous
+# loop, in the stored run). Its host phases take more than twice as long as the synchronous
+# loop's, and the forward on the model thread is slower too: Paddle's eager forward of a tiny
+# model is mostly Python between small kernels, and Python holds the GIL. Two threads that both
+# mostly run Python do not run at once; they take turns, and each turn costs a hand-over (the
+# host hands the GIL over right after starting a step, `time.sleep(0)` in `_execute`: without
+# it the forward waited for the host's next pause). On a 2-core machine that other work also
+# uses, the two threads do not always get a core each either. Overlap pays where the forward is
+# long device work the host does not wait on: a GPU, whose kernels run asynchronously while the
+# host thread is free between launches, or large kernels that release the GIL. The loop is
+# right here (the same tokens as the synchronous loop, in every scenario of
+# `tests/test_overlap_scenarios.py`); the speed is the machine's to give.
 #
 # > **In vLLM / FastDeploy.** vLLM v1's async scheduling (`--async-scheduling`) keeps a batch
 # > queue of two steps in its engine core and an `AsyncScheduler` that counts
