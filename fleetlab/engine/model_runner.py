@@ -8,6 +8,11 @@ packed tokens under ``forward_context``, computes logits only at the positions i
 speculative proposer draft the next tokens. Results leave keyed by request id in a
 :class:`ModelRunnerOutput`, so the row order never leaks out.
 
+A step is two halves: :meth:`ModelRunner.prepare` (the host's: the batch updated, the inputs
+and sampling settings built) and :meth:`ModelRunner.run` (the model's: forward, sample, draft);
+``execute`` runs one after the other, and the overlapped loop (:mod:`fleetlab.overlap`) runs
+``run`` on a thread of its own while the host prepares the next step.
+
 The runner reports what it computed and never advances a request's progress: the next
 message tells it what the scheduler committed. If anything in a step raises, the engine
 calls :meth:`reset` and the scheduler resends every request in full, so no half-applied step

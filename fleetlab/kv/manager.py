@@ -209,9 +209,8 @@ class KVCacheManager:
             self._step_logs.append(_StepLog())
 
     def rollback_step(self) -> None:
-        """The step failed: drop every prefix-cache registration of every open step (the oldest
-        first in line to be undone last, so each request gets its count from before them all),
-        and their queries' counts."""
+        """The step failed: drop every prefix-cache registration of every open step (newest first,
+        so each request's cached count ends as it was before the oldest), and their queries' counts."""
         counters = next((log.counters_before for log in self._step_logs if log.counters_before is not None), None)
         if counters is not None:
             self.prefix_cache.restore_lookup_counters(counters)
