@@ -24,14 +24,13 @@ import fleetlab
 from fleetlab import LLM, SamplingParams, viz
 from fleetlab.engine.core import EngineCore
 from fleetlab.engine.model_runner import ModelRunner
-from fleetlab.models import load_tiny
 from fleetlab.overlap import OverlapEngineCore, Timeline
 from fleetlab.overlap import core as overlap_core
 from fleetlab.overlap.ahead import Ahead
 from fleetlab.overlap.placeholders import fill
 from fleetlab.viz.results import results_dir
 
-model, tokenizer = load_tiny()
+model, tokenizer = fleetlab.models.load_tiny()
 ENGINE = dict(block_size=16, max_num_seqs=32, max_num_batched_tokens=512)
 rng = np.random.default_rng(0)
 prompts = [rng.integers(3, tokenizer.vocab_size, size=int(rng.integers(10, 16))).tolist() for _ in range(32)]

@@ -51,7 +51,7 @@ def test_placeholders_are_filled_with_the_step_befores_tokens(fleet_model, oracl
         assert [o.token_ids for o in outs] == oracle
         slots = [s for step in fills for s in step]
         assert len(slots) > len(PROMPTS) * (SP.max_tokens - 2)  # nearly every decode read a placeholder
-        for rid, token, sampled in slots:  # each one the token the step before sampled for it
+        for _, token, sampled in slots:  # each one the token the step before sampled for it
             assert sampled is not None and token == sampled[-1]
         assert all(r.num_placeholders == 0 for r in llm.scheduler.waiting)
         assert_idle(llm)

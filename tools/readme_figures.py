@@ -396,7 +396,8 @@ def overlap_block(r: dict | None) -> str:
         f"The overlapped step is {s['overlap_step_over_sync_model']:.2f}x the synchronous loop's forward + sample "
         f"(the issue's target: at most 1.03x) and {compare(med['overlap']['step_ms'], med['sync']['step_ms'])} "
         f"than the synchronous step; it serves {s['tok_s_ratio']:.2f}x the tokens a second, its time to the first "
-        f"token is {s['ttft_ratio']:.2f}x. Its host phases take {med['overlap']['host_ms'] / med['sync']['host_ms']:.1f}x "
+        f"token is {s['ttft_ratio']:.2f}x. Its host phases take "
+        f"{med['overlap']['host_ms'] / med['sync']['host_ms']:.1f}x "
         f"as long as the synchronous loop's, and its forward + sample on the model thread "
         f"{med['overlap']['model_ms'] / med['sync']['model_ms']:.2f}x.")
     return f"{intro}\n\n" + "\n".join(table) + f"\n\n{after}"
