@@ -78,7 +78,6 @@ def main() -> None:
             p_.store_kv(key, value, key_cache, value_cache)
             p_.run(query, key_cache, value_cache, scale=D ** -0.5)
             h = (h @ weight)[:, :HIDDEN]
-        torch.cuda.current_stream()
 
     def inline() -> float:
         start = time.perf_counter()
