@@ -15,6 +15,9 @@ layer standing in for its projections and MLP) with torch tensors, run two ways:
 
 Also timed alone: the plan (host) and a step's layers with the plan built beforehand (GPU).
 Prints one JSON object and writes it to ``--out``. Needs torch, triton and a CUDA GPU.
+
+Status: written and linted, not run yet (no device time was left when it was written); its
+figures are not quoted anywhere.
 """
 
 from __future__ import annotations
