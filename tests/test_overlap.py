@@ -3,6 +3,8 @@ no extra token after a finish, aborts mid-flight, rollback of both steps in flig
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from conftest import random_prompts
 
@@ -199,3 +201,42 @@ def test_serve_has_the_flag():
 
     assert engine_config(build_parser().parse_args(["--async-scheduling"]))["async_scheduling"] is True
     assert engine_config(build_parser().parse_args([]))["async_scheduling"] is False
+
+
+def test_async_llm_streams_overlapped_as_offline_and_aborts():
+    """The server's engine thread drives an overlapped core: concurrent streams equal the
+    synchronous offline outputs, and an abort mid-stream frees every block."""
+    import asyncio
+
+    from fleetlab.models import load_tiny
+    from fleetlab.serving.async_llm import AsyncLLM
+
+    prompts = ["12+7=", "45+38=", "count 3 ", "6*7="]
+    model, tokenizer = load_tiny()
+    config = dict(block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    with LLM(model, tokenizer, **config) as sync:
+        want = sync.generate(prompts, SamplingParams(max_tokens=10), use_tqdm=False)
+
+    async def one(engine, prompt):
+        ids = []
+        async for out in engine.generate(prompt, SamplingParams(max_tokens=10)):
+            ids += out.new_token_ids
+        return ids
+
+    async def run(engine):
+        got = await asyncio.gather(*(one(engine, p) for p in prompts))
+        stream = await engine.add_request(prompt_token_ids=[1, 5, 6, 7],
+                                          sampling_params=SamplingParams(max_tokens=100, ignore_eos=True))
+        for _ in range(3):
+            await stream.__anext__()
+        stream.abort()
+        return got
+
+    with AsyncLLM(LLM(model, tokenizer, async_scheduling=True, **config)) as engine:
+        assert asyncio.run(run(engine)) == [w.token_ids for w in want]
+        for _ in range(500):
+            if engine.stats()["kv_cache_utilization"] == 0 and engine.num_unfinished_requests == 0:
+                break
+            time.sleep(0.01)
+        stats = engine.stats()
+        assert stats["num_free_blocks"] == stats["num_blocks"] and engine.num_unfinished_requests == 0
