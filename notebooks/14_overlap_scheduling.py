@@ -144,8 +144,8 @@ def show(token):
     return tokenizer.decode([token]) or "<eos>"
 
 
-def watching_fill(prepared, batch, result):
-    n = fill(prepared, batch, result)
+def watching_fill(prepared, result):
+    n = fill(prepared, result)
     ids = prepared.inputs.input_ids.numpy()[0]
     fills.append([(rid, position, int(ids[index]), result.sampled_token_ids[rid][-1])
                   for rid, _, position, index in prepared.placeholders])

@@ -40,8 +40,8 @@ def test_placeholders_are_filled_with_the_step_befores_tokens(fleet_model, oracl
     fills = []
     real = overlap_core.fill
 
-    def spy(prepared, batch, result):
-        n = real(prepared, batch, result)
+    def spy(prepared, result):
+        n = real(prepared, result)
         ids = prepared.inputs.input_ids.numpy()[0]
         fills.append([(rid, int(ids[index]), result.sampled_token_ids.get(rid))
                       for rid, _, _, index in prepared.placeholders])

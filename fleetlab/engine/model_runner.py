@@ -164,6 +164,7 @@ class ModelRunner:
         b = self.batch
         scheduled = so.num_scheduled_tokens
         resent = {new.req_id for new in so.scheduled_new_reqs}
+        self._retract_placeholders()  # the tokens they stood for come in this message
         # Drop rows of requests that finished, were preempted or simply not scheduled this step,
         # and stale rows of requests sent in full (a finished request's id reused at once).
         for req_id in [r for r in b.req_ids if r is not None and (r not in scheduled or r in resent)]:
@@ -173,7 +174,6 @@ class ModelRunner:
                           num_computed_tokens=new.num_computed_tokens, block_ids=new.block_ids,
                           sampling=new.sampling_params, seed=new.seed, eos_token_id=new.eos_token_id, extra=new.extra)
         cached = so.scheduled_cached_reqs
-        self._retract_placeholders()  # the tokens they stood for come in this message
         b.update_requests(cached.req_ids, cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens,
                           cached.num_blocks)
         for req_id, drafts in so.scheduled_spec_decode_tokens.items():

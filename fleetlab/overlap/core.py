@@ -6,15 +6,16 @@ forward and sampling (:meth:`ModelRunner.run`; Paddle's kernels release the GIL)
 host thread does the rest for the next step. One call of :meth:`OverlapEngineCore.step` is
 still the three moves, one step apart::
 
-    host:   schedule N+1 | prepare N+1 | wait N | fill N+1, start N+1 | update N
-    model:  ........ run N (forward, sample) ..........| run N+1 ..........
+    host:   schedule N+1 | prepare N+1, queue it | wait N ......| update N
+    model:  ........ run N (forward, sample) ..........| fill N+1 | run N+1 ........
 
 - **schedule** plans step N+1 as if step N had run (:class:`~fleetlab.overlap.ahead.Ahead`:
   ``num_computed_tokens`` past N's tokens, a placeholder for the token N samples);
 - **execute** prepares step N+1 on the host (``ModelRunner.prepare``, then
-  :func:`~fleetlab.overlap.frozen.freeze` so N+1's run never reads the live batch), waits for
-  step N, fills N+1's placeholders with N's tokens (:func:`~fleetlab.overlap.placeholders.fill`)
-  and starts N+1 on the model thread;
+  :func:`~fleetlab.overlap.frozen.freeze` so N+1's run never reads the live batch) and queues
+  it on the model thread, which fills its placeholders with step N's tokens
+  (:func:`~fleetlab.overlap.placeholders.fill`) as soon as N is done and runs it, without a
+  round trip through the host; the host waits for step N;
 - **update** commits step N (``Scheduler.update``, after :meth:`Ahead.settle` took the advance
   back and left out requests that stopped running since they were planned).
 
@@ -98,23 +99,31 @@ class OverlapEngineCore(EngineCore):
             raise
 
     def _execute(self, planned: _Step) -> tuple[_Step | None, ModelRunnerOutput]:
-        """Prepare ``planned``, wait for the step in flight, start ``planned``; returns the step
-        that finished with its result. On any exception both steps are rolled back."""
+        """Prepare ``planned`` and queue it behind the step in flight, then wait for that one;
+        returns it with its result. On any exception both steps are rolled back."""
         done = self._in_flight
         try:
             prepared = self._prepare(planned.sched)
+            if prepared is not None:
+                before = done.future if done is not None else None
+                planned.future = self._model_thread.submit(self._run_after, before, prepared)
+                time.sleep(0)  # hand the GIL over now: the model thread may be waiting for it
             with self.hooks.phase("wait"):
                 result = done.future.result() if done is not None and done.future else ModelRunnerOutput()
-            if prepared is not None:
-                with self.hooks.phase("fill"):
-                    fill(prepared, self.runner.batch, result)
-                planned.future = self._model_thread.submit(self.runner.run, prepared)
-                time.sleep(0)  # hand the GIL to the model thread now: its forward starts before our next Python
         except BaseException:
             self._rollback(planned)
             raise
         self._in_flight = planned
         return done, result
+
+    def _run_after(self, before: Future | None, prepared) -> ModelRunnerOutput:
+        """On the model thread, right after the step before (the thread runs its queue in order):
+        fill ``prepared``'s placeholders with that step's tokens, then run it. If the step
+        before failed, this one fails with it (and both are rolled back)."""
+        result = before.result() if before is not None else ModelRunnerOutput()
+        with self.hooks.phase("fill"):
+            fill(prepared, result)
+        return self.runner.run(prepared)
 
     def _prepare(self, sched: SchedulerOutput):
         if not sched.num_scheduled_tokens:
@@ -129,7 +138,8 @@ class OverlapEngineCore(EngineCore):
         advances, the KV manager's open logs; reset the runner (it resends every row)."""
         steps = [s for s in (self._in_flight, planned) if s is not None]
         self._in_flight = None
-        self.drain(steps[0])
+        for s in steps:
+            self.drain(s)
         logger.debug("steps %s failed: rolling them back", [s.sched.step for s in steps])
         for s in reversed(steps):
             s.ahead.undo(self.scheduler)
