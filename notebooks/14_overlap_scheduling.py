@@ -53,8 +53,8 @@ viz.show_source(ModelRunner.execute, body_only=True)
 # %% [markdown]
 # The overlapped step (`OverlapEngineCore.step`) reads as the same three moves, one step apart:
 # it **schedules** step N+1 (as if step N had run), **executes** (prepares N+1 on the host while
-# a model thread still runs N, waits for N, fills N+1's placeholders, starts N+1), and
-# **updates** with step N's result. Its outputs come one call late: the first call returns none.
+# a model thread still runs N, queues N+1 behind N on that thread, waits for N), and **updates**
+# with step N's result. Its outputs come one call late: the first call returns none.
 
 # %%
 viz.show_source(OverlapEngineCore.step, body_only=True, stop="outputs, result = self._update")
@@ -87,10 +87,12 @@ timeline_figure
 # %% [markdown]
 # In the synchronous loop the model's lane has a gap between two forwards: the host schedules,
 # updates the batch, builds the metadata and commits while the model does nothing. In the
-# overlapped loop the host's `schedule`, `batch_update` and `metadata` of step N+1 sit under
-# step N's forward; the host then `wait`s (hatched) for step N, `fill`s step N+1's
-# placeholders and starts it, and `update` commits step N while N+1 already runs. Compare the
-# forwards' lengths in the two loops too: section 5 measures them.
+# overlapped loop the host's `schedule`, `batch_update`, `metadata` and `freeze` of step N+1
+# sit under step N's forward; the host queues step N+1 on the model thread and `wait`s
+# (hatched) for step N, then `update` commits it while N+1 already runs. The model thread goes
+# from one step to the next by itself: it `fill`s step N+1's placeholders with step N's tokens
+# (the thin red span before each forward) and runs it. Compare the forwards' lengths in the two
+# loops too: section 5 measures them.
 #
 # How much of the host's work ran under a forward, counted from the spans:
 
@@ -122,9 +124,10 @@ viz.show_source(Ahead.take, body_only=True)
 
 # %% [markdown]
 # The runner sees a row scheduled past its known tokens and gives it a placeholder token there
-# (in the synchronous loop this never happens). Just before step N+1's forward, `fill` writes
-# step N's token into the placeholder: into the live batch, into the step's frozen copy (its
-# penalties read that) and into the packed input ids the forward reads.
+# (in the synchronous loop this never happens). On the model thread, as soon as step N is done
+# and just before step N+1's forward, `fill` writes step N's token into the placeholder: into
+# the step's frozen copy of its rows (its penalties read that) and into the packed input ids
+# the forward reads. The live batch gets the token from the next step's message, as always.
 
 # %%
 viz.show_source(ModelRunner._mark_placeholders, body_only=True)
@@ -225,10 +228,9 @@ print("command:", bench["command"])
 # loop, in the stored run). Its host phases take more than twice as long as the synchronous
 # loop's, and the forward on the model thread is slower too: Paddle's eager forward of a tiny
 # model is mostly Python between small kernels, and Python holds the GIL. Two threads that both
-# mostly run Python do not run at once; they take turns, and each turn costs a hand-over (the
-# host hands the GIL over right after starting a step, `time.sleep(0)` in `_execute`: without
-# it the forward waited for the host's next pause). On a 2-core machine that other work also
-# uses, the two threads do not always get a core each either. Overlap pays where the forward is
+# mostly run Python do not run at once; they take turns, and each turn costs a hand-over. On a
+# 2-core machine that other work also uses, the two threads do not always get a core each
+# either. Overlap pays where the forward is
 # long device work the host does not wait on: a GPU, whose kernels run asynchronously while the
 # host thread is free between launches, or large kernels that release the GIL. The loop is
 # right here (the same tokens as the synchronous loop, in every scenario of

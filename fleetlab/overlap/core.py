@@ -27,7 +27,6 @@ flight are rolled back (the KV manager keeps an undo log per open step) and the 
 from __future__ import annotations
 
 import logging
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -107,7 +106,6 @@ class OverlapEngineCore(EngineCore):
             if prepared is not None:
                 before = done.future if done is not None else None
                 planned.future = self._model_thread.submit(self._run_after, before, prepared)
-                time.sleep(0)  # hand the GIL over now: the model thread may be waiting for it
             with self.hooks.phase("wait"):
                 result = done.future.result() if done is not None and done.future else ModelRunnerOutput()
         except BaseException:

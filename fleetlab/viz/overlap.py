@@ -36,16 +36,18 @@ def window(spans: Sequence, first_forward: int, num_steps: int) -> list:
 def draw_overlap(timelines: Mapping[str, Sequence], first_forward: int = 4, num_steps: int = 3, ax=None):
     """Lanes ``host`` and ``model`` for each loop of ``timelines`` (name -> Timeline spans),
     ``num_steps`` forwards from the ``first_forward``-th on; forwards are numbered N, N+1, ...
-    and the ``fill`` of placeholders is marked."""
+    The model's lane is its thread's spans when it has one (the overlapped loop: there the
+    ``fill`` of placeholders runs too), else the forward and sample spans."""
     fig, ax = new_axes(ax, figsize=(9.0, 1.1 + 1.1 * len(timelines)))
     labels, y = [], 0
     for loop, spans in timelines.items():
         spans = list(getattr(spans, "spans", spans))
         model_thread = next((s.thread for s in spans if s.name == "forward"), None)
         shown = window(spans, first_forward, num_steps)
-        host = [s for s in shown if s[0] not in ("forward", "sample", "propose")]
-        lanes = (("model", [s for s in shown if s[3] == model_thread and s[0] in ("forward", "sample")]),
-                 ("host", host))
+        own_thread = any(s.thread != model_thread for s in spans)  # overlapped: the model has a thread of its own
+        on_model = [(s[3] == model_thread) if own_thread else s[0] in ("forward", "sample", "propose") for s in shown]
+        lanes = (("model", [s for s, m in zip(shown, on_model) if m]),
+                 ("host", [s for s, m in zip(shown, on_model) if not m]))
         for lane, items in lanes:
             for name, x0, x1, _ in items:
                 ax.barh(y, x1 - x0, left=x0, height=0.7, color=OVERLAP_PHASE_COLORS.get(name, "#cccccc"),
