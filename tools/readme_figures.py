@@ -399,7 +399,9 @@ def overlap_block(r: dict | None) -> str:
         f"token is {s['ttft_ratio']:.2f}x. Its host phases take "
         f"{med['overlap']['host_ms'] / med['sync']['host_ms']:.1f}x "
         f"as long as the synchronous loop's, and its forward + sample on the model thread "
-        f"{med['overlap']['model_ms'] / med['sync']['model_ms']:.2f}x.")
+        f"{med['overlap']['model_ms'] / med['sync']['model_ms']:.2f}x. Round by round (each pair taken one "
+        f"right after the other, the median of the pairs) the overlapped step is "
+        f"{s['paired_step_ratio']:.2f}x the synchronous one and its tok/s {s['paired_tok_s_ratio']:.2f}x.")
     return f"{intro}\n\n" + "\n".join(table) + f"\n\n{after}"
 
 

@@ -6,7 +6,7 @@ forward and sampling (:meth:`ModelRunner.run`; Paddle's kernels release the GIL)
 host thread does the rest for the next step. One call of :meth:`OverlapEngineCore.step` is
 still the three moves, one step apart::
 
-    host:   schedule N+1 | prepare N+1, queue it | wait N ......| update N
+    host:   schedule N+1 | prepare N+1, queue it | wait ...............| update N
     model:  ........ run N (forward, sample) ..........| fill N+1 | run N+1 ........
 
 - **schedule** plans step N+1 as if step N had run (:class:`~fleetlab.overlap.ahead.Ahead`:
@@ -15,7 +15,8 @@ still the three moves, one step apart::
   :func:`~fleetlab.overlap.frozen.freeze` so N+1's run never reads the live batch) and queues
   it on the model thread, which fills its placeholders with step N's tokens
   (:func:`~fleetlab.overlap.placeholders.fill`) as soon as N is done and runs it, without a
-  round trip through the host; the host waits for step N;
+  round trip through the host; the host waits for step N, and for step N+1's forward to be
+  under way (so that the two threads do not both wake as step N ends);
 - **update** commits step N (``Scheduler.update``, after :meth:`Ahead.settle` took the advance
   back and left out requests that stopped running since they were planned).
 
@@ -27,8 +28,9 @@ flight are rolled back (the KV manager keeps an undo log per open step) and the 
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fleetlab.engine.core import EngineCore
 from fleetlab.engine.hooks import StepHooks
@@ -49,6 +51,7 @@ class _Step:
     sched: SchedulerOutput
     ahead: Ahead
     future: Future | None = None
+    started: threading.Event = field(default_factory=threading.Event)  # its placeholders are filled, its forward on
 
 
 class OverlapEngineCore(EngineCore):
@@ -105,22 +108,27 @@ class OverlapEngineCore(EngineCore):
             prepared = self._prepare(planned.sched)
             if prepared is not None:
                 before = done.future if done is not None else None
-                planned.future = self._model_thread.submit(self._run_after, before, prepared)
+                planned.future = self._model_thread.submit(self._run_after, before, prepared, planned.started)
             with self.hooks.phase("wait"):
                 result = done.future.result() if done is not None and done.future else ModelRunnerOutput()
+                if planned.future is not None:
+                    planned.started.wait()  # commit step N once N+1's forward is under way, not in its way
         except BaseException:
             self._rollback(planned)
             raise
         self._in_flight = planned
         return done, result
 
-    def _run_after(self, before: Future | None, prepared) -> ModelRunnerOutput:
+    def _run_after(self, before: Future | None, prepared, started: threading.Event) -> ModelRunnerOutput:
         """On the model thread, right after the step before (the thread runs its queue in order):
-        fill ``prepared``'s placeholders with that step's tokens, then run it. If the step
-        before failed, this one fails with it (and both are rolled back)."""
-        result = before.result() if before is not None else ModelRunnerOutput()
-        with self.hooks.phase("fill"):
-            fill(prepared, result)
+        fill ``prepared``'s placeholders with that step's tokens, tell the host (``started``),
+        then run it. If the step before failed, this one fails with it (and both are rolled back)."""
+        try:
+            result = before.result() if before is not None else ModelRunnerOutput()
+            with self.hooks.phase("fill"):
+                fill(prepared, result)
+        finally:
+            started.set()  # the host wakes now, not as step N ends: both would want the GIL at once
         return self.runner.run(prepared)
 
     def _prepare(self, sched: SchedulerOutput):

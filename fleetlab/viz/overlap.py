@@ -29,8 +29,8 @@ def window(spans: Sequence, first_forward: int, num_steps: int) -> list:
     start = forwards[first_forward].start
     last = forwards[min(first_forward + num_steps, len(forwards)) - 1]
     end = min((s.end for s in spans if s.name == "sample" and s.start >= last.start), default=last.end)
-    return [(s.name, 1e3 * (s.start - start), 1e3 * (s.end - start), s.thread)
-            for s in spans if s.end > start and s.start < end]
+    return [(s.name, 1e3 * (max(s.start, start) - start), 1e3 * (min(s.end, end) - start), s.thread)
+            for s in spans if s.end > start and s.start < end]  # cut at the window's edges
 
 
 def draw_overlap(timelines: Mapping[str, Sequence], first_forward: int = 4, num_steps: int = 3, ax=None):
