@@ -89,9 +89,10 @@ timeline_figure
 # updates the batch, builds the metadata and commits while the model does nothing. In the
 # overlapped loop the host's `schedule`, `batch_update`, `metadata` and `freeze` of step N+1
 # sit under step N's forward; the host queues step N+1 on the model thread and `wait`s
-# (hatched) for step N, then `update` commits it while N+1 already runs. The model thread goes
-# from one step to the next by itself: it `fill`s step N+1's placeholders with step N's tokens
-# (the thin red span before each forward) and runs it. Compare the forwards' lengths in the two
+# (hatched) for step N and for step N+1's forward to start, then `update` commits step N while
+# N+1 runs. The model thread goes from one step to the next by itself: it `fill`s step N+1's
+# placeholders with step N's tokens (the thin red span before each forward) and runs it. Had the
+# host woken as step N ended, both threads would want the GIL at that moment (section 5). Compare the forwards' lengths in the two
 # loops too: section 5 measures them.
 #
 # How much of the host's work ran under a forward, counted from the spans:
