@@ -240,3 +240,27 @@ def test_async_llm_streams_overlapped_as_offline_and_aborts():
             time.sleep(0.01)
         stats = engine.stats()
         assert stats["num_free_blocks"] == stats["num_blocks"] and engine.num_unfinished_requests == 0
+
+
+def test_timeline_puts_the_forward_on_the_model_thread_and_close_stops_it(fleet_model):
+    from fleetlab.overlap import Timeline
+    from fleetlab.viz import draw_overlap
+
+    timelines = {}
+    for name, overlapped in (("sync", False), ("overlap", True)):
+        llm = LLM(fleet_model, block_size=4, max_num_batched_tokens=16, async_scheduling=overlapped)
+        timelines[name] = Timeline()
+        llm.hooks.attach(timelines[name])
+        for p in PROMPTS:
+            llm.add_request(prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=12, ignore_eos=True))
+        for _ in range(8):
+            llm.step()
+        llm.close()  # mid-generation: the step in flight is waited for, the model thread stops
+        if overlapped:
+            assert llm.core._model_thread._shutdown
+    forwards = {name: {s.thread for s in t.spans if s.name == "forward"} for name, t in timelines.items()}
+    assert forwards == {"sync": {"MainThread"}, "overlap": {"fleetlab-model_0"}}
+    assert {s.thread for s in timelines["overlap"].spans if s.name == "schedule"} == {"MainThread"}
+    fig = draw_overlap(timelines, first_forward=2, num_steps=2)
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["sync: model", "sync: host", "overlap: model",
+                                                                      "overlap: host"]
