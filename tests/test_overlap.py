@@ -264,3 +264,22 @@ def test_timeline_puts_the_forward_on_the_model_thread_and_close_stops_it(fleet_
     fig = draw_overlap(timelines, first_forward=2, num_steps=2)
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == ["sync: model", "sync: host", "overlap: model",
                                                                       "overlap: host"]
+
+
+def test_stop_strings_end_requests_as_in_the_synchronous_loop():
+    """A stop string is found by the output processor after the step and the request aborted:
+    its slot in the step already in flight is dropped, its text and tokens as synchronous."""
+    from fleetlab.models import load_tiny
+
+    model, tokenizer = load_tiny()
+    prompts = ["12+7=", "45+38=", "count 3 ", "the red cat "]
+    sps = [SamplingParams(max_tokens=16, stop=["9"]), SamplingParams(max_tokens=16, stop=["3"]),
+           SamplingParams(max_tokens=16, stop=[" 5"]), SamplingParams(max_tokens=16, stop=["t"])]
+    outs = {}
+    for overlapped in (False, True):
+        with LLM(model, tokenizer, block_size=4, max_num_batched_tokens=32, async_scheduling=overlapped) as llm:
+            outs[overlapped] = llm.generate(prompts, sps, use_tqdm=False)
+            assert_idle(llm)
+    assert [(o.text, o.token_ids, o.finish_reason) for o in outs[True]] == [
+        (o.text, o.token_ids, o.finish_reason) for o in outs[False]]
+    assert sum(o.finish_reason == "stop" and o.stop_reason in ("9", "3", " 5", "t") for o in outs[True]) == 4
