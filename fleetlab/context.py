@@ -8,6 +8,7 @@ The runner opens a context around the forward pass, and attention reads it here.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +39,15 @@ class ForwardContext:
         return self._built[key][1]
 
 
-_STACK: list[ForwardContext] = []
+class _Stack(threading.local):
+    """Each thread's open contexts: an overlapped loop's model thread runs forwards while
+    another thread (a second engine, a notebook cell) may run its own."""
+
+    def __init__(self):
+        self.contexts: list[ForwardContext] = []
+
+
+_LOCAL = _Stack()
 
 
 @contextlib.contextmanager
@@ -51,25 +60,27 @@ def forward_context(metadata: AttentionMetadata, kv_cache, kv_connector=NULL_CON
             logits = handle.compute_logits(input_ids, positions, logits_indices)
     """
     ctx = ForwardContext(metadata=metadata, kv_cache=kv_cache, kv_connector=kv_connector)
-    _STACK.append(ctx)
+    _LOCAL.contexts.append(ctx)
     try:
         yield ctx
     finally:
-        _STACK.pop()
+        _LOCAL.contexts.pop()
 
 
 def current_kv_connector():
     """The innermost context's KV connector (the null one outside any context)."""
-    return _STACK[-1].kv_connector if _STACK else NULL_CONNECTOR
+    stack = _LOCAL.contexts
+    return stack[-1].kv_connector if stack else NULL_CONNECTOR
 
 
 def get_forward_context() -> ForwardContext:
     """Return the innermost open context; raise if attention runs outside one."""
-    if not _STACK:
+    stack = _LOCAL.contexts
+    if not stack:
         raise RuntimeError(
             "fleetlab attention was called outside `fleetlab.forward_context(metadata, kv_cache)`: "
             "a patched model needs the step's metadata and paged KV cache. Run it through "
             "fleetlab.LLM, or open the context yourself; call handle.unpatch() to get the "
             "original attention back."
         )
-    return _STACK[-1]
+    return stack[-1]

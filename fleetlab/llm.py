@@ -48,6 +48,7 @@ from fleetlab.kv_sizing import size_kv_cache
 from fleetlab.kv_transfer.config import make_kv_connector
 from fleetlab.output.parallel_sampling import ParentRequest
 from fleetlab.output.processor import OutputProcessor
+from fleetlab.overlap import OverlapEngineCore, RefusedStructuredOutputs
 from fleetlab.patching import patch_model
 from fleetlab.patching.handle import PatchHandle
 from fleetlab.prefix_cache import build_prefix_cache
@@ -168,8 +169,11 @@ class LLM:
             eos_token_id=self.handle.eos_token_id, hidden_size=self.handle.hidden_size, block_size=cfg.block_size,
             num_blocks=num_blocks, max_stop_ids=batch.sizes["max_stop_ids"], batch_fields=batch.fields,
             processors=processors, num_lookahead_tokens=lookahead,
-            seed=cfg.seed, structured_outputs=self.structured_outputs)
-        self.core = EngineCore(self.scheduler, self.runner, self.hooks)  # the step (an overlapped loop: another core)
+            seed=cfg.seed, structured_outputs=RefusedStructuredOutputs() if cfg.async_scheduling
+            else self.structured_outputs)
+        self.core = (OverlapEngineCore if cfg.async_scheduling else EngineCore)(self.scheduler, self.runner, self.hooks)
+        if cfg.async_scheduling:
+            self._closables.insert(0, self.core)  # its model thread stops before anything it reads is closed
         self.output_processor = OutputProcessor(self.tokenizer, self.handle.eos_token_id)
         self.spec_stats = SpecDecodingStats() if self.proposer else None
         self.recorder = StepRecorder(self) if cfg.record_traces else None

@@ -262,7 +262,7 @@ def engine_config(**kwargs) -> EngineConfig:
         if getattr(cfg, name) is not None:
             setattr(cfg, name, int_field(where, name, getattr(cfg, name), 1, high))
     cfg.seed = int_field(where, "seed", cfg.seed, 0, INT64_MAX)
-    for name in ("enable_prefix_caching", "enable_chunked_prefill", "record_traces"):
+    for name in ("enable_prefix_caching", "enable_chunked_prefill", "record_traces", "async_scheduling"):
         setattr(cfg, name, bool_field(where, name, getattr(cfg, name)))
     if cfg.reorder is not None:
         cfg.reorder = bool_field(where, "reorder", cfg.reorder)  # None: the backend decides
@@ -295,6 +295,10 @@ def engine_config(**kwargs) -> EngineConfig:
         cfg.kv_transfer_config = check_kv_transfer_config(cfg.kv_transfer_config)
         if cfg.tensor_parallel_size > 1:
             raise ValueError(f"{where} kv_transfer_config with tensor_parallel_size > 1 is not supported")
+    if cfg.async_scheduling:
+        from fleetlab.overlap.refusals import check_async_scheduling
+
+        check_async_scheduling(cfg)
     return cfg
 
 

@@ -168,11 +168,16 @@ print("cached:", plan.scheduled_cached_reqs)
 # %% [markdown]
 # ## 5. The run: `ModelRunner.execute`, one move at a time
 #
-# `execute` is four calls: apply the message to the persistent batch, build the step's
-# inputs, run the model, sample (then, with speculative decoding, draft the next tokens).
+# `execute` is two halves: `prepare`, the host's (apply the message to the persistent batch,
+# build the step's inputs and sampling settings), then `run`, the model's (run the model,
+# sample; then, with speculative decoding, draft the next tokens). The overlapped loop of
+# notebook 14 runs the two halves on two threads; here they run one after the other.
 
 # %%
-viz.show_source(ModelRunner.execute, body_only=True)
+viz.show_source(ModelRunner.prepare, body_only=True)
+
+# %%
+viz.show_source(ModelRunner.run, body_only=True)
 
 # %% [markdown]
 # `update_batch` drops rows the plan does not schedule, adds **b** in a new row, writes

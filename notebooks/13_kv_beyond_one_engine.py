@@ -71,7 +71,7 @@ show_source(Scheduler._schedule_waiting, start="num_external", stop="update_stat
 # cache, and saves right after writing:
 
 # %%
-show_source(ModelRunner.execute, start="start_load_kv", stop="get_finished")
+show_source(ModelRunner.run, start="start_load_kv", stop="get_finished")
 
 # %%
 show_source(fleetlab.attention.backend.AttentionBackend.forward, start="connector =", stop="save_kv_layer")

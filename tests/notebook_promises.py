@@ -894,3 +894,26 @@ assert mixed["pair"]["itl_p50_ms"] < mixed["one engine"]["itl_p50_ms"]
 assert mixed["pair"]["itl_p99_ms"] > mixed["one engine"]["itl_p99_ms"] and mixed["identical_tokens"]
 assert pd["equal_forward"] and pd["equal_single"] and pd["failed_loads"] == 0
 '''
+
+PROMISES["14_overlap_scheduling"] = '''
+# Section 2: "same tokens in both loops"; the forward on the host in one, on the model thread in the other
+assert tokens["synchronous"] == tokens["overlapped"]
+assert threads == {"synchronous": ["MainThread"], "overlapped": ["fleetlab-model_0"]}
+# "None of the synchronous host work runs under a forward; most of the overlapped loop's does"
+assert shares["synchronous"] == 0 and shares["overlapped"] > 0.5, shares
+_labels = [t.get_text() for t in timeline_figure.axes[0].get_yticklabels()]
+assert _labels == ["synchronous: model", "synchronous: host", "overlapped: model", "overlapped: host"]
+_names = [t.get_text() for t in timeline_figure.axes[0].texts]
+assert _names == ["N", "N+1", "N+2"] * 2, _names
+# Section 3: "The first call plans the prompts (no placeholder)"; then each placeholder holds the token the
+# previous step sampled, right after the known tokens; "In the last call both placeholders hold <eos>"
+assert fills[0] == [] and all(len(f) == 2 for f in fills[1:])
+assert all(tok == was for f in fills for _, _, tok, was in f)
+assert [show(tok) for _, _, tok, _ in fills[-1]] == ["<eos>", "<eos>"] and [o.text for o in two] == ["19", "83"]
+assert [pos for _, pos, _, _ in fills[1]] == [len(tokenizer.encode("12+7=")), len(tokenizer.encode("45+38="))]
+# Section 4: "Three tokens ... planned into 4 steps"; three tokens and one finished, nothing after
+assert planned_in == 4 and len(streamed) == 3 and [f for _, f in streamed] == [False, False, True]
+# Section 5: "slower (fewer tokens a second ...)"; host phases "more than twice as long"; the forward slower too
+assert med["overlap"]["tok_s"] < med["sync"]["tok_s"]
+assert med["overlap"]["host_ms"] > 2 * med["sync"]["host_ms"] and med["overlap"]["model_ms"] > med["sync"]["model_ms"]
+'''

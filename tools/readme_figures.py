@@ -373,6 +373,38 @@ def kv_block(r: dict | None) -> str:
 
 
 # name -> (results file, renderer); the renderer gets the parsed file, or None if there is none
+def overlap_block(r: dict | None) -> str:
+    title = "Overlap scheduling against the synchronous loop"
+    cmd = "python -m fleetlab bench overlap"
+    if r is None:
+        return not_measured(title, cmd, "overlap.json")
+    c, s = r["config"], r["summary"]
+    med = s["median"]
+    intro = fill(
+        f"**{title}** — `{command(r, cmd)}` (writes `benchmarks/results/overlap.json`): {c['batch']} requests of "
+        f"{c['prompt_len'][0]}-{c['prompt_len'][1]} prompt tokens decoding {c['output_len']} tokens together on the "
+        f"shipped tiny model, the two loops taking turns for {c['rounds']} rounds each (medians of the rounds; each "
+        f"round's figures are medians over its steady decode steps, from the engine's own phase timestamps), thread "
+        f"switch interval {c['switch_interval'] * 1e3:g} ms. Measured on {describe(r['machine'])}:")
+    table = ["| loop | step | forward + sample | host phases | step / forward + sample | tok/s | TTFT |",
+             "|---|---|---|---|---|---|---|"]
+    for mode, label in (("sync", "synchronous"), ("overlap", "overlapped")):
+        m = med[mode]
+        table.append(f"| {label} | {m['step_ms']:.2f} ms | {m['model_ms']:.2f} ms | {m['host_ms']:.2f} ms | "
+                     f"{m['step_ms'] / m['model_ms']:.2f}x | {m['tok_s']:.0f} | {ms(m['ttft_ms'])} ms |")
+    after = fill(
+        f"The overlapped step is {s['overlap_step_over_sync_model']:.2f}x the synchronous loop's forward + sample "
+        f"(the issue's target: at most 1.03x) and {compare(med['overlap']['step_ms'], med['sync']['step_ms'])} "
+        f"than the synchronous step; it serves {s['tok_s_ratio']:.2f}x the tokens a second, its time to the first "
+        f"token is {s['ttft_ratio']:.2f}x. Its host phases take "
+        f"{med['overlap']['host_ms'] / med['sync']['host_ms']:.1f}x "
+        f"as long as the synchronous loop's, and its forward + sample on the model thread "
+        f"{med['overlap']['model_ms'] / med['sync']['model_ms']:.2f}x. Round by round (each pair taken one "
+        f"right after the other, the median of the pairs) the overlapped step is "
+        f"{s['paired_step_ratio']:.2f}x the synchronous one and its tok/s {s['paired_tok_s_ratio']:.2f}x.")
+    return f"{intro}\n\n" + "\n".join(table) + f"\n\n{after}"
+
+
 BLOCKS = {
     "engine": (RESULTS / "bench.json", engine_block),
     "step-host": (RESULTS / "step_host_time.json", step_host_block),
@@ -385,6 +417,7 @@ BLOCKS = {
     "spec": (RESULTS / "spec.json", spec_block),
     "prefix": (RESULTS / "prefix.json", prefix_block),
     "kv": (RESULTS / "kv.json", kv_block),
+    "overlap": (RESULTS / "overlap.json", overlap_block),
 }
 _BLOCK = re.compile(r"<!-- figures (?P<name>[\w-]+) -->\n(?:(?P<body>.*?)\n)?<!-- /figures (?P=name) -->", re.S)
 

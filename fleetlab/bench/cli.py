@@ -14,7 +14,8 @@ bitmask fill per row, masking), ``prefix`` (prefix caching: hash chain, radix tr
 shared-prefix, multi-turn and unrelated prompts; fcfs against longest-prefix-first),
 ``kv`` (KV connectors: the offload tier's hit rate and TTFT
 against the pool alone, a new engine loading from shared storage, bytes moved between a
-prefill rank and a decode rank).
+prefill rank and a decode rank), ``overlap`` (overlap scheduling against the synchronous loop at
+batch 64 on the shipped tiny model: step wall time against the forward + sampling, tok/s, TTFT).
 
 Each but ``triton`` writes its figures to ``benchmarks/results/`` (``--out`` for another folder),
 records the machine's threads and load there (:mod:`fleetlab.bench.machine`), and shows a
@@ -39,6 +40,7 @@ BENCHES = {
     "structured": "fleetlab.bench.structured",
     "prefix": "fleetlab.bench.prefix",
     "kv": "fleetlab.bench.kv",
+    "overlap": "fleetlab.bench.overlap",
 }
 
 

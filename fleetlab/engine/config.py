@@ -42,13 +42,16 @@ class EngineConfig:
       --nproc_per_node N`` (see ``fleetlab.distributed``).
     kv_transfer_config: None, or ``{"connector": NAME, "role": "producer" | "consumer" | "both",
       ...options}``: KV loaded from / saved outside the engine (see :mod:`fleetlab.kv_transfer`).
+    async_scheduling: overlap the host's scheduling and preparing of step N+1 with step N's
+      forward (:mod:`fleetlab.overlap`); not with speculative decoding, tensor parallelism,
+      ``kv_transfer_config``, ``record_traces`` or requests with ``structured_outputs``.
 
     Bounds (checked by ``fleetlab.validation.engine_config``; a refusal names the field): ``block_size``,
     ``max_num_seqs``, ``max_num_batched_tokens``, ``tensor_parallel_size``, ``num_blocks`` and
     ``max_model_len`` are ints in ``[1, 2**31 - 1]`` (the int32 block tables and counters);
     ``kv_cache_memory_bytes`` and ``memory_budget_bytes`` ints in ``[1, 2**63 - 1]``; ``memory_utilization``
     a number in ``(0, 1]``, not with ``num_blocks`` or ``kv_cache_memory_bytes``; ``seed`` an int in ``[0, 2**63 - 1]``;
-    ``enable_prefix_caching``, ``enable_chunked_prefill`` and ``record_traces`` are
+    ``enable_prefix_caching``, ``enable_chunked_prefill``, ``record_traces`` and ``async_scheduling`` are
     ``True``/``False`` and ``reorder`` None/True/False (no other value counts as true).
     numpy scalars count as the numbers they hold (and are stored as Python ints); a ``bool``
     is not an int.
@@ -73,3 +76,4 @@ class EngineConfig:
     speculative_config: dict | None = None
     tensor_parallel_size: int = 1
     kv_transfer_config: object = None
+    async_scheduling: bool = False

@@ -9,7 +9,8 @@ fanned in, stop strings applied, text) is the output processor's work, after the
 
 ``step`` is the synchronous loop's step. An engine that overlaps the next step's scheduling
 with this one's forward (vLLM's batch queue) is another ``EngineCore`` with its own
-``step``: the front door calls whichever it holds (``LLM.core``).
+``step``: :class:`fleetlab.overlap.OverlapEngineCore` (``LLM(async_scheduling=True)``); the
+front door calls whichever it holds (``LLM.core``).
 """
 
 from __future__ import annotations

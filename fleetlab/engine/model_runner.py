@@ -8,6 +8,11 @@ packed tokens under ``forward_context``, computes logits only at the positions i
 speculative proposer draft the next tokens. Results leave keyed by request id in a
 :class:`ModelRunnerOutput`, so the row order never leaks out.
 
+A step is two halves: :meth:`ModelRunner.prepare` (the host's: the batch updated, the inputs
+and sampling settings built) and :meth:`ModelRunner.run` (the model's: forward, sample, draft);
+``execute`` runs one after the other, and the overlapped loop (:mod:`fleetlab.overlap`) runs
+``run`` on a thread of its own while the host prepares the next step.
+
 The runner reports what it computed and never advances a request's progress: the next
 message tells it what the scheduler committed. If anything in a step raises, the engine
 calls :meth:`reset` and the scheduler resends every request in full, so no half-applied step
@@ -58,6 +63,26 @@ class StepInputs:
     prompt_positions: np.ndarray | None = None
 
 
+@dataclass(slots=True)
+class PreparedStep:
+    """One step made ready on the host (:meth:`ModelRunner.prepare`) for :meth:`ModelRunner.run`.
+
+    so: the plan; out: the runner's message, filled by ``run``; inputs: the packed step;
+    sampling: the scored positions' settings (None: no position samples or scores a prompt);
+    req_ids: each batch row's request id as prepared (``run`` reads these and ``sampling``, not
+    the live batch, which an overlapped loop changes meanwhile for the next step);
+    placeholders: ``(request id, row, position, packed index)`` of each token this step reads
+    that the step before has not sampled yet (none in the synchronous loop).
+    """
+
+    so: SchedulerOutput
+    out: ModelRunnerOutput
+    inputs: StepInputs
+    sampling: SamplingTensors | None
+    req_ids: list
+    placeholders: list
+
+
 class ModelRunner:
     """Runs scheduled steps of a patched model (a ``PatchHandle``) on a paged KV cache.
 
@@ -87,23 +112,37 @@ class ModelRunner:
         self.proposer = proposer
         self.hooks = hooks or StepHooks()
         self.kv_connector = kv_connector
+        self.placeholders: dict[str, int] = {}  # request id -> its row's trailing tokens not known yet
         if proposer is not None:
             proposer.bind(input_batch)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run the step ``so`` plans (at least one request); each part is a phase observers may time."""
-        phase = self.hooks.phase
-        with phase("batch_update"):
+        return self.run(self.prepare(so))
+
+    def prepare(self, so: SchedulerOutput) -> PreparedStep:
+        """The host's half of a step: apply the plan to the batch, build its inputs and sampling settings."""
+        with self.hooks.phase("batch_update"):
             out = self.update_batch(so)
-        with phase("metadata"):
+        with self.hooks.phase("metadata"):
             inputs = self.prepare_inputs()
+            starts = np.flatnonzero(inputs.pos_offset == 0)
+            sampling = (self._sampling_tensors(inputs, starts)
+                        if len(starts) or inputs.prompt_rows is not None else None)
+        return PreparedStep(so, out, inputs, sampling, self.batch.req_ids, self._placeholder_slots(inputs))
+
+    def run(self, p: PreparedStep) -> ModelRunnerOutput:
+        """The model's half: forward and sample ``p``, and draft the next tokens. Until the proposer
+        drafts it reads only ``p`` (an overlapped loop freezes the batch state ``p`` points at:
+        :mod:`fleetlab.overlap.frozen`) and the KV cache."""
+        phase, so, out = self.hooks.phase, p.so, p.out
         with phase("forward"):
             self.kv_connector.start_load_kv(so.kv_connector_metadata, self.kv_cache)
-            logits = self.forward(inputs)  # each attention layer: wait_for_layer_load, write, save_kv_layer
+            logits = self.forward(p.inputs)  # each attention layer: wait_for_layer_load, write, save_kv_layer
             self.kv_connector.wait_for_save()
             out.finished_sending, out.kv_load_failed_block_ids = self.kv_connector.get_finished(so.finished_req_ids)
         with phase("sample"):
-            self.sample(logits, inputs, out)
+            self.sample(logits, p.inputs, out, p.sampling, p.req_ids)
         if self.proposer is not None:
             with phase("propose"):
                 drafts = self.proposer.propose(self.batch, out.sampled_token_ids)
@@ -115,6 +154,7 @@ class ModelRunner:
         for req_id in [r for r in self.batch.req_ids if r is not None]:
             self.batch.remove_request(req_id)
         self.batch.condense()
+        self.placeholders.clear()
         if self.proposer is not None:
             self.proposer.reset()
 
@@ -124,6 +164,7 @@ class ModelRunner:
         b = self.batch
         scheduled = so.num_scheduled_tokens
         resent = {new.req_id for new in so.scheduled_new_reqs}
+        self._retract_placeholders()  # the tokens they stood for come in this message
         # Drop rows of requests that finished, were preempted or simply not scheduled this step,
         # and stale rows of requests sent in full (a finished request's id reused at once).
         for req_id in [r for r in b.req_ids if r is not None and (r not in scheduled or r in resent)]:
@@ -137,6 +178,7 @@ class ModelRunner:
                           cached.num_blocks)
         for req_id, drafts in so.scheduled_spec_decode_tokens.items():
             b.set_spec_tokens(req_id, drafts)
+        self._mark_placeholders(scheduled)
         b.condense()
         b.set_num_scheduled(scheduled)
         self.hooks.batch_order(b.req_ids)
@@ -144,6 +186,39 @@ class ModelRunner:
             b.reorder_split_prefill_and_decode(self.decode_threshold)
         b.sync_to_device()  # at most one copy per device field, after every row has moved
         return ModelRunnerOutput()
+
+    def _mark_placeholders(self, scheduled: dict) -> None:
+        """A row scheduled past its known tokens (only the overlapped loop plans that: the step in
+        flight has not sampled them yet) gets placeholder tokens there, filled before its forward
+        (:func:`fleetlab.overlap.placeholders.fill`); none in the synchronous loop."""
+        b = self.batch
+        rows = np.fromiter((b.req_id_to_row[r] for r in scheduled), np.int64, len(scheduled))
+        short = (b.num_computed_tokens[rows] + np.fromiter(scheduled.values(), np.int64, len(scheduled))
+                 - b.num_tokens[rows] - b.num_spec_tokens[rows])
+        for row, k in zip(rows[short > 0].tolist(), short[short > 0].tolist()):
+            b.append(np.array([row]), [[0] * k])  # 0: any valid id (a wasted slot's forward reads it)
+            self.placeholders[b.req_ids[row]] = k
+
+    def _retract_placeholders(self) -> None:
+        """Take the placeholders off the rows again: the message carries the tokens they stood for."""
+        b = self.batch
+        for req_id, k in self.placeholders.items():
+            if req_id in b.req_id_to_row:
+                row = b.req_id_to_row[req_id]
+                b.num_tokens[row] -= k
+                b.num_output_tokens[row] -= k
+        self.placeholders.clear()
+
+    def _placeholder_slots(self, inputs: StepInputs) -> list[tuple[str, int, int, int]]:
+        """``(request id, row, position, packed index)`` of each placeholder this step reads (they
+        are its rows' last scheduled tokens)."""
+        b, cu = self.batch, inputs.metadata.cu_seqlens_q_host
+        slots = []
+        for req_id, k in self.placeholders.items():
+            row = b.req_id_to_row[req_id]
+            end = int(b.num_tokens[row])
+            slots += [(req_id, row, end - k + j, int(cu[row + 1]) - k + j) for j in range(k)]
+        return slots
 
     # ------------------------------------------------------------------ inputs and forward
     def prepare_inputs(self) -> StepInputs:
@@ -196,16 +271,19 @@ class ModelRunner:
         return logits.astype("float32") if logits.dtype != paddle.float32 else logits
 
     # ------------------------------------------------------------------ sampling
-    def sample(self, logits: paddle.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> None:
+    def sample(self, logits: paddle.Tensor, inputs: StepInputs, out: ModelRunnerOutput,
+               sampling: SamplingTensors | None = None, req_ids: list | None = None) -> None:
         """Fill ``out`` for the rows that scored: the tokens they gained, their errors, and the
-        logprobs asked for (of sampled tokens, and of this chunk's prompt tokens)."""
+        logprobs asked for (of sampled tokens, and of this chunk's prompt tokens).
+
+        ``sampling``, ``req_ids``: what :meth:`prepare` took from the batch; None: read the batch now."""
         starts = np.flatnonzero(inputs.pos_offset == 0)
         if len(starts) == 0 and inputs.prompt_rows is None:
             return
+        st = self._sampling_tensors(inputs, starts) if sampling is None else sampling
+        req_ids = self.batch.req_ids if req_ids is None else req_ids
         rows = inputs.pos_row[starts].tolist()
-        st = self._sampling_tensors(inputs, starts)
         tokens, res = self.sampler.sample_rows(logits, st)
-        req_ids = self.batch.req_ids
         out.sampled_token_ids = {req_ids[r]: t for r, t in zip(rows, tokens) if t is not None}
         out.errors = {req_ids[r]: "the model produced non-finite logits" for r, t in zip(rows, tokens) if t is None}
         out.errors.update({req_ids[r]: why for r, why in st.row_errors.items()})  # a logits processor stopped them

@@ -27,6 +27,10 @@ class Request:
     tokens still to run are ``all_token_ids[num_computed_tokens:]`` plus the drafts in
     ``spec_token_ids``. Preemption frees the blocks (the ``KVCacheManager`` holds them)
     and resets it to 0 (the request is recomputed from its prompt and outputs).
+    Under the overlapped loop (:mod:`fleetlab.overlap`) the next step is planned while one is
+    in flight: ``num_computed_tokens`` then already counts the tokens in flight and
+    ``num_placeholders`` the tokens that step will sample (scheduled as placeholders, not yet
+    in ``output_token_ids``); both are taken back when the scheduler commits the step.
     A request with ``waiting_on`` set (a future: its grammar's compile) waits until that is
     done, while the requests behind it are admitted.
     """
@@ -41,6 +45,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
+    num_placeholders: int = 0  # tokens a step in flight will sample, already scheduled past (overlapped loop)
     extra: dict = field(default_factory=dict)  # values of its own InputBatch fields, e.g. prompt_embeds
     waiting_on: Future | None = None  # not admitted before this is done (its grammar's compile)
     status: RequestStatus = RequestStatus.WAITING

@@ -113,8 +113,9 @@ class Scheduler:
         return out
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
-        """Known tokens still to compute plus the drafts, within the budget and the model's length."""
-        n = req.num_tokens + len(req.spec_token_ids) - req.num_computed_tokens
+        """Known tokens still to compute plus the drafts (or the placeholders of tokens a step in
+        flight will sample), within the budget and the model's length."""
+        n = req.num_tokens + req.num_placeholders + len(req.spec_token_ids) - req.num_computed_tokens
         return min(n, budget, self.max_model_len - req.num_computed_tokens)
 
     def _lookahead(self, req: Request, num_new_tokens: int) -> int:

@@ -15,6 +15,9 @@ step's K/V into the cache before it attends**, so a row that reads a block anoth
 the same step fills sees the written values. If the step then fails, or the request is
 preempted before the step runs, :meth:`KVCacheManager.rollback_step` / :meth:`free` take
 those registrations back, so no cached block ever points at K/V that was never written.
+An overlapped loop (:mod:`fleetlab.overlap`) plans a step while the one before is in flight:
+:meth:`KVCacheManager.open_step` starts the next step's log, so two steps' registrations are
+open at once; ``commit_step`` closes the oldest, ``rollback_step`` takes back all of them.
 """
 
 from __future__ import annotations
@@ -41,10 +44,19 @@ class KVCacheBlocks:
 
 @dataclass(slots=True)
 class _Registration:
-    """Blocks a request registered in the prefix cache during the current step (undo log)."""
+    """Blocks a request registered in the prefix cache during one step (undo log)."""
 
     num_cached_before: int
     block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _StepLog:
+    """One open step's undo log: its registrations per request, and the hit-rate counters
+    before its first admission (None: it admitted nobody with prefix caching on)."""
+
+    registrations: dict[str, _Registration] = field(default_factory=dict)
+    counters_before: object = None
 
 
 class KVCacheManager:
@@ -64,8 +76,7 @@ class KVCacheManager:
         self.block_size = pool.block_size
         self._blocks: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks already in the prefix cache
-        self._step_log: dict[str, _Registration] = {}
-        self._counters_before = None  # the hit-rate counters before this step's first admission
+        self._step_logs: list[_StepLog] = [_StepLog()]  # open steps, oldest first; the last one plans now
 
     # ------------------------------------------------------------------ queries
     @property
@@ -99,7 +110,8 @@ class KVCacheManager:
 
     def record_lookup(self, request, num_hit_tokens: int) -> None:
         """Count one admission's prefix-cache query in the hit rate (undone if the step fails)."""
-        self._counters_before = self._counters_before or self.prefix_cache.lookup_counters()
+        log = self._step_logs[-1]
+        log.counters_before = log.counters_before or self.prefix_cache.lookup_counters()
         self.prefix_cache.record_lookup(request.num_tokens, num_hit_tokens // self.block_size)
 
     def allocate_slots(self, request, num_new_tokens: int, num_lookahead_tokens: int = 0,
@@ -156,19 +168,20 @@ class KVCacheManager:
         self._num_cached[rid] = self.prefix_cache.cache_blocks(request.all_token_ids, blocks, num_cached, num_full)
         # Fresh blocks have no key, so the keyed ones are this call's (a block whose content is
         # already cached under another block stays unkeyed).
-        log = self._step_log.setdefault(rid, _Registration(num_cached))
+        log = self._step_logs[-1].registrations.setdefault(rid, _Registration(num_cached))
         log.block_ids.extend(b for b in blocks[num_cached:num_full] if self.pool.is_cached(b))
 
     def free(self, request) -> None:
         """Give back every block of the request (tail first, so its prefix lives longest).
 
-        Blocks it registered in this step lose their cache entry first: their K/V will
+        Blocks it registered in an open step lose their cache entry first: their K/V may
         never be written (the request is preempted or aborted before its step runs).
         """
         rid = request.request_id
-        log = self._step_log.pop(rid, None)
-        if log is not None:
-            self.pool.uncache(log.block_ids)
+        for step_log in self._step_logs:
+            log = step_log.registrations.pop(rid, None)
+            if log is not None:
+                self.pool.uncache(log.block_ids)
         self.pool.free(self._blocks.pop(rid, []))
         self._num_cached.pop(rid, None)
 
@@ -185,18 +198,25 @@ class KVCacheManager:
         return len(tail)
 
     # ------------------------------------------------------------------ step transactions
+    def open_step(self) -> None:
+        """The step just planned stays open (in flight); the next one plans into a log of its own."""
+        self._step_logs.append(_StepLog())
+
     def commit_step(self) -> None:
-        """The step ran: its registrations stand."""
-        self._step_log.clear()
-        self._counters_before = None
+        """The oldest open step ran: its registrations stand."""
+        self._step_logs.pop(0)
+        if not self._step_logs:
+            self._step_logs.append(_StepLog())
 
     def rollback_step(self) -> None:
-        """The step failed: drop every prefix-cache registration it made, and its queries' counts."""
-        if self._counters_before is not None:
-            self.prefix_cache.restore_lookup_counters(self._counters_before)
-            self._counters_before = None
-        for rid, log in self._step_log.items():
-            self.pool.uncache(log.block_ids)
-            if rid in self._num_cached:
-                self._num_cached[rid] = log.num_cached_before
-        self._step_log.clear()
+        """The step failed: drop every prefix-cache registration of every open step (newest first,
+        so each request's cached count ends as it was before the oldest), and their queries' counts."""
+        counters = next((log.counters_before for log in self._step_logs if log.counters_before is not None), None)
+        if counters is not None:
+            self.prefix_cache.restore_lookup_counters(counters)
+        for step_log in reversed(self._step_logs):
+            for rid, log in step_log.registrations.items():
+                self.pool.uncache(log.block_ids)
+                if rid in self._num_cached:
+                    self._num_cached[rid] = log.num_cached_before
+        self._step_logs = [_StepLog()]

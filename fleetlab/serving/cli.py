@@ -62,6 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' or "
                         "'{\"method\": \"draft\", \"num_speculative_tokens\": 4, \"model\": \"tiny\"}' "
                         "(\"tiny\": the shipped draft; else a checkpoint directory)")
+    e.add_argument("--async-scheduling", action="store_true",
+                   help="overlap scheduling: the host plans step N+1 while step N's forward runs (fleetlab.overlap)")
     p.add_argument("--kv-role", choices=("prefill", "decode", "by-rank"), default=None,
                    help="disaggregated serving (fleetlab.kv_transfer.serving; `python -m fleetlab disagg` starts "
                         "both): decode serves HTTP and pulls each prompt's K/V from the prefill rank")
@@ -104,7 +106,8 @@ def engine_config(args) -> dict:
     cfg = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
            "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
            "backend": args.backend, "scheduling_policy": args.scheduling_policy,
-           "enable_prefix_caching": args.enable_prefix_caching, "seed": args.seed}
+           "enable_prefix_caching": args.enable_prefix_caching, "seed": args.seed,
+           "async_scheduling": args.async_scheduling}
     if args.speculative_config is not None:
         cfg["speculative_config"] = resolve_draft(args.speculative_config)
     if args.kv_role is not None:

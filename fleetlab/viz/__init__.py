@@ -17,6 +17,7 @@ Modules:
   radix    -- the prefix cache as the tree it holds: the radix tree's nodes, the hash chain's blocks
   parity   -- oracle vs patched logits
   mask     -- the attention mask of a packed step: block-diagonal over rows, causal, cached prefixes
+  overlap  -- the host's and the model's timelines, synchronous and overlapped (engine timestamps)
   latency  -- TTFT / TPOT percentiles of several runs (e.g. scheduling policies)
   layers   -- which attention layer writes which cache layer after patching
   results  -- stored benchmark results (benchmarks/results/*.json)
@@ -58,6 +59,7 @@ from fleetlab.viz.kv_transfer import draw_connector_calls, draw_handshake, draw_
 from fleetlab.viz.latency import draw_latency
 from fleetlab.viz.layers import PatchedLayer, draw_layer_map, format_patch_table, patch_table
 from fleetlab.viz.mask import PackedMask, draw_packed_mask, packed_mask
+from fleetlab.viz.overlap import draw_overlap
 from fleetlab.viz.parity import ParityReport, draw_logits_parity, greedy_table, logits_parity
 from fleetlab.viz.perf import RunRecord, draw_run_comparison, fastest_runs, run_record
 from fleetlab.viz.radix import TreeNode, draw_prefix_tree, hash_chain_nodes, radix_nodes
@@ -212,6 +214,7 @@ __all__ = [
     "PackedMask",
     "packed_mask",
     "draw_packed_mask",
+    "draw_overlap",
     "TreeNode",
     "draw_prefix_tree",
     "hash_chain_nodes",
