@@ -183,7 +183,6 @@ ax.barh(names[1:], [b.kv_connector.stats.loaded_tokens], left=[prompt_computed[n
 ax.set_xlabel(f"prompt tokens (of {len(prompt)})")
 ax.invert_yaxis()
 ax.legend(fontsize=8, loc="lower right")
-fig_restart.savefig("/tmp/nb13/restart.png")
 fig_restart
 
 # %% [markdown]
@@ -205,7 +204,6 @@ def first_step(records):
 steps = {"A (producer), step 0": first_step(a.kv_connector.records),
          "B (consumer), step 0": first_step(b.kv_connector.records)}
 fig_calls = kvviz.draw_connector_calls(steps, model.config.num_layers)
-fig_calls.savefig("/tmp/nb13/calls.png")
 fig_calls
 
 # %%
@@ -262,7 +260,6 @@ show_source(PaddleDistributedConnector.request_finished)
 
 # %%
 fig_pools = kvviz.draw_pool_use({"A (saves)": a.traces, "B (loads)": b.traces, "C (load fails)": c.traces})
-fig_pools.savefig("/tmp/nb13/pools.png")
 engines = {"A": a, "B": b, "C": c}
 pool_end = {name: (llm.pool.num_free_blocks, llm.pool.num_blocks) for name, llm in engines.items()}
 pool_used = {name: [t.num_blocks - t.num_free_blocks for t in llm.traces] for name, llm in engines.items()}
@@ -312,7 +309,6 @@ ax.set_ylim(0, 1)
 ax.legend(fontsize=8)
 for bars in ax.containers:
     ax.bar_label(bars, fmt="%.2f", fontsize=8)
-fig_offload.savefig("/tmp/nb13/offload.png")
 fig_offload
 
 # %% [markdown]
@@ -351,7 +347,6 @@ print("restarted engine TTFT median:", {k: round(v, 1) for k, v in restart.items
 
 # %%
 fig_handshake = kvviz.draw_handshake(model.config.num_layers)
-fig_handshake.savefig("/tmp/nb13/handshake.png")
 fig_handshake
 
 # %%
@@ -392,7 +387,6 @@ for i, q in enumerate(("itl_p50_ms", "itl_p99_ms")):
 ax2.set_xticks([0.19, 1.19], ["one engine (chunked prefill)", "prefill + decode pair"])
 ax2.set_ylabel("decode inter-token latency (ms)")
 ax2.legend(fontsize=8)
-fig_bench.savefig("/tmp/nb13/bench.png")
 print(f"bytes/token {pd['bytes_per_token']} vs formula {formula}; ITL", {n: (round(mixed[n]['itl_p50_ms'], 1),
       round(mixed[n]['itl_p99_ms'], 1)) for n in ("one engine", "pair")}, "| same tokens:", mixed["identical_tokens"])
 fig_bench
