@@ -16,6 +16,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, its blocks freed; it will be recomputed
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # admitted, its blocks held, its K/V still arriving
     FINISHED = "finished"
 
 
@@ -28,7 +29,8 @@ class Request:
     ``spec_token_ids``. Preemption frees the blocks (the ``KVCacheManager`` holds them)
     and resets it to 0 (the request is recomputed from its prompt and outputs).
     A request with ``waiting_on`` set (a future: its grammar's compile) waits until that is
-    done, while the requests behind it are admitted.
+    done, while the requests behind it are admitted; one ``WAITING_FOR_REMOTE_KVS`` (a KV
+    connector's future: its K/V arriving) is held out of the running batch until then.
     """
 
     request_id: str
@@ -42,7 +44,7 @@ class Request:
     num_computed_tokens: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
     extra: dict = field(default_factory=dict)  # values of its own InputBatch fields, e.g. prompt_embeds
-    waiting_on: Future | None = None  # not admitted before this is done (its grammar's compile)
+    waiting_on: Future | None = None  # not admitted / not scheduled before this is done (a compile, a transfer)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None

@@ -6,10 +6,9 @@ Short requests decode while long prompts arrive, one every ``--every`` steps. Ra
 twice: as the decode engine of the pair (each long prompt's K/V computed by rank 1), then as
 one engine alone (chunked prefill, the same token budget). It prints one ``MIXED_RESULT
 {json}`` line: the short requests' inter-token latency p50 / p99 and the long prompts' TTFT
-in both setups, and whether the tokens agree. What it shows on a given machine is what holds
-there: fleetlab's decode side waits for a transfer inside its step, so a long prefill on the
-other rank still stalls the decode rank's rows (vLLM and SGLang overlap it: a request waits for
-its K/V outside the running batch).
+in both setups, and whether the tokens agree. On the pair a long prompt waits for its K/V
+outside the decode rank's running batch (``WAITING_FOR_REMOTE_KVS``) while the short
+requests keep decoding; what that buys on a given machine is what the figures say there.
 """
 
 from __future__ import annotations
@@ -46,6 +45,7 @@ def drive(llm, shorts, longs, *, every: int, short_tokens: int) -> dict:
             llm.add_request(prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
                             request_id=f"l{i}")
             arrive[f"l{i}"] = time.perf_counter()
+        llm.wait_until_runnable()
         outs = llm.step()
         now = time.perf_counter()
         for out in outs:

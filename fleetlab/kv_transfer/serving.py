@@ -65,34 +65,6 @@ def run_prefill(args, engine_config) -> int:
     return 0
 
 
-def keepalive_engine(llm, **kwargs):
-    """An ``AsyncLLM`` whose engine thread pings the prefill rank when the link has been quiet
-    (:meth:`~fleetlab.kv_transfer.paddle_distributed.PaddleDistributedConnector.keepalive`; the
-    engine thread, which runs the steps, is the only one to touch the transport). A waker thread
-    aborts an id no request has every few seconds: a no-op that wakes an idle engine thread."""
-    import threading
-    import time
-
-    from fleetlab.kv_transfer.paddle_distributed import KEEPALIVE_S
-    from fleetlab.serving.async_llm import AsyncLLM
-
-    class KeepAliveAsyncLLM(AsyncLLM):
-        def _take_commands(self, streams, block):
-            go_on = super()._take_commands(streams, block)
-            self.llm.kv_connector.keepalive()
-            return go_on
-
-    engine = KeepAliveAsyncLLM(llm, **kwargs)
-
-    def wake():
-        while engine.is_healthy:
-            time.sleep(KEEPALIVE_S / 4)
-            engine.abort("\x00fleetlab-keepalive")  # no request has this id: nothing is aborted
-
-    threading.Thread(target=wake, name="fleetlab-kv-keepalive", daemon=True).start()
-    return engine
-
-
 def main(argv=None) -> int:
     """``python -m fleetlab disagg [serve options]``: both roles in one ``paddle.distributed.launch`` job."""
     from fleetlab.distributed.launch import CCACHE_WARNING, QUIET_ENV, NoticeFilter, _Reader, launch_command
