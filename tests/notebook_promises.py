@@ -895,9 +895,9 @@ assert mixed["pair"]["itl_p50_ms"] < mixed["one engine"]["itl_p50_ms"]
 assert mixed["pair"]["itl_p99_ms"] < mixed["one engine"]["itl_p99_ms"] and mixed["identical_tokens"]
 assert mixed["pair"]["long_ttft_median_ms"] > mixed["one engine"]["long_ttft_median_ms"]
 assert pd["equal_forward"] and pd["equal_single"] and pd["failed_loads"] == 0
-# The timelines: "up to 60 prompt tokens beside the four decode rows"; "about as long as three decode-only steps";
-# "the decode rank only ever runs decode rows"; "hatched steps ran while some request ... waited there"; the prefill rank
-# runs the prompt steps; every lane drawn from its data
+# The timelines: "up to 60 prompt tokens beside the four decode rows"; "about as long as three decode-only
+# steps"; "the decode rank only ever runs decode rows"; "hatched steps ran while some request ... waited
+# there"; the prefill rank runs the prompt steps; every lane drawn from its data
 _tl = mixed["timeline"]
 assert max(s_[2] for s_ in _tl["one engine"]["timeline"]) == 60 and {s_[3] for s_ in _tl["one engine"]["timeline"]
                                                                     if s_[2] == 60} == {4}
@@ -908,7 +908,8 @@ _ax = fig_timelines.axes[0]
 _drawn = {c.get_gid(): len(c.get_paths()) for c in _ax.collections if c.get_gid()}
 for _lane, _run in _tl.items():
     _n_prompt = sum(s_[2] > 0 for s_ in _run["timeline"])
-    assert _drawn[f"steps:{_lane}:prompt"] == _n_prompt and _drawn[f"steps:{_lane}:decode"] == len(_run["timeline"]) - _n_prompt
+    assert _drawn[f"steps:{_lane}:prompt"] == _n_prompt
+    assert _drawn[f"steps:{_lane}:decode"] == len(_run["timeline"]) - _n_prompt
 assert _drawn["held:pair"] == sum(s_[4] > 0 for s_ in _tl["pair"]["timeline"]) and "held:one engine" not in _drawn
 _stars = {ln.get_gid(): list(ln.get_xdata()) for ln in _ax.lines}
 assert len(_stars["arrive:one engine"]) == len(_stars["first:pair"]) == 4

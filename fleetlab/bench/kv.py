@@ -196,7 +196,8 @@ def main(argv=None) -> int:
     print(f"shared_storage: a new engine's TTFT {t['new engine, loading']:.1f} ms loading vs "
           f"{t['new engine, computing']:.1f} ms computing ({s['loaded_tokens']} of {s['prompt_len']} tokens loaded)")
     print(f"paddle_distributed: {d['bytes_per_token']:.0f} bytes per token (expected "
-          f"{d['expected_bytes_per_token']}), {d['recv_ms_per_request']:.1f} ms transfer per request (handshake to last layer); tokens "
+          f"{d['expected_bytes_per_token']}), {d['recv_ms_per_request']:.1f} ms transfer per request (handshake to "
+          f"last layer); tokens "
           f"equal one engine's: {d['equal_single']}, the full forward's: {d['equal_forward']}")
     m = d["mixed"]
     print(f"mixed workload: decode ITL p50 / p99 {m['pair']['itl_p50_ms']:.1f} / {m['pair']['itl_p99_ms']:.1f} ms on "

@@ -90,7 +90,7 @@ def draw_timelines(timeline: dict) -> Figure:
     (gids ``arrive:LANE``, ``first:LANE``)."""
     fig = Figure(figsize=(11, 3.2), layout="constrained")
     ax = fig.subplots()
-    for y, (key, label) in enumerate(reversed(LANES)):
+    for y, (key, _) in enumerate(reversed(LANES)):
         run = timeline.get(key, {})
         for kind, color in (("prompt", "tab:orange"), ("decode", "tab:blue")):
             steps = [s for s in run.get("timeline", []) if (s[2] > 0) == (kind == "prompt")]
