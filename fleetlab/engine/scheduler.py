@@ -180,8 +180,8 @@ class Scheduler:
             remaining = req.num_tokens - num_hit_tokens - num_external
             if remaining > budget and not self.enable_chunked_prefill:
                 break
+            n = min(remaining, budget)
             wait = num_external > 0 and self.connector.load_kv_async  # its K/V arrive between steps
-            n = 0 if wait else min(remaining, budget)
             # Waiting, it holds its slots as lookahead: no block enters the prefix cache before its K/V is there.
             new, ahead = ((0, num_external + remaining + self.num_lookahead_tokens) if wait else
                           (num_external + n, self._lookahead(req, n + num_hit_tokens + num_external)))
@@ -198,9 +198,9 @@ class Scheduler:
             req.waiting_on = arrival if wait else req.waiting_on
             self.running.append(req)
             self._admitted.append(req)
-            if n:
+            if not wait:
                 self._schedule(req, n, out)
-            budget -= n
+                budget -= n
 
     def _fill_request_data(self, out: SchedulerOutput) -> None:
         """Full data for requests the runner lacks; the diff for those it holds."""
