@@ -344,7 +344,7 @@ class Scheduler:
         for req in reversed(self._admitted):
             self.running.remove(req)
             self.kv.free(req)
-            req.num_computed_tokens = 0
+            req.num_computed_tokens, req.waiting_on = 0, None  # (a transfer it awaited is dropped)
             req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
             self.waiting.insert(0, req)
         self._admitted = []

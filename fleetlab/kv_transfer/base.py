@@ -33,7 +33,10 @@ This base class is itself the *null connector*: every call does nothing, so an e
 ``kv_transfer_config`` runs exactly as before, through the same calls (no ``if`` anywhere in
 the core). vLLM builds two instances, one per side (role SCHEDULER / WORKER); fleetlab's
 scheduler and runner live in one process, so one object serves both, and its worker side
-tells its scheduler side about failed loads directly.
+tells its scheduler side about failed loads directly, and about a finished receive through
+the future :meth:`KVConnector.update_state_after_alloc` returned (vLLM's ``get_finished``
+reports ``finished_recving`` through the runner's output; a future also lets
+``LLM.wait_until_runnable`` sleep until one is done when no other request can run).
 
 A connector is built by :func:`make_kv_connector` from a checked
 :class:`~fleetlab.kv_transfer.config.KVTransferConfig` and the cache's :class:`KVCacheSpec`.
