@@ -41,7 +41,8 @@ def draw_connector_calls(panels: dict[str, list[tuple]], num_layers: int) -> Fig
 
 
 def draw_handshake(num_layers: int, num_requests: int = 1) -> Figure:
-    """The ``paddle_distributed`` messages of one decode step, decode rank left, prefill rank right."""
+    """The ``paddle_distributed`` messages of one handshake, the decode rank's link thread left,
+    the prefill rank right (the decode steps go on meanwhile; the stop comes once, at shutdown)."""
     fig = Figure(figsize=(8, 1.2 + 0.55 * (num_layers + 3)), layout="constrained")
     ax = fig.subplots()
     msgs = [("decode", f"handshake [1, n]: {num_requests} request(s): token ids + decode block ids", "tab:blue")]
@@ -54,7 +55,7 @@ def draw_handshake(num_layers: int, num_requests: int = 1) -> Figure:
         x0, x1 = (0, 1) if sender == "decode" else (1, 0)
         ax.annotate("", (x1, y - 0.3), (x0, y), arrowprops=dict(arrowstyle="->", color=color, lw=1.6), gid=f"msg:{i}")
         ax.text(0.5, y - 0.05, text, ha="center", va="bottom", fontsize=8, color=color)
-    for x, name in ((0, "decode rank (consumer)\nallocates blocks, sends their ids"),
+    for x, name in ((0, "decode rank (consumer): its link thread\nsends the block ids, collects the K/V"),
                     (1, "prefill rank (producer)\nruns the prompt, sends K/V per layer")):
         ax.plot([x, x], [-(len(msgs) + 0.8), 0], color="0.5", lw=2)
         ax.text(x, 0.15, name, ha="center", va="bottom", fontsize=9)
