@@ -7,9 +7,9 @@ twice: as the decode engine of the pair (each long prompt's K/V computed by rank
 one engine alone (chunked prefill, the same token budget). It prints one ``MIXED_RESULT
 {json}`` line: the short requests' inter-token latency p50 / p99 and the long prompts' TTFT
 in both setups, whether the tokens agree, and each engine's step timeline (``timeline``: per
-step ``[start_ms, end_ms, prompt tokens, decode rows, requests held waiting for K/V]``, from
-``time.perf_counter``, one clock for both ranks on one machine; the prefill rank's from its
-log). On the pair a long prompt waits for its K/V outside the decode rank's running batch
+step ``[start_ms, end_ms, prompt tokens (rows of more than one), decode rows (of one), requests
+held waiting for K/V]``, from ``time.perf_counter``, one clock for both ranks on one machine;
+the prefill rank's from its log). On the pair a long prompt waits for its K/V outside the decode rank's running batch
 (``WAITING_FOR_REMOTE_KVS``) while the short requests keep decoding; what that buys on a given
 machine is what the figures say there.
 """
