@@ -406,10 +406,10 @@ fig_bench
 # `fleetlab/kv_transfer/mixed.py`; both ranks read one machine's monotonic clock). On one
 # engine, every long prompt that arrives (▼) turns the next steps orange: they run up to 60
 # prompt tokens beside the four decode rows, and each takes as long as a few decode-only steps
-# (the medians are printed below the figure), so the short requests' next tokens wait. On the pair those orange steps run on the
-# prefill rank; the decode rank only ever runs decode rows (its hatched steps ran while some
-# request, short or long, waited there for its K/V), and a long prompt's first token (★) comes
-# later than on one engine.
+# (the medians are printed below the figure), so the short requests' next tokens wait. On the
+# pair those orange steps run on the prefill rank; the decode rank only ever runs decode rows
+# (its hatched steps ran while some request, short or long, waited there for its K/V), and a
+# long prompt's first token (★) comes later than on one engine.
 
 # %%
 fig_timelines = kvviz.draw_timelines(mixed["timeline"])

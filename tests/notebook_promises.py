@@ -895,8 +895,9 @@ assert mixed["pair"]["itl_p50_ms"] < mixed["one engine"]["itl_p50_ms"]
 assert mixed["pair"]["itl_p99_ms"] < mixed["one engine"]["itl_p99_ms"] and mixed["identical_tokens"]
 assert mixed["pair"]["long_ttft_median_ms"] > mixed["one engine"]["long_ttft_median_ms"]
 assert pd["equal_forward"] and pd["equal_single"] and pd["failed_loads"] == 0
-# The timelines: "up to 60 prompt tokens beside the four decode rows"; "as long as a few decode-only steps"; "the decode rank only ever runs decode rows"; "hatched steps ran while some request ... waited
-# there"; the prefill rank runs the prompt steps; every lane drawn from its data
+# The timelines: "up to 60 prompt tokens beside the four decode rows"; "as long as a few decode-only steps";
+# "the decode rank only ever runs decode rows"; "hatched steps ran while some request ... waited there"; the
+# prefill rank runs the prompt steps; every lane drawn from its data
 _tl = mixed["timeline"]
 assert max(s_[2] for s_ in _tl["one engine"]["timeline"]) == 60 and {s_[3] for s_ in _tl["one engine"]["timeline"]
                                                                     if s_[2] == 60} == {4}
