@@ -409,7 +409,9 @@ fig_bench
 # (the medians are printed below the figure), so the short requests' next tokens wait. On the
 # pair those orange steps run on the prefill rank; the decode rank only ever runs decode rows
 # (its hatched steps ran while some request, short or long, waited there for its K/V), and a
-# long prompt's first token (★) comes later than on one engine.
+# long prompt's first token (★) comes later than on one engine: a long prompt comes every eight
+# decode steps, so sooner on the pair, whose steps are shorter, and each waits on the prefill
+# rank for the one before it.
 
 # %%
 fig_timelines = kvviz.draw_timelines(mixed["timeline"])

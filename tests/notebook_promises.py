@@ -913,4 +913,5 @@ for _lane, _run in _tl.items():
 assert _drawn["held:pair"] == sum(s_[4] > 0 for s_ in _tl["pair"]["timeline"]) and "held:one engine" not in _drawn
 _stars = {ln.get_gid(): list(ln.get_xdata()) for ln in _ax.lines}
 assert len(_stars["arrive:one engine"]) == len(_stars["first:pair"]) == 4
+assert max(_stars["arrive:pair"]) < max(_stars["arrive:one engine"])  # "sooner on the pair"
 '''
