@@ -246,13 +246,13 @@ class LLM:
         return outputs
 
     def wait_until_runnable(self, timeout: float = 0.05) -> None:
-        """Between steps: if nothing runs and every waiting request waits on something (its
-        grammar's compile, on a thread), give them up to ``timeout`` seconds rather than spin
-        through empty steps (a loop over ``step`` calls this; the step itself never waits)."""
-        waiting = self.scheduler.waiting
-        if self.scheduler.running or not waiting or any(r.is_ready for r in waiting):
+        """Between steps: if every request waits on something (its grammar's compile, its K/V
+        arriving, on a thread), give them up to ``timeout`` seconds rather than spin through
+        empty steps (a loop over ``step`` calls this; the step itself never waits)."""
+        reqs = self.scheduler.running + self.scheduler.waiting
+        if not reqs or any(r.is_ready for r in reqs):
             return
-        concurrent.futures.wait([r.waiting_on for r in waiting], timeout=timeout,
+        concurrent.futures.wait([r.waiting_on for r in reqs], timeout=timeout,
                                 return_when=concurrent.futures.FIRST_COMPLETED)
 
     def abort(self, request_ids) -> list[RequestOutput]:

@@ -14,8 +14,9 @@
 # - the lifetimes of blocks in the saving and the loading pool;
 # - what happens when a load fails: the request is recomputed and still writes the same tokens;
 # - an offload tier under a pool half the working set's size, and its hit rate;
-# - the block-id handshake of prefill/decode disaggregation, and what the stored two-rank
-#   benchmark measured (bytes per token, inter-token latency).
+# - the block-id handshake of prefill/decode disaggregation, a request waiting for its K/V
+#   outside the decode side's batch, and what the stored two-rank benchmark measured (bytes
+#   per token, inter-token latency, every step of both ranks beside one engine's).
 
 # %%
 # %matplotlib inline
@@ -25,6 +26,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import numpy as np
 from matplotlib.figure import Figure
 
 import fleetlab
@@ -183,7 +185,6 @@ ax.barh(names[1:], [b.kv_connector.stats.loaded_tokens], left=[prompt_computed[n
 ax.set_xlabel(f"prompt tokens (of {len(prompt)})")
 ax.invert_yaxis()
 ax.legend(fontsize=8, loc="lower right")
-fig_restart.savefig("/tmp/nb13/restart.png")
 fig_restart
 
 # %% [markdown]
@@ -205,7 +206,6 @@ def first_step(records):
 steps = {"A (producer), step 0": first_step(a.kv_connector.records),
          "B (consumer), step 0": first_step(b.kv_connector.records)}
 fig_calls = kvviz.draw_connector_calls(steps, model.config.num_layers)
-fig_calls.savefig("/tmp/nb13/calls.png")
 fig_calls
 
 # %%
@@ -262,7 +262,6 @@ show_source(PaddleDistributedConnector.request_finished)
 
 # %%
 fig_pools = kvviz.draw_pool_use({"A (saves)": a.traces, "B (loads)": b.traces, "C (load fails)": c.traces})
-fig_pools.savefig("/tmp/nb13/pools.png")
 engines = {"A": a, "B": b, "C": c}
 pool_end = {name: (llm.pool.num_free_blocks, llm.pool.num_blocks) for name, llm in engines.items()}
 pool_used = {name: [t.num_blocks - t.num_free_blocks for t in llm.traces] for name, llm in engines.items()}
@@ -312,7 +311,6 @@ ax.set_ylim(0, 1)
 ax.legend(fontsize=8)
 for bars in ax.containers:
     ax.bar_label(bars, fmt="%.2f", fontsize=8)
-fig_offload.savefig("/tmp/nb13/offload.png")
 fig_offload
 
 # %% [markdown]
@@ -342,20 +340,27 @@ print("restarted engine TTFT median:", {k: round(v, 1) for k, v in restart.items
 # The `paddle_distributed` connector puts a prefill engine (producer) and a decode engine
 # (consumer) on two ranks of a `paddle.distributed.launch` job (gloo send/recv on CPU; NCCL on
 # GPUs is written but unrun here). Requests arrive at the decode side. Admitting one, it counts
-# every token but the last as loadable, allocates their blocks, and at the start of its step
-# sends the handshake: the token ids and **its own block ids** (FastDeploy's
-# `send_cache_info_to_prefill`). The prefill side runs the prompt and, as each layer writes
-# its K/V, sends that layer's K/V with the decode-side slots it goes to; the decode step receives
-# layer *i* right before layer *i* attends, then computes the last prompt token and samples.
-# Running two ranks inside a notebook is too slow, so here is the drawing and the code:
+# every token but the last as loadable and allocates their blocks; the request then **waits for
+# remote KV** (`WAITING_FOR_REMOTE_KVS`): it holds its blocks but is skipped by every step while
+# the other requests keep decoding. The handshake, the token ids and **the decode side's own
+# block ids** (FastDeploy's `send_cache_info_to_prefill`), goes out on the decode side's *link
+# thread*, the one thread there that touches the transport. The prefill side runs the prompt
+# and, as each layer writes its K/V, sends that layer's K/V with the decode-side slots it goes
+# to. Once every layer is in hand the link thread completes the request's future; at the next
+# step the scheduler lets the request join the batch, each layer's K/V is written into its
+# blocks right before that layer attends, and the decode side computes the last prompt token
+# and samples the first output token itself. Running two ranks inside a notebook is too slow,
+# so here is the drawing and the code:
 
 # %%
 fig_handshake = kvviz.draw_handshake(model.config.num_layers)
-fig_handshake.savefig("/tmp/nb13/handshake.png")
 fig_handshake
 
 # %%
-show_source(PaddleDistributedConnector.start_load_kv)
+show_source(Scheduler._take_remote_kvs)
+
+# %%
+show_source(PaddleDistributedConnector.wait_for_layer_load)
 
 # %%
 show_source(PaddleDistributedConnector.save_kv_layer)
@@ -366,13 +371,13 @@ show_source(PaddleDistributedConnector.save_kv_layer)
 # From `benchmarks/results/kv.json` (`python -m fleetlab bench kv`, this 2-core machine, the
 # tiny model above). Bytes moved per token match `2 × layers × kv_heads × head_dim × dtype
 # bytes` exactly (only K/V crosses; the wire adds a small header per layer). On the mixed
-# workload (200-token prompts arriving while short requests decode) the pair's median
-# inter-token latency is *lower* than one engine's with chunked prefill, but its p99 is
-# *worse*: the decode rank receives a new prompt's K/V layer by layer inside its step
-# (`wait_for_layer_load`), so that step waits for the prefill rank, and both ranks share two
-# cores. The gains reported for separating the phases (DistServe, Splitwise) come with each side
-# on devices of its own; this machine cannot show them, and the figure says so.
-
+# workload (200-token prompts arriving while short requests decode) the pair's inter-token
+# latency is *lower* than one engine's with chunked prefill, at the median and at p99: a long
+# prompt waits for its K/V outside the decode rank's batch, so no decode step carries a prompt
+# chunk. The long prompts' time to first token is *worse* on the pair: the prefill rank runs
+# them one handshake after another, the K/V crosses, and only then does the decode side take
+# its first step. Both ranks share two cores with the rest of the machine; the gains reported
+# for separating the phases (DistServe, Splitwise) come with each side on devices of its own.
 # %%
 show_source(KVCacheSpec.bytes_per_block.fget)
 
@@ -392,10 +397,36 @@ for i, q in enumerate(("itl_p50_ms", "itl_p99_ms")):
 ax2.set_xticks([0.19, 1.19], ["one engine (chunked prefill)", "prefill + decode pair"])
 ax2.set_ylabel("decode inter-token latency (ms)")
 ax2.legend(fontsize=8)
-fig_bench.savefig("/tmp/nb13/bench.png")
 print(f"bytes/token {pd['bytes_per_token']} vs formula {formula}; ITL", {n: (round(mixed[n]['itl_p50_ms'], 1),
       round(mixed[n]['itl_p99_ms'], 1)) for n in ("one engine", "pair")}, "| same tokens:", mixed["identical_tokens"])
 fig_bench
+
+# %% [markdown]
+# The same run, step by step, from each engine's own clock (a `StepClock` observer in
+# `fleetlab/kv_transfer/mixed.py`; both ranks read one machine's monotonic clock). On one
+# engine, every long prompt that arrives (▼) turns the next steps orange: they run up to 60
+# prompt tokens beside the four decode rows, and each takes as long as a few decode-only steps
+# (the medians are printed below the figure), so the short requests' next tokens wait. On the
+# pair those orange steps run on the prefill rank; the decode rank only ever runs decode rows
+# (its hatched steps ran while some request, short or long, waited there for its K/V), and a
+# long prompt's first token (★) comes later than on one engine: a long prompt comes every eight
+# decode steps, so sooner on the pair, whose steps are shorter, and each waits on the prefill
+# rank for the one before it.
+
+# %%
+fig_timelines = kvviz.draw_timelines(mixed["timeline"])
+
+
+def median_step_ms(run, prompt_steps: bool) -> float:
+    spans = [b - a for a, b, prompt, *_ in run["timeline"] if (prompt > 0) == prompt_steps]
+    return float(np.median(spans)) if spans else float("nan")
+
+
+step_ms = {lane: {kind: median_step_ms(run, kind == "prompt") for kind in ("prompt", "decode")}
+           for lane, run in mixed["timeline"].items()}
+print("median step (ms):", {lane: {k: round(v, 1) for k, v in d.items()} for lane, d in step_ms.items()},
+      "| long-prompt TTFT median (ms):", {n: round(mixed[n]["long_ttft_median_ms"]) for n in ("one engine", "pair")})
+fig_timelines
 
 # %% [markdown]
 # > **In vLLM / FastDeploy / SGLang**

@@ -1,8 +1,11 @@
 """The KV-connector API: the null connector changes nothing; shared storage and the offload
 tier serve K/V from outside the pool, and greedy tokens still equal the model's full forward;
-a failed load is recomputed; a bad config is refused naming the field."""
+a failed load is recomputed; a load arriving between steps holds its request out of the batch
+(``WAITING_FOR_REMOTE_KVS``); a bad config is refused naming the field."""
 
 from __future__ import annotations
+
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -345,3 +348,80 @@ def test_side_data_and_prompt_logprobs_limit_what_is_loaded(fleet_model, tmp_pat
             if role == "consumer":
                 assert llm.kv_connector.stats.loaded_tokens == 8  # the two blocks before position 9, for a only
     assert runs[0] == runs[1] == runs[2]
+
+
+class GatedStorage(SharedStorageConnector):
+    """Shared storage whose loads arrive *between* steps, when the test opens a request's gate
+    (``gates[rid]``, the future the scheduler waits on): ``load_kv_async``."""
+
+    name = "gated_storage"
+    load_kv_async = True
+
+    def __init__(self, config=None, spec=None):
+        super().__init__(config, spec)
+        self.gates, self.arrived = {}, {}
+
+    def update_state_after_alloc(self, request, block_ids, num_computed_tokens, num_external_tokens):
+        super().update_state_after_alloc(request, block_ids, num_computed_tokens, num_external_tokens)
+        if num_external_tokens:
+            self.gates[request.request_id] = gate = Future()
+            return gate
+        return None
+
+    def build_connector_meta(self, scheduler_output, scheduler):
+        for load in self._pending_loads:  # held until its gate opens and its request runs
+            self.arrived[load.req_id] = load
+        self._pending_loads = []
+        for rid in scheduler_output.preempted_req_ids:
+            self.arrived.pop(rid, None)  # preempted while arriving: what it had is dropped
+        meta = super().build_connector_meta(scheduler_output, scheduler)
+        meta.loads = [self.arrived.pop(rid) for rid in scheduler_output.num_scheduled_tokens if rid in self.arrived]
+        return meta
+
+
+def test_a_request_waits_for_its_kv_outside_the_batch(fleet_model, tmp_path):
+    """While a request's K/V is arriving it holds its blocks, runs in no step, offers none of them
+    to the prefix cache, and the others decode; it joins when its gate opens; preempted meanwhile
+    (a dry pool) it is freed, asks again and still writes the full forward's tokens; aborted, it
+    gives every block back."""
+    from fleetlab.engine.request import RequestStatus
+
+    long, short = random_prompts([17, 5], vocab=100, seed=8)
+    want, _ = reference_greedy(fleet_model, [long, short], 8)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    a = engine(fleet_model, ("shared_storage", "producer", {"path": tmp_path}))
+    generate(a, [long])
+    a.close()
+    for num_blocks, preempt in ((32, False), (7, True)):
+        llm = engine(fleet_model, (GatedStorage, "consumer", {"path": tmp_path}), num_blocks=num_blocks)
+        llm.add_request(prompt_token_ids=long, sampling_params=sp, request_id="gone")
+        llm.step()
+        assert llm.scheduler.requests["gone"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        llm.abort("gone")  # aborted while arriving: every block back, none left in the prefix cache
+        assert_idle(llm) or llm.pool.prefix_cache.lookup(long, record_stats=False) == []
+        llm.add_request(prompt_token_ids=short, sampling_params=sp, request_id="short")
+        llm.step()  # the short prompt has no full block stored: it computes
+        llm.add_request(prompt_token_ids=long, sampling_params=sp, request_id="long")
+        conn, req = llm.kv_connector, llm.scheduler.requests["long"]
+        outs = {}
+        for _ in range(4):
+            outs.update({o.request_id: o for o in llm.step()})
+            assert "long" not in llm.observers[-1].steps[-1]  # held out of every step
+            if not preempt:
+                assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and llm.scheduler.kv.num_held_blocks("long")
+                assert llm.scheduler.kv.get_computed_blocks(req)[1] == 0  # none of its blocks in the prefix cache
+        assert len(outs["short"].token_ids) == 5  # the short request decoded meanwhile
+        if preempt:  # the short one grew into the long one's blocks: it was the victim, mid-arrival
+            assert req.status is RequestStatus.PREEMPTED and not llm.scheduler.kv.num_held_blocks("long")
+            assert llm.stats()["num_preemptions"] >= 1
+        for _ in range(30):
+            gate = conn.gates.get("long")
+            if gate is not None and not gate.done():
+                gate.set_result(True)  # the K/V is here: next step it joins
+            outs.update({o.request_id: o for o in llm.step() if o.finished})
+            if not llm.has_unfinished_requests():
+                break
+        assert [outs["long"].token_ids, outs["short"].token_ids] == want
+        assert conn.stats.loaded_tokens >= 16
+        assert_idle(llm)
+        llm.close()

@@ -1,6 +1,8 @@
 """Prefill and decode on two ranks (paddle.distributed.launch, gloo): K/V sent layer by layer
 into the blocks the decode side named; greedy tokens equal one engine's and the full forward;
-a request the prefill side refuses is recomputed on the decode side; both pools end empty."""
+a request the prefill side refuses is recomputed on the decode side; a request waits for its
+K/V outside the batch while the others decode, and may be preempted meanwhile; structured
+outputs; ngram drafts on the decode side; both pools end empty."""
 
 from __future__ import annotations
 
@@ -38,6 +40,51 @@ def test_prefill_rank_to_decode_rank(args, refused):
     if "--decode-num-blocks" in args:
         assert res["decode_preemptions"] > 0  # and still the same tokens, every block back
     assert res["decode_pool"][0] == res["decode_pool"][1] and res["prefill_pool"][0] == res["prefill_pool"][1]
+
+
+SLOW_PEER = ("--stagger", "2", "--prefill-delay", "0.4", "--max-tokens", "12")
+
+
+def check_pools(res):
+    assert res["decode_pool"][0] == res["decode_pool"][1] and res["prefill_pool"][0] == res["prefill_pool"][1]
+
+
+def test_a_request_waits_for_its_kv_while_the_others_decode():
+    """Half the prompts arrive while the first half decodes, and the prefill side is slow: the
+    decode side runs steps while their K/V is on the wire (held out of the batch), then they join;
+    ngram drafts on the decode side, verified there: still the full forward's tokens."""
+    res = run_pair(*SLOW_PEER, "--ngram", "3")
+    assert res["held_steps"] >= 3 and res["loaded_tokens"] > 0 and res["failed_loads"] == 0
+    assert res["equal_single"] and res["equal_forward"]
+    check_pools(res)
+
+
+def test_a_request_preempted_while_its_kv_arrives():
+    """A pool too small for both halves: the newest request, still waiting for its K/V, is the
+    victim; what arrives for it later is discarded and it asks again; the tokens stay the same."""
+    res = run_pair(*SLOW_PEER, "--decode-num-blocks", "12")
+    assert res["discarded_loads"] > 0 and res["decode_preemptions"] >= res["discarded_loads"]
+    assert res["equal_single"] and res["equal_forward"] and res["failed_loads"] == 0
+    check_pools(res)
+
+
+def test_structured_outputs_through_prefill_and_decode():
+    """JSON-schema and regex requests through prefill -> decode: one engine's tokens, and each
+    follows its constraint."""
+    import re
+
+    import jsonschema
+
+    from fleetlab.models.json_tiny import json_tokenizer
+    from fleetlab.structured_output.examples import SCHEMAS
+
+    res = run_pair("--structured", "--prompts", "4")
+    assert res["equal_single"] and res["loaded_tokens"] > 0
+    tok = json_tokenizer()
+    texts = [tok.decode(t, skip_special_tokens=True) for t in res["tokens"]]
+    jsonschema.validate(json.loads(texts[0]), SCHEMAS["person"])
+    assert re.fullmatch(r"[0-9]{2,3}-[a-z]{2}", texts[2]), texts
+    check_pools(res)
 
 
 def test_bench_kv_tiny(tmp_path):

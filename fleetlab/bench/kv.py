@@ -10,11 +10,13 @@ Three sections, each on the same random Llama, greedy, requests one after anothe
   from the directory against a new engine computing it, in turns;
 - ``paddle_distributed``: a prefill rank and a decode rank (``fleetlab.kv_transfer.disagg``
   under ``paddle.distributed.launch``, gloo): bytes moved per loaded token against ``2 x
-  layers x kv_heads x head_dim x dtype bytes``, seconds the decode side spent receiving per
-  request, and whether tokens equal one engine's and the full forward; then a mixed workload
-  (:mod:`fleetlab.kv_transfer.mixed`: long prompts arriving while short requests decode):
-  the short requests' inter-token latency p50 / p99 and the long prompts' TTFT on the pair
-  (one thread each) against one engine with chunked prefill.
+  layers x kv_heads x head_dim x dtype bytes``, the transfer time per request (its handshake
+  leaving the decode side to its last layer arriving: the prefill rank's compute included;
+  the decode side keeps stepping meanwhile), and whether tokens equal one engine's and the
+  full forward; then a mixed workload (:mod:`fleetlab.kv_transfer.mixed`: long prompts
+  arriving while short requests decode): the short requests' inter-token latency p50 / p99,
+  the long prompts' TTFT and every step's timeline on the pair (one thread each, plus the
+  decode side's link thread, idle in a receive) against one engine with chunked prefill.
 
 Tokens are checked equal across modes in every section. Results: ``<out>/kv.json``.
 """
@@ -149,7 +151,12 @@ def distributed(preset: str, bar) -> dict:
     lines = [line for line in r.output.splitlines() if line.startswith("MIXED_RESULT ")]
     if r.returncode or not lines:
         raise RuntimeError(f"bench kv: the mixed workload failed (exit {r.returncode}):\n{r.output[-3000:]}")
-    res["mixed"] = json.loads(lines[-1].removeprefix("MIXED_RESULT "))
+    res["mixed"] = mixed = json.loads(lines[-1].removeprefix("MIXED_RESULT "))
+    steps = [line for line in r.worker_logs.get(1, "").splitlines() if line.startswith("PREFILL_STEPS ")]
+    t0 = mixed.pop("pair_t0")
+    mixed["timeline"]["prefill rank"] = {"timeline": [[1e3 * (a - t0), 1e3 * (b - t0), *rest] for a, b, *rest in
+                                                      json.loads(steps[-1].removeprefix("PREFILL_STEPS "))]
+                                         if steps else []}
     return res
 
 
@@ -189,7 +196,8 @@ def main(argv=None) -> int:
     print(f"shared_storage: a new engine's TTFT {t['new engine, loading']:.1f} ms loading vs "
           f"{t['new engine, computing']:.1f} ms computing ({s['loaded_tokens']} of {s['prompt_len']} tokens loaded)")
     print(f"paddle_distributed: {d['bytes_per_token']:.0f} bytes per token (expected "
-          f"{d['expected_bytes_per_token']}), {d['recv_ms_per_request']:.1f} ms receiving per request; tokens "
+          f"{d['expected_bytes_per_token']}), {d['recv_ms_per_request']:.1f} ms transfer per request (handshake to "
+          f"last layer); tokens "
           f"equal one engine's: {d['equal_single']}, the full forward's: {d['equal_forward']}")
     m = d["mixed"]
     print(f"mixed workload: decode ITL p50 / p99 {m['pair']['itl_p50_ms']:.1f} / {m['pair']['itl_p99_ms']:.1f} ms on "

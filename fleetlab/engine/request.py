@@ -16,6 +16,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, its blocks freed; it will be recomputed
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # admitted, its blocks held, its K/V still arriving
     FINISHED = "finished"
 
 
@@ -32,7 +33,8 @@ class Request:
     ``num_placeholders`` the tokens that step will sample (scheduled as placeholders, not yet
     in ``output_token_ids``); both are taken back when the scheduler commits the step.
     A request with ``waiting_on`` set (a future: its grammar's compile) waits until that is
-    done, while the requests behind it are admitted.
+    done, while the requests behind it are admitted; one ``WAITING_FOR_REMOTE_KVS`` (a KV
+    connector's future: its K/V arriving) is held out of the running batch until then.
     """
 
     request_id: str
@@ -47,7 +49,7 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts to verify next step
     num_placeholders: int = 0  # tokens a step in flight will sample, already scheduled past (overlapped loop)
     extra: dict = field(default_factory=dict)  # values of its own InputBatch fields, e.g. prompt_embeds
-    waiting_on: Future | None = None  # not admitted before this is done (its grammar's compile)
+    waiting_on: Future | None = None  # not admitted / not scheduled before this is done (a compile, a transfer)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None

@@ -5,9 +5,13 @@ requests first (a decode, the drafts it verifies, or the next chunk of a long pr
 then waiting requests in the policy's order. Prefills and decodes share a step. When the
 block pool runs dry it preempts a running request (the policy picks: by default the most
 recently admitted), frees its blocks and puts it back in the waiting queue to be
-recomputed later. The engine rejects any request the whole pool could not hold, so the
-request the policy never preempts (the oldest, under the default first-come-first-served
-policy) can always finish: the loop cannot deadlock.
+recomputed later. A request whose K/V a KV connector loads between steps (``load_kv_async``)
+is admitted ``WAITING_FOR_REMOTE_KVS``: its blocks allocated, skipped each step while the
+others run, until the connector's future says the K/V arrived (it joins) or failed (it is
+recomputed); a dry pool may preempt it like any running request. The engine rejects any
+request the whole pool could not hold, so the request the policy never preempts (the
+oldest, under the default first-come-first-served policy) can always finish: the loop
+cannot deadlock.
 
 The step is a transaction: :meth:`Scheduler.schedule` plans it and sends the runner a
 :class:`~fleetlab.engine.messages.SchedulerOutput`; :meth:`Scheduler.update` commits the
@@ -94,7 +98,7 @@ class Scheduler:
         their blocks at once; ids of finished or unknown requests are skipped."""
         aborted = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
         for req in aborted:
-            (self.running if req.status is RequestStatus.RUNNING else self.waiting).remove(req)
+            (self.running if req in self.running else self.waiting).remove(req)
             self._retire(req, "abort")
         return aborted
 
@@ -103,6 +107,7 @@ class Scheduler:
         """Plan one step: running requests first (preempting on a dry pool), then admissions."""
         out = SchedulerOutput(step=self.step_count)
         self._admitted = []
+        self._take_remote_kvs(out)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:  # after a preemption the pool is tight: admit nobody new
             self._schedule_waiting(out, budget)
@@ -111,6 +116,13 @@ class Scheduler:
         out.kv_connector_metadata = self.connector.build_connector_meta(out, self)
         self.step_count += 1
         return out
+
+    def _take_remote_kvs(self, out: SchedulerOutput) -> None:
+        """Requests whose remote K/V arrived join the batch; a failed transfer is recomputed."""
+        for req in [r for r in self.running if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS and r.is_ready]:
+            arrived, req.waiting_on, req.status = req.waiting_on.result(), None, RequestStatus.RUNNING
+            if not arrived:
+                self._preempt(req, out)
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
         """Known tokens still to compute plus the drafts (or the placeholders of tokens a step in
@@ -133,6 +145,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:  # blocks held, nothing to run yet
+                i += 1
+                continue
             n = self._num_new_tokens(req, budget)
             while self.kv.allocate_slots(req, n, self._lookahead(req, n), max_num_tokens=self.max_model_len) is None:
                 victim = check_victim(self.policy, self.policy.pick_victim(self.running), self.running)
@@ -156,7 +171,7 @@ class Scheduler:
             out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_drafts]
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:  # held ones count
             ready = [r for r in self.waiting if r.is_ready]  # a request whose grammar compiles waits
             if not ready:
                 break
@@ -167,21 +182,26 @@ class Scheduler:
             if remaining > budget and not self.enable_chunked_prefill:
                 break
             n = min(remaining, budget)
-            if self.kv.allocate_slots(req, num_external + n, self._lookahead(req, n + num_hit_tokens + num_external),
-                                      hits, max_num_tokens=self.max_model_len) is None:
+            wait = num_external > 0 and self.connector.load_kv_async  # its K/V arrive between steps
+            # Waiting, it holds its slots as lookahead: no block enters the prefix cache before its K/V is there.
+            new, ahead = ((0, num_external + remaining + self.num_lookahead_tokens) if wait else
+                          (num_external + n, self._lookahead(req, n + num_hit_tokens + num_external)))
+            if self.kv.allocate_slots(req, new, ahead, hits, max_num_tokens=self.max_model_len) is None:
                 break
             if self.kv.enable_prefix_caching:  # counted once per admission, not once per retry
                 self.kv.record_lookup(req, num_hit_tokens)
             req.num_computed_tokens = num_hit_tokens + num_external
-            self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_hit_tokens,
-                                                    num_external)
+            arrival = self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id),
+                                                              num_hit_tokens, num_external)
             req.first_scheduled_time = req.first_scheduled_time or time.perf_counter()
             self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
+            req.status = RequestStatus.WAITING_FOR_REMOTE_KVS if wait else RequestStatus.RUNNING
+            req.waiting_on = arrival if wait else req.waiting_on
             self.running.append(req)
             self._admitted.append(req)
-            self._schedule(req, n, out)
-            budget -= n
+            if not wait:
+                self._schedule(req, n, out)
+                budget -= n
 
     def _fill_request_data(self, out: SchedulerOutput) -> None:
         """Full data for requests the runner lacks; the diff for those it holds."""
@@ -212,6 +232,7 @@ class Scheduler:
         self._sent.pop(req.request_id, None)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.waiting_on = None  # a transfer still arriving is discarded (the connector reads preempted_req_ids)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -324,7 +345,7 @@ class Scheduler:
         for req in reversed(self._admitted):
             self.running.remove(req)
             self.kv.free(req)
-            req.num_computed_tokens = 0
+            req.num_computed_tokens, req.waiting_on = 0, None  # (a transfer it awaited is dropped)
             req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
             self.waiting.insert(0, req)
         self._admitted = []

@@ -7,7 +7,11 @@
 - ``shared_storage`` (``shared_storage.py``): blocks in safetensors files under a directory;
   ``offload`` (``offload.py``): a host tier, LRU within a byte capacity (both over
   ``block_store.py``); ``paddle_distributed`` (``paddle_distributed.py``): a prefill rank
-  sending blocks layer by layer to a decode rank with ``paddle.distributed`` send/recv.
+  sending blocks layer by layer to a decode rank with ``paddle.distributed`` send/recv, the
+  decode side's request waiting for them outside its batch (``load_kv_async``).
+- ``disagg.py`` / ``mixed.py``: two-rank runs checked against one engine (and measured);
+  ``serving.py`` + ``proxy.py``: ``python -m fleetlab disagg``, the proxy that answers 503
+  once a rank is gone.
 """
 
 from fleetlab.kv_transfer.base import (

@@ -10,6 +10,10 @@ fleetlab (called by)           vLLM v1 ``KVConnectorBase_V1``               Fast
 (admission)                    loadable from outside, counted as computed   (``splitwise_connector.py``)
 ``update_state_after_alloc``   ``update_state_after_alloc``: the blocks     ``send_cache_info_to_prefill``: the decode
 (after allocation)             the loaded tokens will land in               side's block ids go to the prefill side
+``load_kv_async`` + the        ``get_num_new_matched_tokens``' second       the decode side waits for the cache
+returned future                value; ``WAITING_FOR_REMOTE_KVS`` until      outside its running batch
+(a request held out of the     ``get_finished`` names it in
+batch until its K/V arrive)    ``finished_recving``
 ``build_connector_meta``       ``build_connector_meta``: this step's loads  the cache messager's per-step task list
 (end of ``schedule``)          and saves, sent to the worker side           (``cache_messager.py``)
 ``request_finished``           ``request_finished``: True keeps the blocks  the prefill side keeps a request's blocks
@@ -29,7 +33,10 @@ This base class is itself the *null connector*: every call does nothing, so an e
 ``kv_transfer_config`` runs exactly as before, through the same calls (no ``if`` anywhere in
 the core). vLLM builds two instances, one per side (role SCHEDULER / WORKER); fleetlab's
 scheduler and runner live in one process, so one object serves both, and its worker side
-tells its scheduler side about failed loads directly.
+tells its scheduler side about failed loads directly, and about a finished receive through
+the future :meth:`KVConnector.update_state_after_alloc` returned (vLLM's ``get_finished``
+reports ``finished_recving`` through the runner's output; a future also lets
+``LLM.wait_until_runnable`` sleep until one is done when no other request can run).
 
 A connector is built by :func:`make_kv_connector` from a checked
 :class:`~fleetlab.kv_transfer.config.KVTransferConfig` and the cache's :class:`KVCacheSpec`.
@@ -104,6 +111,12 @@ class KVConnector:
 
     name: ClassVar[str] = "null"
     options: ClassVar[dict] = {}
+    #: True: what :meth:`get_num_new_matched_tokens` offers arrives *between* steps. The scheduler
+    #: then admits the request ``WAITING_FOR_REMOTE_KVS`` (blocks allocated, none in the prefix
+    #: cache yet), skips it each step while the others run, and lets it join once the future
+    #: :meth:`update_state_after_alloc` returned is done (a dry pool may preempt it meanwhile:
+    #: the connector reads ``preempted_req_ids`` and discards what still arrives).
+    load_kv_async: ClassVar[bool] = False
 
     def __init__(self, config=None, spec: KVCacheSpec | None = None):
         self.config = config
@@ -132,9 +145,12 @@ class KVConnector:
         return 0
 
     def update_state_after_alloc(self, request, block_ids: list[int], num_computed_tokens: int,
-                                 num_external_tokens: int) -> None:
+                                 num_external_tokens: int):
         """The request was admitted: its external tokens land in ``block_ids`` at positions
-        ``[num_computed_tokens, num_computed_tokens + num_external_tokens)``."""
+        ``[num_computed_tokens, num_computed_tokens + num_external_tokens)``. A connector that
+        ``load_kv_async`` returns a ``concurrent.futures.Future``, done when they are in hand
+        (result True: the request joins the batch and they are written before its first step's
+        layers attend) or failed (False: the request is recomputed); others return None."""
 
     def build_connector_meta(self, scheduler_output, scheduler):
         """This step's loads and saves, for the worker side (``scheduler``: read its ``requests``

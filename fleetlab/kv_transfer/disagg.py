@@ -6,9 +6,16 @@ Rank 0 is the decode engine (requests arrive there; it prints the result), rank 
 prefill engine (:func:`~fleetlab.kv_transfer.paddle_distributed.serve`). Rank 0 then runs
 the same prompts on one engine alone and through the model's full forward, and prints one
 ``DISAGG_RESULT {json}`` line: whether the tokens agree, bytes moved per token against
-``2 x layers x kv_heads x head_dim x dtype bytes``, transfer seconds, failures, and both
-pools' free blocks at the end. ``--prefill-max-model-len`` makes the prefill side refuse
-longer prompts, which the decode side then recomputes (the fault path).
+``2 x layers x kv_heads x head_dim x dtype bytes``, transfer seconds, failures, the decode
+steps that ran while a request waited for its K/V, and both pools' free blocks at the end.
+
+``--prefill-max-model-len`` makes the prefill side refuse longer prompts, which the decode
+side then recomputes (the fault path); ``--stagger K`` holds half the prompts back until the
+decode side has run ``K`` steps (their K/V arrives while the first half decodes);
+``--prefill-delay S`` makes the prefill side wait ``S`` seconds before each handshake's work
+(a slow peer: transfers are surely in flight); ``--structured`` gives every other request a
+JSON schema or a regex (a tiny model over the JSON character vocabulary); ``--ngram K``
+speculates ``K`` prompt-lookup drafts on the decode side (and on the single engine).
 """
 
 from __future__ import annotations
@@ -20,20 +27,69 @@ import time
 import fleetlab  # noqa: F401  (first: keeps Paddle's import-time notices out)
 
 
-def _model(name: str):
+def _model(name: str, structured: bool):
     from fleetlab import models
 
-    return models.load_tiny()[0] if name == "tiny" else models.tiny(name, seed=0)
+    if structured:
+        from fleetlab.models.json_tiny import json_tokenizer
+
+        tok = json_tokenizer()
+        return models.tiny("fleet", seed=0, vocab_size=tok.vocab_size, num_layers=2), tok
+    return (models.load_tiny()[0] if name == "tiny" else models.tiny(name, seed=0)), None
 
 
-def _prompts(n: int, seed: int, length: int) -> list[list[int]]:
+def _prompts(n: int, seed: int, length: int, vocab: int = 40) -> list[list[int]]:
     """``n`` prompts sharing their first quarter (prefix hits on both sides), ``length`` tokens at most."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    shared = [int(t) for t in rng.integers(3, 40, size=max(1, length // 4))]
+    shared = [int(t) for t in rng.integers(3, vocab, size=max(1, length // 4))]
     lengths = rng.integers(length // 8 + 1, length - len(shared), size=n)
-    return [shared + [int(t) for t in rng.integers(3, 40, size=int(k))] for k in lengths]
+    return [shared + [int(t) for t in rng.integers(3, vocab, size=int(k))] for k in lengths]
+
+
+def _params(args, n: int) -> list:
+    """Each request's sampling: greedy or seeded; with ``--structured`` every other one constrained."""
+    from fleetlab import SamplingParams
+    from fleetlab.structured_output.examples import MAX_JSON_CHARS, SCHEMAS
+
+    plain = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=args.temperature, seed=args.seed)
+    if not args.structured:
+        return [plain] * n
+    kinds = [{"json": SCHEMAS["person"], "disable_any_whitespace": True}, {"regex": r"[0-9]{2,3}-[a-z]{2}"}]
+    return [SamplingParams(max_tokens=MAX_JSON_CHARS, structured_outputs=kinds[i // 2 % 2]) if i % 2 == 0 else plain
+            for i in range(n)]
+
+
+class HeldSteps:
+    """An observer: steps that ran tokens while some request waited for its K/V outside the batch."""
+
+    def __init__(self, llm):
+        self.llm, self.count = llm, 0
+
+    def on_step(self, so, result, outputs):
+        from fleetlab.engine.request import RequestStatus
+
+        held = [r for r in self.llm.scheduler.running if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS]
+        self.count += bool(held and so.num_scheduled_tokens)
+
+
+def drive(llm, prompts, sps, stagger: int) -> list[list[int]]:
+    """Serve ``prompts``, the second half added after ``stagger`` steps (0: all at once); the
+    tokens of each, in order."""
+    half = len(prompts) // 2 if stagger else len(prompts)
+    for i in range(half):
+        llm.add_request(prompt_token_ids=prompts[i], sampling_params=sps[i], request_id=str(i))
+    tokens, step = {}, 0
+    while llm.has_unfinished_requests() or half < len(prompts):
+        if step == stagger and half < len(prompts):
+            for i in range(half, len(prompts)):
+                llm.add_request(prompt_token_ids=prompts[i], sampling_params=sps[i], request_id=str(i))
+            half = len(prompts)
+        llm.wait_until_runnable()
+        tokens.update({o.request_id: list(o.token_ids) for o in llm.step() if o.finished})
+        step += 1
+    return [tokens[str(i)] for i in range(len(prompts))]
 
 
 def main(argv=None) -> None:
@@ -49,49 +105,59 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (checked against one "
                     "engine; the full forward is greedy)")
+    ap.add_argument("--stagger", type=int, default=0, help="the second half of the prompts after this many steps")
+    ap.add_argument("--prefill-delay", type=float, default=0.0, help="seconds the prefill side waits per handshake")
+    ap.add_argument("--structured", action="store_true", help="every other request a JSON schema or a regex")
+    ap.add_argument("--ngram", type=int, default=0, help="ngram drafts per step on the decode side")
     args = ap.parse_args(argv)
 
     import paddle.distributed as dist
 
-    from fleetlab import LLM, SamplingParams
+    from fleetlab import LLM
     from fleetlab.kv_transfer.paddle_distributed import serve
 
     dist.init_parallel_env()
     rank = dist.get_rank()
-    model = _model(args.model)
+    model, tok = _model(args.model, args.structured)
     common = dict(block_size=args.block_size, max_num_batched_tokens=args.budget, max_num_seqs=4)
     if rank == 1:
-        llm = LLM(model, **common, max_model_len=args.prefill_max_model_len,
+        llm = LLM(model, tok, **common, max_model_len=args.prefill_max_model_len,
                   kv_transfer_config={"connector": "paddle_distributed", "role": "producer", "peer_rank": 0})
-        serve(llm)
+        serve(llm, delay_s=args.prefill_delay)
         return
-    prompts = _prompts(args.prompts, args.seed, args.prompt_len)
-    sp = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=args.temperature, seed=args.seed)
-    decode = LLM(model, **common, num_blocks=args.decode_num_blocks,
+    prompts = _prompts(args.prompts, args.seed, args.prompt_len, tok.vocab_size if tok else 40)
+    sps = _params(args, len(prompts))
+    decode_only = dict(speculative_config={"method": "ngram", "num_speculative_tokens": args.ngram}
+                       if args.ngram else None)
+    decode = LLM(model, tok, **common, **decode_only, num_blocks=args.decode_num_blocks,
                  kv_transfer_config={"connector": "paddle_distributed", "role": "consumer", "peer_rank": 1})
+    held = HeldSteps(decode)
+    decode.observers.append(held)
     t0 = time.perf_counter()
-    got = [o.token_ids for o in decode.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
+    got = drive(decode, prompts, sps, args.stagger)
     seconds = time.perf_counter() - t0
     conn = decode.kv_connector
     decode_free = (decode.pool.num_free_blocks, decode.pool.num_blocks)
     preemptions = decode.stats()["num_preemptions"]
     decode.close()  # tells the prefill rank to stop; it answers with its pool's free blocks
-    single = LLM(model, **common)
-    want = [o.token_ids for o in single.generate(prompt_token_ids=prompts, sampling_params=sp, use_tqdm=False)]
+    single = LLM(model, tok, **common, **decode_only)
+    want = drive(single, prompts, sps, args.stagger)
     single.close()
     from fleetlab.patching.parity import reference_greedy
 
-    forward = reference_greedy(model, prompts, args.max_tokens)[0] if args.temperature == 0 else None
+    greedy = args.temperature == 0 and not args.structured
+    forward = reference_greedy(model, prompts, args.max_tokens)[0] if greedy else None
     s, spec = conn.stats, conn.spec
     print("DISAGG_RESULT " + json.dumps({
         "equal_single": got == want, "equal_forward": None if forward is None else got == forward,
-        "num_prompts": len(prompts),
+        "num_prompts": len(prompts), "tokens": got,
         "loaded_tokens": s.loaded_tokens, "bytes_loaded": s.bytes_loaded,
         "bytes_per_token": s.bytes_loaded / max(1, s.loaded_tokens),
         "expected_bytes_per_token": spec.bytes_per_block // spec.block_size,
         "wire_bytes": s.extra["wire_bytes"], "recv_seconds": s.extra["recv_seconds"],
-        "generate_seconds": seconds, "failed_loads": s.failed_loads,
-        "decode_pool": decode_free, "prefill_pool": getattr(conn, "peer_pool", None),
+        "generate_seconds": seconds, "failed_loads": s.failed_loads, "held_steps": held.count,
+        "discarded_loads": s.extra["discarded_loads"],
+        "decode_pool": decode_free, "prefill_pool": conn.peer_pool,
         "decode_preemptions": preemptions}), flush=True)
 
 

@@ -6,10 +6,12 @@ Short requests decode while long prompts arrive, one every ``--every`` steps. Ra
 twice: as the decode engine of the pair (each long prompt's K/V computed by rank 1), then as
 one engine alone (chunked prefill, the same token budget). It prints one ``MIXED_RESULT
 {json}`` line: the short requests' inter-token latency p50 / p99 and the long prompts' TTFT
-in both setups, and whether the tokens agree. What it shows on a given machine is what holds
-there: fleetlab's decode side waits for a transfer inside its step, so a long prefill on the
-other rank still stalls the decode rank's rows (vLLM and SGLang overlap it: a request waits for
-its K/V outside the running batch).
+in both setups, whether the tokens agree, and each engine's step timeline (``timeline``: per
+step ``[start_ms, end_ms, prompt tokens (rows of more than one), decode rows (of one), requests
+held waiting for K/V]``, from ``time.perf_counter``, one clock for both ranks on one machine;
+the prefill rank's from its log). On the pair a long prompt waits for its K/V outside the decode rank's running batch
+(``WAITING_FOR_REMOTE_KVS``) while the short requests keep decoding; what that buys on a given
+machine is what the figures say there.
 """
 
 from __future__ import annotations
@@ -29,10 +31,35 @@ def requests(seed: int, num_short: int, short_len: int, num_long: int, long_len:
     return [draw(short_len) for _ in range(num_short)], [draw(long_len) for _ in range(num_long)]
 
 
+class StepClock:
+    """An observer: each step's start and end (``perf_counter`` seconds) and what it ran."""
+
+    def __init__(self, llm):
+        self.llm, self.start, self.steps = llm, 0.0, []
+        llm.hooks.attach(self)
+
+    def on_phase(self, name, seconds):
+        if name == "schedule":
+            self.start = time.perf_counter() - seconds
+
+    def on_step(self, so, result, outputs):
+        from fleetlab.engine.request import RequestStatus
+
+        n = so.num_scheduled_tokens.values()
+        held = sum(r.status is RequestStatus.WAITING_FOR_REMOTE_KVS for r in self.llm.scheduler.running)
+        if n:
+            self.steps.append([self.start, time.perf_counter(), sum(k for k in n if k > 1),
+                               sum(k == 1 for k in n), held])
+
+    def relative(self, t0: float) -> list:
+        return [[1e3 * (a - t0), 1e3 * (b - t0), *rest] for a, b, *rest in self.steps]
+
+
 def drive(llm, shorts, longs, *, every: int, short_tokens: int) -> dict:
     """Run the workload; returns each request's token times and tokens (``s<i>`` short, ``l<i>`` long)."""
     from fleetlab import SamplingParams
 
+    clock = StepClock(llm)
     t0 = time.perf_counter()
     arrive, times, tokens = {}, {}, {}
     for i, p in enumerate(shorts):
@@ -46,6 +73,7 @@ def drive(llm, shorts, longs, *, every: int, short_tokens: int) -> dict:
             llm.add_request(prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
                             request_id=f"l{i}")
             arrive[f"l{i}"] = time.perf_counter()
+        llm.wait_until_runnable()
         outs = llm.step()
         now = time.perf_counter()
         for out in outs:
@@ -53,7 +81,9 @@ def drive(llm, shorts, longs, *, every: int, short_tokens: int) -> dict:
             if out.finished:
                 tokens[out.request_id] = list(out.token_ids)
         step += 1
-    return {"arrive": arrive, "times": times, "tokens": tokens}
+    return {"arrive": arrive, "times": times, "tokens": tokens, "t0": t0, "timeline": clock.relative(t0),
+            "arrive_ms": {rid: 1e3 * (t - t0) for rid, t in arrive.items()},
+            "first_token_ms": {rid: 1e3 * (ts[0] - t0) for rid, ts in times.items()}}
 
 
 def summarize(run: dict) -> dict:
@@ -89,7 +119,9 @@ def main(argv=None) -> None:
     common = dict(block_size=16, max_num_batched_tokens=args.budget, max_num_seqs=args.short + args.long)
     if dist.get_rank() == 1:
         with LLM(model, **common, kv_transfer_config={"connector": "paddle_distributed", "role": "producer"}) as llm:
+            clock = StepClock(llm)
             serve(llm)
+        print("PREFILL_STEPS " + json.dumps(clock.steps), flush=True)  # to its log; rank 0 sets the origin
         return
     shorts, longs = requests(0, args.short, 8, args.long, args.long_len)
     kw = dict(every=args.every, short_tokens=args.short_tokens)
@@ -97,9 +129,11 @@ def main(argv=None) -> None:
         pair = drive(llm, shorts, longs, **kw)
     with LLM(model, **common) as llm:
         one = drive(llm, shorts, longs, **kw)
+    timeline = {name: {k: run[k] for k in ("timeline", "arrive_ms", "first_token_ms")}
+                for name, run in (("pair", pair), ("one engine", one))}
     print("MIXED_RESULT " + json.dumps({"pair": summarize(pair), "one engine": summarize(one),
-                                        "identical_tokens": pair["tokens"] == one["tokens"], "config": vars(args)}),
-          flush=True)
+                                        "identical_tokens": pair["tokens"] == one["tokens"], "config": vars(args),
+                                        "pair_t0": pair["t0"], "timeline": timeline}), flush=True)
 
 
 if __name__ == "__main__":

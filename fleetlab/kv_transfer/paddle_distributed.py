@@ -3,23 +3,32 @@
 Two engines, one per rank of a ``paddle.distributed.launch`` job (gloo on CPU; NCCL on GPUs,
 written, unrun here: no Paddle GPU build on this machine). The *decode* engine (role
 ``consumer``) is where requests arrive. Admitting one, it counts every token but the last as
-loadable from the peer, allocates their blocks, and at the start of its step sends the
-*handshake*: each request's token ids and the decode side's block ids (FastDeploy's
-``send_cache_info_to_prefill``). The *prefill* engine (role ``producer``, in :func:`serve`)
-runs those tokens (chunked, prefix-cached, as any request; ``max_tokens=1``), and in the step
-of a request's last chunk, as each layer writes its K/V, sends that layer's K/V of the asked-for
-positions, with the decode slots they go to, computed from the decode side's block ids. The
-decode step receives a layer right before that layer attends (``wait_for_layer_load``), so
-its layer ``i`` computes while layer ``i + 1`` is on the wire; then it computes the last
-prompt token and samples the first output token itself.
+loadable from the peer and allocates their blocks; the request then *waits for remote KV*
+(``WAITING_FOR_REMOTE_KVS``: held out of the running batch while the other requests keep
+decoding). Its *handshake*, each request's token ids and the decode side's block ids
+(FastDeploy's ``send_cache_info_to_prefill``), goes out on the decode side's link thread, the
+only thread that touches the transport there. The *prefill* engine (role ``producer``, in
+:func:`serve`) runs those tokens (chunked, prefix-cached, as any request; ``max_tokens=1``)
+and in the step of a request's last chunk, as each layer writes its K/V, sends that layer's
+K/V of the asked-for positions with the decode slots they go to. The link thread collects the
+layers; once all are in hand it completes the request's future and the scheduler lets the
+request join the batch. In that step each layer's K/V is written into its blocks right before
+the layer attends (``wait_for_layer_load``); then the decode side computes the last prompt
+token and **samples the first output token itself** (the prefill side's one sampled token is
+dropped: seeded sampling then draws from the same generator one engine would).
+
+A request preempted while its K/V arrives (a dry pool: it holds blocks and computes nothing)
+has its blocks freed at once; what still arrives for it is discarded (the connector reads
+``preempted_req_ids``), and it asks the prefill side again when re-admitted.
 
 Wire format (int64 unless said): handshake ``[kind, n]`` then ``n`` ints (``kind`` 1: requests,
 each ``[num_tokens, start, count, num_blocks, tokens..., block_ids...]``; 0: stop, answered
-with the prefill pool's ``[num_free_blocks, num_blocks]``; 2: a keep-alive, at least every
-``KEEPALIVE_S`` seconds: gloo gives up a receive after 30 s and closes the pair); data ``[req_index, layer, count,
-status]``, then (status 0) the slots ``[count]`` and ``[2, count, kv_heads, head_dim]`` K/V in
-the cache dtype. A request the prefill side refuses (status 1), or a peer that fails mid-way,
-makes the decode side recompute: nothing it did not receive is served.
+with the prefill pool's ``[num_free_blocks, num_blocks]``; 2: a keep-alive, sent by an idle
+link thread at least every ``KEEPALIVE_S`` seconds: gloo gives up a receive after 30 s and
+closes the pair); data ``[req_index, layer, count, status]``, then (status 0) the slots
+``[count]`` and ``[2, count, kv_heads, head_dim]`` K/V in the cache dtype. A request the
+prefill side refuses (status 1), or a peer that fails mid-way, makes the decode side recompute
+it: nothing it did not receive is served.
 
 In vLLM: ``NixlConnector`` (``nixl_connector.py``; the decode side pulls with RDMA reads) and
 the ``P2pNcclConnector``; FastDeploy: ``splitwise_connector.py`` + ``cache_messager.py``
@@ -32,7 +41,10 @@ Options: ``peer_rank`` (the other side's rank; default: the other of two ranks).
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,15 +63,21 @@ OK, REFUSED = 0, 1
 KEEPALIVE_S = 10.0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class RemoteLoad:
-    """One decode-side request's tokens ``[start, start + count)`` coming into ``block_ids``."""
+    """One decode-side request's tokens ``[start, start + count)`` coming into ``block_ids``.
+
+    ``layers``: layer -> ``(slots [count], kv [2, count, kv_heads, head_dim])``, filled by the
+    link thread; ``future``: done once every layer is in hand (True) or the transfer failed (False).
+    """
 
     req_id: str
     token_ids: list[int]
     start: int
     count: int
     block_ids: list[int]
+    future: Future = field(default_factory=Future)
+    layers: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -73,7 +91,9 @@ class RemoteSend:
 
 @dataclass(slots=True)
 class PDMeta:
-    loads: list[RemoteLoad] = field(default_factory=list)
+    """A step's plan: loads whose K/V is written into the cache (decode), K/V to send (prefill)."""
+
+    writes: list[RemoteLoad] = field(default_factory=list)
     sends: list[RemoteSend] = field(default_factory=list)
 
 
@@ -88,6 +108,7 @@ class PaddleDistributedConnector(KVConnector):
 
     name = "paddle_distributed"
     options = {"peer_rank": None}
+    load_kv_async = True  # the decode side: a request waits for its K/V outside the batch
 
     @classmethod
     def check_options(cls, options: dict) -> dict:
@@ -102,22 +123,25 @@ class PaddleDistributedConnector(KVConnector):
         peer = config.options["peer_rank"]
         self.peer = (1 - dist.get_rank()) if peer is None else peer
         self.peer_alive = True
-        self._pending: list[RemoteLoad] = []
+        self.peer_pool = None  # the prefill pool's (free, total) blocks, told at close
+        self._pending: list[RemoteLoad] = []  # decode: admitted, handshake not yet handed to the link
+        self._loads: dict[str, RemoteLoad] = {}  # decode: request id -> its load, until its first step ran
         self._failed_reqs: set[str] = set()
-        self._failed_blocks: set[int] = set()
         self._meta = PDMeta()
         self._kv_cache = None
-        self._outgoing: dict[str, tuple] = {}  # producer: request id -> (index, start, count, decode block ids)
+        self._outgoing: dict[str, tuple] = {}  # prefill: request id -> (index, start, count, decode block ids)
         self._sent: set[str] = set()
-        self._last_send = time.monotonic()
-        self._inbox: dict[tuple[int, int], tuple] = {}
-        self._done: set[int] = set()  # load indices failed or refused this step
-        self.stats.extra.update(recv_seconds=0.0, wire_bytes=0)
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._link = None
+        self.stats.extra.update(recv_seconds=0.0, wire_bytes=0, discarded_loads=0)
+        if self.loads:
+            self._link = threading.Thread(target=self._run_link, name="fleetlab-kv-link", daemon=True)
+            self._link.start()
 
     # ------------------------------------------------------------------ transport
     def _send(self, array: np.ndarray) -> None:
         self.dist.send(paddle.to_tensor(array), dst=self.peer)
-        self._last_send = time.monotonic()
         self.stats.extra["wire_bytes"] += array.nbytes
 
     def _recv(self, shape, dtype) -> paddle.Tensor:
@@ -135,6 +159,80 @@ class PaddleDistributedConnector(KVConnector):
         kind, n = self._recv([2], "int64").numpy().tolist()
         return kind, (self._recv([n], "int64").numpy().tolist() if n else [])
 
+    # ------------------------------------------------------------------ decode side: the link thread
+    def _run_link(self) -> None:
+        """Handshakes out, K/V in, a ping when idle, the stop at close: the decode side's one
+        thread on the transport (gloo's is not thread-safe; the steps never wait on it)."""
+        while True:
+            try:
+                job = self._jobs.get(timeout=KEEPALIVE_S)
+            except queue.Empty:
+                job = []  # idle: a ping
+            stop, loads = job is None, list(job or [])
+            while not stop and not self._jobs.empty():  # every handshake queued so far goes as one
+                job = self._jobs.get()
+                stop, loads = job is None, loads + list(job or [])
+            try:
+                if loads:
+                    self._exchange(loads)
+                elif not stop:
+                    self.send_handshake(PING, [])
+                if stop:
+                    self.send_handshake(STOP, [])
+                    self.peer_pool = self._recv([2], "int64").numpy().tolist()
+                    return
+            except RuntimeError as exc:
+                self._peer_lost(f"the prefill rank stopped answering: {str(exc).strip()[:120]}", loads)
+                return
+
+    def _exchange(self, loads: list[RemoteLoad]) -> None:
+        """One handshake for ``loads``, then their K/V as the prefill side computes it."""
+        payload = [len(loads)]
+        for load in loads:
+            payload += [len(load.token_ids), load.start, load.count, len(load.block_ids), *load.token_ids,
+                        *load.block_ids]
+        t0 = time.perf_counter()
+        self.send_handshake(REQUESTS, payload)
+        open_ = set(range(len(loads)))
+        while open_:
+            index, layer, count, status = self._recv([4], "int64").numpy().tolist()
+            load = loads[index]
+            if status != OK:
+                open_.discard(index)
+                self._fail(load, "the prefill side refused it")
+                continue
+            load.layers[layer] = (self._recv([count], "int64"),
+                                  self._recv([2, count, self.spec.num_kv_heads, self.spec.head_dim], self.spec.dtype))
+            if len(load.layers) == self.spec.num_layers:
+                open_.discard(index)
+                self.stats.extra["recv_seconds"] += time.perf_counter() - t0
+                load.future.set_result(True)
+
+    def _fail(self, load: RemoteLoad, why: str) -> None:
+        if load.future.done():
+            return
+        logger.warning("paddle_distributed: request %s: KV transfer failed (%s); recomputing it here",
+                       load.req_id, why)
+        self._failed_reqs.add(load.req_id)
+        self.stats.failed_loads += 1
+        load.future.set_result(False)
+
+    def _post(self, loads: list[RemoteLoad]) -> None:
+        with self._lock:
+            if self.peer_alive:
+                self._jobs.put(loads)
+                return
+        for load in loads:
+            self._fail(load, "the prefill rank is gone")
+
+    def _peer_lost(self, why: str, loads: list[RemoteLoad]) -> None:
+        with self._lock:
+            self.peer_alive = False
+            while not self._jobs.empty():
+                loads = loads + (self._jobs.get() or [])
+        for load in loads:
+            self._fail(load, why)
+
     # ------------------------------------------------------------------ decode side: scheduler
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> int:
         if (not self.loads or not self.peer_alive or request.request_id in self._failed_reqs
@@ -145,30 +243,44 @@ class PaddleDistributedConnector(KVConnector):
 
     def update_state_after_alloc(self, request, block_ids, num_computed_tokens, num_external_tokens):
         if not self.loads:
-            return
+            return None
         self.stats.lookups += 1
         self.stats.query_tokens += request.num_tokens
-        if num_external_tokens:
-            self.stats.hit_lookups += 1
-            self._pending.append(RemoteLoad(request.request_id, request.all_token_ids[:num_computed_tokens +
-                                            num_external_tokens], num_computed_tokens, num_external_tokens,
-                                            list(block_ids)))
+        if not num_external_tokens:
+            return None
+        self.stats.hit_lookups += 1
+        load = RemoteLoad(request.request_id, request.all_token_ids[:num_computed_tokens + num_external_tokens],
+                          num_computed_tokens, num_external_tokens, list(block_ids))
+        self._loads[request.request_id] = load
+        self._pending.append(load)
+        return load.future
 
     def build_connector_meta(self, scheduler_output, scheduler) -> PDMeta:
-        meta = PDMeta(loads=self._pending)
-        self._pending = []
-        for rid, n in scheduler_output.num_scheduled_tokens.items():
-            if rid in self._outgoing:  # producer: a request whose last chunk runs this step
-                req = scheduler.requests[rid]
-                if req.num_computed_tokens + n >= req.num_tokens:
-                    index, start, count, dst_blocks = self._outgoing[rid]
-                    blocks, bs = scheduler.kv.get_block_ids(rid), self.spec.block_size
-                    meta.sends.append(RemoteSend(index, slots_of(blocks, start, count, bs),
-                                                 slots_of(dst_blocks, start, count, bs)))
-                    self._sent.add(rid)
+        return self._plan_loads(scheduler_output, scheduler) if self.loads else self._plan_sends(scheduler_output,
+                                                                                                  scheduler)
+
+    def _plan_loads(self, out, scheduler) -> PDMeta:
+        """Discard what a preempted request still receives, hand this step's handshakes to the
+        link, and write the arrived K/V of the requests joining the batch this step."""
+        for rid in out.preempted_req_ids:
+            load = self._loads.pop(rid, None)
+            self.stats.extra["discarded_loads"] += load is not None and not load.future.done()
+        if self._pending:
+            self._post(self._pending)
+            self._pending = []
+        meta = PDMeta()
+        for rid in out.num_scheduled_tokens:
+            load = self._loads.get(rid)
+            if load is None:
+                continue
+            if scheduler.requests[rid].num_computed_tokens > load.start + load.count:  # its first step ran
+                del self._loads[rid]
+            elif load.future.done() and load.future.result():  # (written again if that step is rolled back)
+                meta.writes.append(load)
         return meta
 
     def request_finished(self, request, block_ids) -> bool:
+        self._loads.pop(request.request_id, None)  # decode: aborted (or done) while or after receiving
         outgoing = self._outgoing.pop(request.request_id, None)  # its sends ran in its last step's forward
         if outgoing is not None and request.request_id not in self._sent:  # aborted, or failed early
             self.refuse(outgoing[0])
@@ -179,79 +291,31 @@ class PaddleDistributedConnector(KVConnector):
     # ------------------------------------------------------------------ decode side: worker
     def start_load_kv(self, metadata, kv_cache) -> None:
         self._meta = metadata if metadata is not None else PDMeta()
-        self._kv_cache, self._inbox, self._done = kv_cache, {}, set()
-        if not self._meta.loads:
-            self.keepalive()
-            return
-        payload = [len(self._meta.loads)]
-        for load in self._meta.loads:
-            payload += [len(load.token_ids), load.start, load.count, len(load.block_ids), *load.token_ids,
-                        *load.block_ids]
-        try:
-            self.send_handshake(REQUESTS, payload)
-        except RuntimeError as exc:
-            self._fail_all(f"handshake failed: {exc}")
+        self._kv_cache = kv_cache
 
     def wait_for_layer_load(self, layer_id: int) -> None:
-        t0 = time.perf_counter()
-        loads = self._meta.loads
-        for index, load in enumerate(loads):
-            while index not in self._done and (index, layer_id) not in self._inbox:
-                if not self._receive_one():
-                    break
-            if (index, layer_id) in self._inbox:
-                slots, kv = self._inbox.pop((index, layer_id))
-                self._kv_cache.write(layer_id, kv[0], kv[1], slots)
-                self.stats.bytes_loaded += kv.numel().item() * kv.element_size()
-                if layer_id == self.spec.num_layers - 1:
-                    self.stats.loaded_tokens += load.count
-        self.stats.extra["recv_seconds"] += time.perf_counter() - t0
+        for load in self._meta.writes:
+            slots, kv = load.layers[layer_id]
+            self._kv_cache.write(layer_id, kv[0], kv[1], slots)
+            self.stats.bytes_loaded += kv.numel().item() * kv.element_size()
+            if layer_id == self.spec.num_layers - 1:
+                self.stats.loaded_tokens += load.count
 
-    def _receive_one(self) -> bool:
-        """Take the next data message into the inbox; False once the peer is gone."""
-        try:
-            index, layer, count, status = self._recv([4], "int64").numpy().tolist()
-            if status != OK:
-                self._fail(index, "the prefill side refused it")
-                return True
-            slots = self._recv([count], "int64")
-            kv = self._recv([2, count, self.spec.num_kv_heads, self.spec.head_dim], self.spec.dtype)
-        except RuntimeError as exc:
-            self._fail_all(f"the prefill rank stopped answering: {str(exc).strip()[:120]}")
-            return False
-        self._inbox[index, layer] = (slots, kv)
-        return True
+    # ------------------------------------------------------------------ prefill side
+    def _plan_sends(self, out, scheduler) -> PDMeta:
+        """The requests whose last chunk runs this step: their K/V goes out layer by layer."""
+        meta = PDMeta()
+        for rid, n in out.num_scheduled_tokens.items():
+            if rid in self._outgoing:
+                req = scheduler.requests[rid]
+                if req.num_computed_tokens + n >= req.num_tokens:
+                    index, start, count, dst_blocks = self._outgoing[rid]
+                    blocks, bs = scheduler.kv.get_block_ids(rid), self.spec.block_size
+                    meta.sends.append(RemoteSend(index, slots_of(blocks, start, count, bs),
+                                                 slots_of(dst_blocks, start, count, bs)))
+                    self._sent.add(rid)
+        return meta
 
-    def _fail(self, index: int, why: str) -> None:
-        load = self._meta.loads[index]
-        logger.warning("paddle_distributed: request %s: KV transfer failed (%s); recomputing it here",
-                       load.req_id, why)
-        self._done.add(index)
-        self._failed_reqs.add(load.req_id)
-        self._failed_blocks.update(load.block_ids)
-        self.stats.failed_loads += 1
-
-    def _fail_all(self, why: str) -> None:
-        self.peer_alive = False
-        for index in range(len(self._meta.loads)):
-            if index not in self._done:
-                self._fail(index, why)
-
-    def get_finished(self, finished_req_ids):
-        failed, self._failed_blocks = self._failed_blocks, set()
-        return set(), failed
-
-    def keepalive(self) -> None:
-        """Decode side: ping the prefill side if nothing went to it for ``KEEPALIVE_S`` seconds
-        (call it from the thread that runs the steps: the transport is not thread-safe)."""
-        if self.role == "consumer" and self.peer_alive and time.monotonic() - self._last_send > KEEPALIVE_S:
-            try:
-                self.send_handshake(PING, [])
-            except RuntimeError as exc:
-                self.peer_alive = False
-                logger.warning("paddle_distributed: the prefill rank is gone (%s); computing locally", exc)
-
-    # ------------------------------------------------------------------ prefill side: worker
     def save_kv_layer(self, layer_id: int, kv_cache, attn_metadata) -> None:
         for send in self._meta.sends:
             index = paddle.to_tensor(send.src_slots)
@@ -275,18 +339,19 @@ class PaddleDistributedConnector(KVConnector):
         self._outgoing[req_id] = (index, start, count, dst_blocks)
 
     def close(self) -> None:
-        if self.loads and self.peer_alive and self.role == "consumer":
-            self.peer_alive = False
-            try:
-                self.send_handshake(STOP, [])
-                self.peer_pool = self._recv([2], "int64").numpy().tolist()
-            except RuntimeError:
-                logger.warning("paddle_distributed: the prefill rank was gone at close")
+        """Decode side: tell the prefill rank to stop (it answers with its pool) and end the link."""
+        if self._link is not None and self._link.is_alive():
+            self._jobs.put(None)
+            self._link.join(timeout=30)
+            if self._link.is_alive():
+                logger.warning("paddle_distributed: the prefill rank did not answer the stop")
+        self.peer_alive = False
 
 
-def serve(llm, *, max_handshakes: int | None = None) -> None:
+def serve(llm, *, max_handshakes: int | None = None, delay_s: float = 0.0) -> None:
     """The prefill rank's loop: take each handshake, run its requests, send their K/V (from
-    inside the steps: :meth:`PaddleDistributedConnector.save_kv_layer`), until told to stop."""
+    inside the steps: :meth:`PaddleDistributedConnector.save_kv_layer`), until told to stop.
+    ``delay_s``: wait that long before each handshake's work (a slow peer, for demonstrations)."""
     from fleetlab.engine.sampling_params import SamplingParams
 
     conn = llm.kv_connector
@@ -299,6 +364,7 @@ def serve(llm, *, max_handshakes: int | None = None) -> None:
             return
         if kind == PING:
             continue
+        time.sleep(delay_s)
         pos = 1
         for index in range(payload[0]):
             num_tokens, start, count, num_blocks = payload[pos:pos + 4]

@@ -134,10 +134,6 @@ def make_engine(args):
 
     model, tokenizer = load_model(args.model, args.model_impl)
     llm = LLM(model, tokenizer, **engine_config(args))
-    if args.kv_role is not None:  # the decode side of `disagg`: its idle engine keeps the prefill rank's link up
-        from fleetlab.kv_transfer.serving import keepalive_engine
-
-        return keepalive_engine(llm, max_queue_len=args.max_queue_len), args.served_model_name or args.model
     return AsyncLLM(llm, max_queue_len=args.max_queue_len), args.served_model_name or args.model
 
 

@@ -41,7 +41,8 @@ def draw_connector_calls(panels: dict[str, list[tuple]], num_layers: int) -> Fig
 
 
 def draw_handshake(num_layers: int, num_requests: int = 1) -> Figure:
-    """The ``paddle_distributed`` messages of one decode step, decode rank left, prefill rank right."""
+    """The ``paddle_distributed`` messages of one handshake, the decode rank's link thread left,
+    the prefill rank right (the decode steps go on meanwhile; the stop comes once, at shutdown)."""
     fig = Figure(figsize=(8, 1.2 + 0.55 * (num_layers + 3)), layout="constrained")
     ax = fig.subplots()
     msgs = [("decode", f"handshake [1, n]: {num_requests} request(s): token ids + decode block ids", "tab:blue")]
@@ -54,7 +55,7 @@ def draw_handshake(num_layers: int, num_requests: int = 1) -> Figure:
         x0, x1 = (0, 1) if sender == "decode" else (1, 0)
         ax.annotate("", (x1, y - 0.3), (x0, y), arrowprops=dict(arrowstyle="->", color=color, lw=1.6), gid=f"msg:{i}")
         ax.text(0.5, y - 0.05, text, ha="center", va="bottom", fontsize=8, color=color)
-    for x, name in ((0, "decode rank (consumer)\nallocates blocks, sends their ids"),
+    for x, name in ((0, "decode rank (consumer): its link thread\nsends the block ids, collects the K/V"),
                     (1, "prefill rank (producer)\nruns the prompt, sends K/V per layer")):
         ax.plot([x, x], [-(len(msgs) + 0.8), 0], color="0.5", lw=2)
         ax.text(x, 0.15, name, ha="center", va="bottom", fontsize=9)
@@ -75,4 +76,48 @@ def draw_pool_use(traces: dict[str, list]) -> Figure:
     ax.set_xlabel("engine step")
     ax.set_ylabel("blocks in use (after the step)")
     ax.legend(fontsize=8)
+    return fig
+
+
+LANES = [("one engine", "one engine (chunked prefill)"), ("pair", "pair: decode rank"),
+         ("prefill rank", "pair: prefill rank")]
+
+
+def draw_timelines(timeline: dict) -> Figure:
+    """Each engine's steps on one time axis (``bench kv``'s ``mixed["timeline"]``): a bar per
+    step from its start to its end, orange if it ran prompt tokens, blue if decode rows only,
+    hatched on the decode rank while a request waited there for its K/V (gid
+    ``steps:LANE:prompt|decode``); a long prompt's arrival a triangle, its first token a star
+    (gids ``arrive:LANE``, ``first:LANE``)."""
+    fig = Figure(figsize=(11, 3.2), layout="constrained")
+    ax = fig.subplots()
+    for y, (key, _) in enumerate(reversed(LANES)):
+        run = timeline.get(key, {})
+        for kind, color in (("prompt", "tab:orange"), ("decode", "tab:blue")):
+            steps = [s for s in run.get("timeline", []) if (s[2] > 0) == (kind == "prompt")]
+            bars = ax.broken_barh([(a, b - a) for a, b, *_ in steps], (y - 0.35, 0.7), facecolors=color,
+                                  edgecolors="white", linewidth=0.4, gid=f"steps:{key}:{kind}")
+            bars.set_hatch(None)
+        held = [s for s in run.get("timeline", []) if s[4] > 0]
+        if held:
+            ax.broken_barh([(a, b - a) for a, b, *_ in held], (y - 0.35, 0.7), facecolors="none",
+                           edgecolors="0.2", hatch="///", linewidth=0, gid=f"held:{key}")
+        longs = sorted(r for r in run.get("arrive_ms", {}) if r.startswith("l"))
+        if longs:
+            ax.plot([run["arrive_ms"][r] for r in longs], [y + 0.45] * len(longs), "v", color="k", ms=7,
+                    gid=f"arrive:{key}")
+            ax.plot([run["first_token_ms"][r] for r in longs], [y + 0.45] * len(longs), "*", color="tab:red", ms=10,
+                    gid=f"first:{key}")
+    ax.set_yticks(range(len(LANES)), [label for _, label in reversed(LANES)])
+    ax.set_ylim(-0.6, len(LANES) - 0.2)
+    ax.set_xlabel("ms since the short requests arrived")
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color="tab:orange", label="step runs prompt tokens"),
+                       Patch(color="tab:blue", label="decode rows only"),
+                       Patch(facecolor="none", edgecolor="0.2", hatch="///", label="a request waits for its K/V"),
+                       Line2D([], [], marker="v", color="k", ls="", label="long prompt arrives"),
+                       Line2D([], [], marker="*", color="tab:red", ls="", ms=10, label="its first token")],
+              fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=5, frameon=False)
     return fig
