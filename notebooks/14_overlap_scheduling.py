@@ -92,8 +92,8 @@ timeline_figure
 # (hatched) for step N and for step N+1's forward to start, then `update` commits step N while
 # N+1 runs. The model thread goes from one step to the next by itself: it `fill`s step N+1's
 # placeholders with step N's tokens (the thin red span before each forward) and runs it. Had the
-# host woken as step N ended, both threads would want the GIL at that moment (section 5). Compare the forwards' lengths in the two
-# loops too: section 5 measures them.
+# host woken as step N ended, both threads would want the GIL at that moment (section 5).
+# Compare the forwards' lengths in the two loops too: section 5 measures them.
 #
 # How much of the host's work ran under a forward, counted from the spans:
 
