@@ -62,20 +62,6 @@ def two_pointer_swaps(is_decode: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return lefts, rights
 
 
-class FieldView:
-    """Typed accessor of one default field: ``batch.token_ids`` is ``batch.np("token_ids")``.
-
-    Declared on the class (not resolved by ``__getattr__``) so fields show in IDEs."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
-
-    def __get__(self, batch, owner=None) -> np.ndarray:
-        if batch is None:
-            return self
-        return batch.np(self.name)
-
-
 class InputBatch:
     """Persistent per-request batch state with room for ``max_num_seqs`` rows.
 
@@ -94,27 +80,6 @@ class InputBatch:
     ``sync_to_device()`` copies rows ``[0, num_reqs)`` of each device field once per step.
     """
 
-    token_ids = FieldView()
-    num_tokens = FieldView()
-    num_prompt_tokens = FieldView()
-    num_computed_tokens = FieldView()
-    num_scheduled_tokens = FieldView()
-    num_spec_tokens = FieldView()
-    block_table = FieldView()
-    num_blocks = FieldView()
-    temperature = FieldView()
-    top_k = FieldView()
-    top_p = FieldView()
-    seed = FieldView()
-    num_output_tokens = FieldView()
-    max_tokens = FieldView()
-    min_tokens = FieldView()
-    ignore_eos = FieldView()
-    stop_token_ids = FieldView()
-    eos_token_id = FieldView()
-    num_logprobs = FieldView()
-    num_prompt_logprobs = FieldView()
-    prompt_embeds = FieldView()
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, *, max_stop_ids: int = 8,
                  fields: FieldRegistry | None = None, place=None) -> None:
@@ -415,17 +380,17 @@ class InputBatch:
                 self._mirrored[name][...] = self._np[name]
         self._synced_rows = self._num_rows
 
-    def __repr__(self) -> str:
-        return f"InputBatch(num_reqs={self.num_reqs}, num_rows={self._num_rows}, max_num_seqs={self.max_num_seqs})"
+
+# ``batch.token_ids`` is ``batch.np("token_ids")``: a typed accessor for each default field.
+for _name in DEFAULT_FIELDS.names():
+    setattr(InputBatch, _name, property(lambda batch, name=_name: batch.np(name), doc=DEFAULT_FIELDS[_name].doc))
 
 
 def _fits(field, value) -> bool:
     """Whether ``value`` can be written to one row of ``field`` (so that a write cannot fail halfway;
     what a value means is the edge's to check, :func:`fleetlab.validation.field_value`)."""
-    if field.dtype == "object":
-        return True
     try:
-        return np.asarray(value, dtype=field.dtype).ndim == len(field.per_row_shape)
+        return field.dtype == "object" or np.asarray(value, dtype=field.dtype).ndim == len(field.per_row_shape)
     except (TypeError, ValueError, OverflowError):
         return False
 
@@ -435,7 +400,7 @@ def _check_layout(max_num_seqs, sizes: Mapping[str, int], fields: FieldRegistry)
     small = {name: v for name, v in {"max_num_seqs": max_num_seqs, **sizes}.items()
              if not isinstance(v, (int, np.integer)) or v < (0 if name == "max_stop_ids" else 1)}
     missing = [name for name in DEFAULT_FIELDS.names() if name not in fields]
-    clash = [f.name for f in fields if not isinstance(getattr(InputBatch, f.name, FieldView()), FieldView)]
+    clash = [f.name for f in fields if f.name not in DEFAULT_FIELDS and hasattr(InputBatch, f.name)]
     broken = [
         (small, f"sizes {small} must be ints >= 1 (max_stop_ids >= 0)"),
         (missing, f"field registry lacks fields the InputBatch needs: {missing}"),
