@@ -13,3 +13,11 @@ def short(value, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters, for messages that quote what a user sent."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def refuse(checks, error: type = ValueError, prefix: str = "") -> None:
+    """Raise ``error(prefix + why)`` for the first ``(is it broken, why)`` of ``checks`` that is
+    broken: a piece's checks read as one table, each condition beside what it says."""
+    why = next((what for broken, what in checks if broken), None)
+    if why:
+        raise error(prefix + why)

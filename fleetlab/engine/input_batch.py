@@ -36,6 +36,7 @@ import paddle
 from fleetlab import device
 from fleetlab.attention.metadata import is_decode_row
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS, FieldRegistry
+from fleetlab.errors import refuse
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +192,7 @@ class InputBatch:
         sizes, num_tokens = self.sizes, len(prompt) + len(output)
         unknown = [name for name in extra if name not in self._fields or name == "req_id"]
         unfit = [name for name, value in extra.items() if name not in unknown and not _fits(self._fields[name], value)]
-        broken = [  # (is it broken, what to say after "request <id>: ")
+        refuse([  # (is it broken, what to say after "request <id>: ")
             (req_id is None, "req_id None is reserved for empty rows (field 'req_id')"),
             (req_id in self._req_id_to_row, "already in the batch (field 'req_id')"),
             (self.num_reqs >= self.max_num_seqs, f"batch is full (max_num_seqs={self.max_num_seqs})"),
@@ -205,10 +206,7 @@ class InputBatch:
              f"(max_stop_ids={sizes['max_stop_ids']})"),
             (bool(unknown), f"extra values for unknown fields {unknown}"),
             (bool(unfit), f"extra values for fields {unfit} do not fit their dtype and shape"),
-        ]
-        why = next((what for is_broken, what in broken if is_broken), None)
-        if why:
-            raise ValueError(f"request {req_id!r}: {why}")
+        ], prefix=f"request {req_id!r}: ")
 
     def _free_row(self) -> int:
         holes = np.flatnonzero(np.equal(self._np["req_id"][: self._num_rows], None))
@@ -401,12 +399,9 @@ def _check_layout(max_num_seqs, sizes: Mapping[str, int], fields: FieldRegistry)
              if not isinstance(v, (int, np.integer)) or v < (0 if name == "max_stop_ids" else 1)}
     missing = [name for name in DEFAULT_FIELDS.names() if name not in fields]
     clash = [f.name for f in fields if f.name not in DEFAULT_FIELDS and hasattr(InputBatch, f.name)]
-    broken = [
+    refuse([
         (small, f"sizes {small} must be ints >= 1 (max_stop_ids >= 0)"),
         (missing, f"field registry lacks fields the InputBatch needs: {missing}"),
         ("req_id" in fields and fields["req_id"].dtype != "object", "field 'req_id' must have dtype 'object'"),
         (clash, f"field names {clash} clash with InputBatch attributes (clashes)"),
-    ]
-    why = next((what for is_broken, what in broken if is_broken), None)
-    if why:
-        raise ValueError(why)
+    ])
