@@ -28,7 +28,7 @@ from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.policies import POLICIES
 from fleetlab.engine.request import Request
 from fleetlab.engine.sampling_params import SamplingParams
-from fleetlab.errors import FieldTypeError
+from fleetlab.errors import FieldTypeError, refuse
 from fleetlab.errors import short as _short
 from fleetlab.prefix_cache import PREFIX_CACHES
 from fleetlab.spec_decode.config import SpeculativeConfig
@@ -48,6 +48,11 @@ MIN_TEMPERATURE = 1e-5
 def _scalar(value):
     """A 0-d numpy array as the numpy scalar it holds; anything else unchanged."""
     return value[()] if isinstance(value, np.ndarray) and value.ndim == 0 else value
+
+
+def _type_error(where: str, name: str, value, rule: str) -> FieldTypeError:
+    """The refusal of a value of the wrong kind: the field, the value as sent, its type."""
+    return FieldTypeError(f"{where} {name}={_short(value)} must be {rule}, not {type(value).__name__}")
 
 
 def _interval(low, high, low_open: bool = False) -> str:
@@ -70,7 +75,7 @@ def int_field(where: str, name: str, value, low: int | None = None, high: int | 
     try:
         number = operator.index(value)
     except TypeError:
-        raise FieldTypeError(f"{where} {name}={_short(value)} must be {rule}, not {type(value).__name__}") from None
+        raise _type_error(where, name, value, rule) from None
     if (low is not None and number < low) or (high is not None and number > high):
         raise ValueError(f"{where} {name}={number} must be {rule}")
     return int(number)
@@ -83,7 +88,7 @@ def float_field(where: str, name: str, value, low: float, high: float, *, low_op
     value = _scalar(value)
     rule = "a number" + _interval(low, high, low_open) + note
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise FieldTypeError(f"{where} {name}={_short(value)} must be {rule}, not {type(value).__name__}")
+        raise _type_error(where, name, value, rule)
     number = float(value)
     if not (low < number if low_open else low <= number) or not number <= high:  # NaN fails both
         raise ValueError(f"{where} {name}={value!r} must be {rule}")
@@ -94,7 +99,7 @@ def bool_field(where: str, name: str, value) -> bool:
     """``value`` (``True``/``False`` or a numpy bool) as a Python bool; nothing else is truthy here."""
     value = _scalar(value)
     if not isinstance(value, (bool, np.bool_)):
-        raise FieldTypeError(f"{where} {name}={_short(value)} must be True or False, not {type(value).__name__}")
+        raise _type_error(where, name, value, "True or False")
     return bool(value)
 
 
@@ -126,8 +131,7 @@ def token_ids_field(where: str, name: str, value, hint: str = "") -> list[int]:
         raise FieldTypeError(f"{where} {name} must be a flat sequence of int token ids; got a numpy array "
                              f"of shape {value.shape} and dtype {value.dtype}{hint}")
     if not is_sequence(value):
-        raise FieldTypeError(f"{where} {name}={_short(value)} must be a sequence of int token ids (e.g. "
-                             f"[5, 17]), not {type(value).__name__}")
+        raise _type_error(where, name, value, "a sequence of int token ids (e.g. [5, 17])")
     ids = []
     for i, t in enumerate(value):
         if type(t) is not int:  # the common case stays fast
@@ -149,32 +153,33 @@ def check_sampling_params(sp, request_id: str = "?"):
     temperature = float_field(where, "temperature", sp.temperature, 0.0, FLOAT32_MAX,
                               note=f" (0 = greedy; below {MIN_TEMPERATURE:g} counts as greedy)")
     top_p = float_field(where, "top_p", sp.top_p, 0.0, 1.0, low_open=True)
-    if np.float32(top_p) == 0:  # the sampler's float32 buffer would hold 0: nothing kept
-        raise ValueError(f"{where} top_p={top_p!r} must be in (0, 1] and stay > 0 as a float32 (>= 1e-45)")
     top_k = int_field(where, "top_k", sp.top_k, -1)
     stop = token_ids_field(where, "stop_token_ids", sp.stop_token_ids)
-    if any(t < 0 for t in stop):
-        raise ValueError(f"{where} stop_token_ids holds {[t for t in stop if t < 0][:5]}: token ids are >= 0")
+    refuse([(np.float32(top_p) == 0,  # the sampler's float32 buffer would hold 0: nothing kept
+             f"top_p={top_p!r} must be in (0, 1] and stay > 0 as a float32 (>= 1e-45)"),
+            (any(t < 0 for t in stop), f"stop_token_ids holds {[t for t in stop if t < 0][:5]}: token ids are >= 0")],
+           prefix=f"{where} ")
     temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
     n, best_of = _num_sequences(where, sp, temperature)
     seed_high = INT64_MAX - (best_of - 1)  # child i of a request draws with seed + i
-    seed = None if sp.seed is None else int_field(where, "seed", sp.seed, 0, seed_high)
-    ignore_eos = bool_field(where, "ignore_eos", sp.ignore_eos)
-    return replace(sp, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
-                   stop_token_ids=tuple(stop), ignore_eos=ignore_eos, stop=stop_strings_field(where, sp.stop),
-                   include_stop_str_in_output=bool_field(where, "include_stop_str_in_output",
-                                                         sp.include_stop_str_in_output),
+    flags = {name: bool_field(where, name, getattr(sp, name)) for name in ("ignore_eos", "include_stop_str_in_output")}
+    return replace(sp, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
+                   seed=None if sp.seed is None else int_field(where, "seed", sp.seed, 0, seed_high),
+                   stop_token_ids=tuple(stop), stop=stop_strings_field(where, sp.stop), **flags,
                    min_tokens=int_field(where, "min_tokens", sp.min_tokens, 0, max_tokens), n=n,
                    best_of=None if sp.best_of is None else best_of,
-                   presence_penalty=float_field(where, "presence_penalty", sp.presence_penalty, -2.0, 2.0),
-                   frequency_penalty=float_field(where, "frequency_penalty", sp.frequency_penalty, -2.0, 2.0),
-                   repetition_penalty=float_field(where, "repetition_penalty", sp.repetition_penalty, 0.0,
-                                                  FLOAT32_MAX, low_open=True),
+                   **{name: float_field(where, name, getattr(sp, name), low, high, low_open=low_open)
+                      for name, (low, high, low_open) in PENALTY_BOUNDS.items()},
                    logit_bias=_logit_bias(where, sp.logit_bias),
-                   logprobs=_num_logprobs(where, "logprobs", sp.logprobs),
-                   prompt_logprobs=_num_logprobs(where, "prompt_logprobs", sp.prompt_logprobs),
-                   structured_outputs=_structured_outputs(where, request_id, sp.structured_outputs, ignore_eos),
+                   **{name: _num_logprobs(where, name, getattr(sp, name)) for name in ("logprobs", "prompt_logprobs")},
+                   structured_outputs=_structured_outputs(where, request_id, sp.structured_outputs,
+                                                          flags["ignore_eos"]),
                    extra_args=_extra_args(where, sp.extra_args))
+
+
+PENALTY_BOUNDS = {"presence_penalty": (-2.0, 2.0, False), "frequency_penalty": (-2.0, 2.0, False),
+                  "repetition_penalty": (0.0, FLOAT32_MAX, True)}
+"""``(low, high, low_open)`` of each penalty (vLLM's bounds; a repetition penalty divides: > 0)."""
 
 
 MAX_NUM_SEQUENCES = 16384
@@ -210,8 +215,7 @@ def _logit_bias(where: str, bias) -> dict[int, float] | None:
     if bias is None:
         return None
     if not isinstance(bias, Mapping):
-        raise FieldTypeError(f"{where} logit_bias={_short(bias)} must be a dict {{token id: bias}}, "
-                             f"not {type(bias).__name__}")
+        raise _type_error(where, "logit_bias", bias, "a dict {token id: bias}")
     out = {}
     for key, value in bias.items():
         # "²" and "١" pass str.isdigit(); JSON's numeric keys are ASCII digits only
@@ -227,8 +231,7 @@ def _extra_args(where: str, value) -> dict | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise FieldTypeError(f"{where} extra_args={_short(value)} must be a dict {{name: value}}, "
-                             f"not {type(value).__name__}")
+        raise _type_error(where, "extra_args", value, "a dict {name: value}")
     bad = [k for k in value if not isinstance(k, str)]
     if bad:
         raise FieldTypeError(f"{where} extra_args key {_short(bad[0])} must be a str")
@@ -239,7 +242,6 @@ def _structured_outputs(where: str, request_id: str, value, ignore_eos: bool):
     """``structured_outputs`` checked (None stays None): its own fields, and what it cannot go with."""
     if value is None:
         return None
-
     if ignore_eos:
         raise ValueError(f"{where} ignore_eos=True cannot go with structured_outputs: a complete output ends with "
                          "EOS, and the grammar allows nothing else after it")
@@ -269,14 +271,13 @@ def engine_config(**kwargs) -> EngineConfig:
     if cfg.memory_utilization is not None:
         cfg.memory_utilization = float_field(where, "memory_utilization", cfg.memory_utilization, 0.0, 1.0,
                                              low_open=True)
-        sized = [name for name in ("num_blocks", "kv_cache_memory_bytes") if getattr(cfg, name) is not None]
-        if sized:
-            raise ValueError(f"{where} memory_utilization sizes the pool, and so does {sized[0]}: give one")
-    elif cfg.memory_budget_bytes is not None:
-        raise ValueError(f"{where} memory_budget_bytes is the memory memory_utilization shares out; "
-                         "it needs memory_utilization")
-    if not cfg.enable_prefix_caching and cfg.prefix_cache not in (None, "hash"):
-        raise ValueError(f"{where} enable_prefix_caching=False contradicts prefix_cache={cfg.prefix_cache!r:.60}")
+    sized = [name for name in ("num_blocks", "kv_cache_memory_bytes") if getattr(cfg, name) is not None]
+    refuse([(cfg.memory_utilization is not None and sized,
+             f"memory_utilization sizes the pool, and so does {(sized or [''])[0]}: give one"),
+            (cfg.memory_utilization is None and cfg.memory_budget_bytes is not None,
+             "memory_budget_bytes is the memory memory_utilization shares out; it needs memory_utilization"),
+            (not cfg.enable_prefix_caching and cfg.prefix_cache not in (None, "hash"),
+             f"enable_prefix_caching=False contradicts prefix_cache={cfg.prefix_cache!r:.60}")], prefix=f"{where} ")
     if cfg.prefix_cache is None or not cfg.enable_prefix_caching:  # one spelling of "no prefix cache"
         cfg.prefix_cache, cfg.enable_prefix_caching = None, False
     for name, registry in (("backend", ATTENTION_BACKENDS), ("scheduling_policy", POLICIES),
@@ -341,28 +342,22 @@ def check_speculative_config(config):
         options = {k: v for k, v in config.items() if k not in known}
         config = SpeculativeConfig(**{k: v for k, v in config.items() if k in known}, options=options)
     cls = _proposer_class(config.method)
-    unknown = sorted(set(config.options) - _keyword_options(cls))
-    if unknown:
-        raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: "
-                         f"{sorted(f.name for f in fields(SpeculativeConfig) if f.name != 'options')}"
-                         f" and {cls.__name__}'s own options {sorted(_keyword_options(cls))}")
-    if isinstance(config.method, PROPOSERS.base) and config.options:
-        raise ValueError(f"speculative_config: options {sorted(config.options)} cannot reach a proposer instance "
-                         "(it is built already): pass its class, or build it with them")
-    where = "speculative_config: field"
-    config.num_speculative_tokens = int_field(where, "num_speculative_tokens", config.num_speculative_tokens, 1, 16)
-    config.prompt_lookup_min = int_field(where, "prompt_lookup_min", config.prompt_lookup_min, 1, 64)
-    config.prompt_lookup_max = int_field(where, "prompt_lookup_max", config.prompt_lookup_max, 1, 64)
-    if config.prompt_lookup_min > config.prompt_lookup_max:
-        raise ValueError(f"speculative_config: prompt_lookup_min={config.prompt_lookup_min} exceeds "
-                         f"prompt_lookup_max={config.prompt_lookup_max}")
-    if config.method == "draft" and config.model is None:
-        raise ValueError("speculative_config: method='draft' needs field 'model' (e.g. "
-                         "fleetlab.models.load_tiny_draft()[0])")
+    own = _keyword_options(cls)
+    unknown, known = sorted(set(config.options) - own), sorted(f.name for f in fields(SpeculativeConfig))
+    refuse([(unknown, f"unknown field(s) {unknown}; known: {[n for n in known if n != 'options']} and "
+                      f"{cls.__name__}'s own options {sorted(own)}"),
+            (isinstance(config.method, PROPOSERS.base) and config.options, f"options {sorted(config.options)} "
+             "cannot reach a proposer instance (it is built already): pass its class, or build it with them")],
+           prefix="speculative_config: ")
+    for name, high in (("num_speculative_tokens", 16), ("prompt_lookup_min", 64), ("prompt_lookup_max", 64)):
+        setattr(config, name, int_field("speculative_config: field", name, getattr(config, name), 1, high))
     k = getattr(config.method, "num_speculative_tokens", config.num_speculative_tokens)
-    if k != config.num_speculative_tokens:
-        raise ValueError(f"speculative_config: num_speculative_tokens={config.num_speculative_tokens}, but the "
-                         f"proposer instance drafts {k!r}")
+    refuse([(config.prompt_lookup_min > config.prompt_lookup_max, f"prompt_lookup_min={config.prompt_lookup_min} "
+             f"exceeds prompt_lookup_max={config.prompt_lookup_max}"),
+            (config.method == "draft" and config.model is None,
+             "method='draft' needs field 'model' (e.g. fleetlab.models.load_tiny_draft()[0])"),
+            (k != config.num_speculative_tokens, f"num_speculative_tokens={config.num_speculative_tokens}, but the "
+             f"proposer instance drafts {k!r}")], prefix="speculative_config: ")
     return config
 
 
@@ -485,18 +480,14 @@ class InputProcessor:
         where = f"request {rid!r}:"
         if prompt is not None and prompt_token_ids is not None:
             raise ValueError(f"{where} give exactly one of prompt and prompt_token_ids")
-        if prompt_token_ids is not None:
-            ids = token_ids_field(where, "prompt_token_ids", prompt_token_ids, _ONE_PROMPT)
-        else:
-            ids = self._encode(where, prompt)
-        if not ids:
-            raise ValueError(f"{where} prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{where} prompt_token_ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"{where} prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
-                             "room to generate")
+        ids = (self._encode(where, prompt) if prompt_token_ids is None
+               else token_ids_field(where, "prompt_token_ids", prompt_token_ids, _ONE_PROMPT))
+        bad = [t for t in ids if not 0 <= t < self.vocab_size][:5]
+        refuse([(not ids, "prompt is empty"),
+                (bad, f"prompt_token_ids {bad} outside the vocabulary [0, {self.vocab_size})"),
+                (len(ids) >= self.max_model_len,
+                 f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate")],
+               prefix=f"{where} ")
         return ids
 
     def _encode(self, where: str, prompt) -> list[int]:
@@ -515,22 +506,17 @@ class InputProcessor:
 
     def _bound(self, rid, ids, sp: SamplingParams) -> SamplingParams:
         """Refuse what the batch row cannot hold; clamp what means the same clamped."""
-        where = f"request {rid!r}: sampling field stop_token_ids"
-        if len(sp.stop_token_ids) > self.max_stop_ids:
-            raise ValueError(f"{where} holds {len(sp.stop_token_ids)} ids; the engine keeps at most "
-                             f"{self.max_stop_ids}")
-        bad = [t for t in sp.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"{where} {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        max_tokens = min(sp.max_tokens, self.max_model_len - len(ids))
+        vocab, max_tokens = f"outside the vocabulary [0, {self.vocab_size})", min(sp.max_tokens,
+                                                                                  self.max_model_len - len(ids))
         need = -(-min(len(ids) + max_tokens + self.num_lookahead_tokens, self.max_model_len) // self.block_size)
-        if need > self.num_blocks:
-            raise ValueError(f"request {rid!r}: needs {need} KV blocks but the pool has only {self.num_blocks} "
-                             "(num_blocks is too small for even this one request)")
-        bad = [t for t in (sp.logit_bias or {}) if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"request {rid!r}: sampling field logit_bias has token ids {bad[:5]} outside the "
-                             f"vocabulary [0, {self.vocab_size})")
+        bad_stop, bad_bias = ([t for t in got if t >= self.vocab_size][:5] for got in (sp.stop_token_ids,
+                                                                                        sp.logit_bias or {}))
+        refuse([(len(sp.stop_token_ids) > self.max_stop_ids, f"sampling field stop_token_ids holds "
+                 f"{len(sp.stop_token_ids)} ids; the engine keeps at most {self.max_stop_ids}"),
+                (bad_stop, f"sampling field stop_token_ids {bad_stop} {vocab}"),
+                (need > self.num_blocks, f"needs {need} KV blocks but the pool has only {self.num_blocks} "
+                 "(num_blocks is too small for even this one request)"),
+                (bad_bias, f"sampling field logit_bias has token ids {bad_bias} {vocab}")], prefix=f"request {rid!r}: ")
         lp = {name: self._bound_logprobs(rid, name, getattr(sp, name)) for name in ("logprobs", "prompt_logprobs")}
         return replace(sp, max_tokens=max_tokens, min_tokens=min(sp.min_tokens, max_tokens),
                        top_k=min(sp.top_k, self.vocab_size), **lp)
@@ -540,12 +526,10 @@ class InputProcessor:
         if value is None:
             return None
         num = self.vocab_size if value == -1 else value
-        if num > self.vocab_size:
-            raise ValueError(f"request {rid!r}: sampling field {name}={value} asks for more log-probabilities per "
-                             f"token than the vocabulary's {self.vocab_size} tokens")
-        if num > MAX_LOGPROBS:
-            raise ValueError(f"request {rid!r}: sampling field {name}={value} asks for {num} log-probabilities per "
-                             f"token, more than the {MAX_LOGPROBS} allowed (vLLM's default max_logprobs)")
+        refuse([(num > self.vocab_size, f"more log-probabilities per token than the vocabulary's {self.vocab_size} "
+                 "tokens"), (num > MAX_LOGPROBS, f"{num} log-probabilities per token, more than the {MAX_LOGPROBS} "
+                            "allowed (vLLM's default max_logprobs)")],
+               prefix=f"request {rid!r}: sampling field {name}={value} asks for ")
         return num
 
     def _extra(self, rid, extra, prompt_embeds, num_prompt_tokens: int, extra_args=None) -> dict:
@@ -556,8 +540,7 @@ class InputProcessor:
         processors' are set from the sampling params, within their bounds."""
         where = f"request {rid!r}: extra"
         if extra is not None and not isinstance(extra, Mapping):
-            raise FieldTypeError(f"{where}={_short(extra)} must be a dict {{field name: value}}, "
-                                 f"not {type(extra).__name__}")
+            raise _type_error(f"request {rid!r}:", "extra", extra, "a dict {field name: value}")
         values = {k: v for k, v in (extra_args or {}).items() if k in self._user_fields()}
         values.update(extra or {})
         out = {}
@@ -654,12 +637,9 @@ def generate_items(prompts, prompt_token_ids, sampling_params, extra=None) -> li
         # One flat prompt ([5, 17, 3]) or a list of prompts: a first entry that is not itself a
         # sequence means one prompt (the InputProcessor refuses floats, strings, bools in it).
         items = [(None, s) for s in ([seqs] if len(seqs) and not is_sequence(seqs[0]) else seqs)]
-    sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
-    if len(sps) != len(items):
-        raise ValueError(f"generate: {len(sps)} sampling_params for {len(items)} prompts")
-    extras = list(extra) if isinstance(extra, (list, tuple)) else [extra] * len(items)
-    if len(extras) != len(items):
-        raise ValueError(f"generate: {len(extras)} extra dicts for {len(items)} prompts")
+    sps, extras = (list(v) if isinstance(v, (list, tuple)) else [v] * len(items) for v in (sampling_params, extra))
+    refuse([(len(sps) != len(items), f"{len(sps)} sampling_params for {len(items)} prompts"),
+            (len(extras) != len(items), f"{len(extras)} extra dicts for {len(items)} prompts")], prefix="generate: ")
     return [(p, ids, sp, e) for (p, ids), sp, e in zip(items, sps, extras)]
 
 # ----------------------------------------------------------------------------- the core's public pieces
