@@ -12,17 +12,16 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS, Field, FieldRegistry
 from fleetlab.engine.input_batch import InputBatch, two_pointer_swaps
-from fleetlab.inspect.batch import (
+from fleetlab.inspect.batch import batch_snapshot, check_batch
+from fleetlab.lessons.reorder import decode_first_order, stable_partition, stable_reorder
+from fleetlab.lessons.row_moves import (
     append_block_ids,
     append_tokens,
-    batch_snapshot,
     by_request,
-    check_batch,
     invert_permutation,
     swap_rows,
     unpermute,
 )
-from fleetlab.lessons.reorder import decode_first_order, stable_partition, stable_reorder
 
 
 def reorder(batch, threshold=1, stable=False):

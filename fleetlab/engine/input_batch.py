@@ -17,7 +17,8 @@ field can be forgotten. Access: ``batch.token_ids`` (a typed accessor for each d
 ``[max_num_seqs, ...]`` buffer; ``batch.dev(name)`` is the Paddle mirror of a device field
 as of the last ``sync_to_device()``. Row order is internal: results leave keyed by request
 id. Drawing and checking a batch (``batch_snapshot``, ``check_batch``) and moving its rows by
-hand (``swap_rows``, ``permute_rows``) live beside it, in :mod:`fleetlab.inspect.batch`.
+hand (``swap_rows``, ``permute_rows``) live beside it, in :mod:`fleetlab.inspect.batch` and
+:mod:`fleetlab.lessons.row_moves`.
 
 A speculative proposer's state (its ``ProposerInputBatch``) is a group of fields in this
 registry, so it moves with the rows like every other field.
