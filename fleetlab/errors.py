@@ -17,7 +17,8 @@ def short(value, limit: int = 60) -> str:
 
 def refuse(checks, error: type = ValueError, prefix: str = "") -> None:
     """Raise ``error(prefix + why)`` for the first ``(is it broken, why)`` of ``checks`` that is
-    broken: a piece's checks read as one table, each condition beside what it says."""
+    broken: a piece's checks read as one table, each condition beside what it says. ``why`` may
+    be a function returning the message (a check on a hot path formats nothing until it fails)."""
     why = next((what for broken, what in checks if broken), None)
     if why:
-        raise error(prefix + why)
+        raise error(prefix + (why() if callable(why) else why))

@@ -27,6 +27,7 @@ import paddle
 from fleetlab.attention.backend import AttentionBackend, current_device_kind
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.device import Packer
+from fleetlab.errors import refuse
 from fleetlab.kv.paged_cache import gather_rows
 
 
@@ -338,37 +339,30 @@ def _visible(tile, key_start, query_pos, seq_len, sliding_window):
 
 def _check_window(sliding_window) -> int | None:
     """A positive int window (numpy ints welcome) or None."""
-    if sliding_window is None:
-        return None
     try:
-        window = operator.index(sliding_window)
+        window = None if sliding_window is None else operator.index(sliding_window)
     except TypeError:
         window = 0
-    if window < 1:
+    if window is not None and window < 1:
         raise ValueError(f"paged_attention: sliding_window must be a positive int or None; got {sliding_window!r}")
     return window
 
 
 def _check_inputs(query, key_cache, value_cache, metadata, sinks):
-    """Validate shapes; return ``(T, Hq, D)``."""
-    if query.ndim != 3:
-        raise ValueError(f"paged_attention: query must be [T, Hq, D]; got {list(query.shape)}")
-    if key_cache.ndim != 4 or list(value_cache.shape) != list(key_cache.shape):
-        raise ValueError(f"paged_attention: key_cache {list(key_cache.shape)} and value_cache "
-                         f"{list(value_cache.shape)} must both be [num_blocks, block_size, Hkv, D]")
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_dim = key_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"paged_attention: query head_dim {head_dim} != cache head_dim {cache_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"paged_attention: {num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
-    if block_size != metadata.block_size:
-        raise ValueError(f"paged_attention: cache block_size {block_size} != metadata.block_size "
-                         f"{metadata.block_size}")
-    if num_tokens != metadata.num_tokens:
-        raise ValueError(f"paged_attention: query has {num_tokens} tokens, metadata {metadata.num_tokens}")
-    if sinks is not None and list(sinks.shape) != [num_heads]:
-        raise ValueError(f"paged_attention: sinks must be [{num_heads}]; got {list(sinks.shape)}")
+    """The shapes agree (learners call ``paged_attention`` directly); returns ``(T, Hq, D)``."""
+    q, kv, v = list(query.shape), list(key_cache.shape), list(value_cache.shape)
+    refuse([(len(q) != 3, lambda: f"query must be [T, Hq, D]; got {q}"),
+            (len(kv) != 4 or v != kv, lambda: f"key_cache {kv} and value_cache {v} must both be [num_blocks, "
+             "block_size, Hkv, D]")], prefix="paged_attention: ")
+    (num_tokens, num_heads, head_dim), (_, block_size, num_kv_heads, cache_dim) = q, kv
+    refuse([(cache_dim != head_dim, lambda: f"query head_dim {head_dim} != cache head_dim {cache_dim}"),
+            (num_heads % num_kv_heads, lambda: f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads"),
+            (block_size != metadata.block_size,
+             lambda: f"cache block_size {block_size} != metadata.block_size {metadata.block_size}"),
+            (num_tokens != metadata.num_tokens,
+             lambda: f"query has {num_tokens} tokens, metadata {metadata.num_tokens}"),
+            (sinks is not None and list(sinks.shape) != [num_heads],
+             lambda: f"sinks must be [{num_heads}]; got {list(sinks.shape)}")], prefix="paged_attention: ")
     return num_tokens, num_heads, head_dim
 
 
