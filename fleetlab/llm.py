@@ -284,10 +284,9 @@ class LLM:
             parent, reqs = self._fan_out(req, live)
             live |= {req.request_id, *(r.request_id for r in reqs)}
             queued.append((req.request_id, req.sampling_params.n, parent, reqs))
-        for _, _, _, reqs in queued:  # a constraint the model cannot spell is refused here, before anything runs
-            for req in reqs:
-                if "structured_output" in req.extra:
-                    req.extra["structured_output"].check(req.request_id, timeout=None)
+        # A constraint the model cannot spell is refused here, before anything runs.
+        for req in (r for *_, reqs in queued for r in reqs if "structured_output" in r.extra):
+            req.extra["structured_output"].check(req.request_id, timeout=None)
         for _, _, parent, reqs in queued:
             self._queue(parent, reqs)
         done: dict[tuple[str, int], RequestOutput] = {}

@@ -51,9 +51,9 @@ class StepTrace:
     request ids by batch row before and after the decode-first reorder (equal when the step
     did not reorder); reordered: the reorder moved rows this step; reorder: it is on for this
     engine (a step may still find every decode first already); tokens: request id -> the
-    tokens it kept this step; timings: seconds
-    spent in each of ``STEP_TIMING_PARTS``, and in ``"record"`` the recorder's own (building
-    this trace: what the step would not spend without a recorder).
+    tokens it kept this step; timings: seconds spent in each of the step's ``PHASES``
+    (:mod:`fleetlab.engine.hooks`), and in ``"record"`` the recorder's own (building this
+    trace: what the step would not spend without a recorder).
     """
 
     step: int
@@ -70,10 +70,6 @@ class StepTrace:
     num_batched_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
     reorder: bool = False
-
-
-# The parts of a step that StepTrace.timings times, in the order they run.
-STEP_TIMING_PARTS = PHASES
 
 
 class StepRecorder:

@@ -76,5 +76,3 @@ PROPOSERS = Registry("proposer", Proposer, {
     "draft": "fleetlab.spec_decode.draft:DraftModelProposer",
 })
 register_proposer = PROPOSERS.register
-get_proposer = PROPOSERS.get
-list_proposers = PROPOSERS.names
