@@ -301,15 +301,13 @@ def engine_config(**kwargs) -> EngineConfig:
 
 def check_backend_fits(cfg: EngineConfig, backend_cls) -> None:
     """Refuse, before any step, an attention backend whose declared needs the config cannot meet."""
-    name = backend_cls.name
-    if not isinstance(backend_cls.reorder_threshold, int) or backend_cls.reorder_threshold < 1:
-        raise ValueError(f"attention backend {name!r}: reorder_threshold must be an int >= 1")
-    if backend_cls.requires_reorder and cfg.reorder is False:
-        raise ValueError(f"engine config: reorder=False, but attention backend {name!r} requires decode-first "
-                         "rows (requires_reorder=True)")
-    if backend_cls.reorder_threshold > cfg.max_num_batched_tokens:
-        raise ValueError(f"attention backend {name!r}: reorder_threshold={backend_cls.reorder_threshold} exceeds "
-                         f"max_num_batched_tokens={cfg.max_num_batched_tokens}")
+    name, threshold = backend_cls.name, backend_cls.reorder_threshold
+    refuse([(not isinstance(threshold, int) or threshold < 1,
+             f"attention backend {name!r}: reorder_threshold must be an int >= 1"),
+            (backend_cls.requires_reorder and cfg.reorder is False, f"engine config: reorder=False, but attention "
+             f"backend {name!r} requires decode-first rows (requires_reorder=True)"),
+            (isinstance(threshold, int) and threshold > cfg.max_num_batched_tokens, f"attention backend {name!r}: "
+             f"reorder_threshold={threshold} exceeds max_num_batched_tokens={cfg.max_num_batched_tokens}")])
 
 
 def resolve_max_model_len(cfg: EngineConfig, model_max_len: int) -> int:

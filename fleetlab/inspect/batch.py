@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fleetlab.errors import refuse
 from fleetlab.lessons.row_moves import by_request, unpermute  # noqa: F401  (notebook 04 imports them here)
 
 
@@ -61,9 +62,7 @@ def check_batch(batch) -> None:
          f"num_rows={batch.num_rows} but last live row is {max(derived.values(), default=None)}"),
         (dirty, f"fields {dirty} hold data in an empty row"),
     ]
-    for broken, what in problems:
-        if broken:
-            raise RuntimeError(what)
+    refuse(problems, RuntimeError)
 
 
 def _all_fill(rows: np.ndarray, fill) -> bool:
