@@ -590,30 +590,25 @@ def normalize_prompt_embeds(request_id: str, prompt_embeds, num_prompt_tokens: i
     hidden_size]`` (every position replaced). Raises ``ValueError`` naming the request and
     ``prompt_embeds`` for a position outside the prompt, a wrong width, or a non-finite value.
     """
-    def bad(why):
-        raise ValueError(f"request {request_id!r}: prompt_embeds {why}")
-
+    where = f"request {request_id!r}: prompt_embeds "
     if isinstance(prompt_embeds, dict):
-        if not prompt_embeds:
-            bad("is an empty dict")
+        refuse([(not prompt_embeds, "is an empty dict")], prefix=where)
         items = sorted(prompt_embeds.items())
         try:
             positions = np.array([int(p) for p, _ in items], dtype=np.int64)
             values = np.stack([np.asarray(v, dtype=np.float32) for _, v in items])
         except (TypeError, ValueError) as exc:
-            bad(f"must map int positions to vectors of {hidden_size} floats ({exc})")
+            raise ValueError(f"{where}must map int positions to vectors of {hidden_size} floats ({exc})") from None
     else:
         values = np.asarray(prompt_embeds, dtype=np.float32)
-        if values.ndim != 2 or values.shape[0] != num_prompt_tokens:
-            bad(f"as an array must be [num_prompt_tokens={num_prompt_tokens}, {hidden_size}]; "
-                f"got {list(values.shape)}")
+        refuse([(values.ndim != 2 or values.shape[0] != num_prompt_tokens, f"as an array must be [num_prompt_tokens="
+                 f"{num_prompt_tokens}, {hidden_size}]; got {list(values.shape)}")], prefix=where)
         positions = np.arange(num_prompt_tokens, dtype=np.int64)
-    if values.ndim != 2 or values.shape[1] != hidden_size:
-        bad(f"vectors must have the model's hidden size {hidden_size}; got shape {list(values.shape)}")
-    if positions.min() < 0 or positions.max() >= num_prompt_tokens:
-        bad(f"positions {positions.tolist()[:5]} must lie in the prompt [0, {num_prompt_tokens})")
-    if not np.isfinite(values).all():
-        bad("holds non-finite values")
+    refuse([(values.ndim != 2 or values.shape[1] != hidden_size,
+             f"vectors must have the model's hidden size {hidden_size}; got shape {list(values.shape)}"),
+            (positions.min() < 0 or positions.max() >= num_prompt_tokens,
+             f"positions {positions.tolist()[:5]} must lie in the prompt [0, {num_prompt_tokens})"),
+            (not np.isfinite(values).all(), "holds non-finite values")], prefix=where)
     return positions, values
 
 
