@@ -85,15 +85,15 @@ class InputBatch:
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, *, max_stop_ids: int = 8,
                  fields: FieldRegistry | None = None, place=None) -> None:
-        self._fields = (fields if fields is not None else DEFAULT_FIELDS).copy(frozen=True)
+        self.fields = (fields if fields is not None else DEFAULT_FIELDS).copy(frozen=True)  # the batch's own copy
         self.sizes = {"max_model_len": max_model_len, "max_blocks_per_seq": max_blocks_per_seq,
                       "max_stop_ids": max_stop_ids}
-        _check_layout(max_num_seqs, self.sizes, self._fields)
+        _check_layout(max_num_seqs, self.sizes, self.fields)
         self.max_num_seqs = int(max_num_seqs)
         self._np: dict[str, np.ndarray] = {}
         self._dev: dict[str, paddle.Tensor] = {}
         self._mirrored: dict[str, np.ndarray] = {}  # what each device mirror holds (a host copy)
-        for field in self._fields:
+        for field in self.fields:
             shape = (self.max_num_seqs, *field.resolve_shape(self.sizes))
             self._np[field.name] = np.full(shape, field.fill, dtype=field.dtype)
             if field.home == "device":
@@ -104,11 +104,6 @@ class InputBatch:
         self._synced_rows: int | None = None  # rows mirrored by the last sync; None = stale
 
     # ------------------------------------------------------------------ access
-    @property
-    def fields(self) -> FieldRegistry:
-        """The batch's own copy of its field registry."""
-        return self._fields
-
     @property
     def num_reqs(self) -> int:
         """Live requests (rows ``[0, num_reqs)`` once condensed)."""
@@ -136,15 +131,15 @@ class InputBatch:
 
     def np(self, name: str) -> np.ndarray:
         """Writable numpy view of field ``name``, rows ``[0, num_rows)``."""
-        return self._np[self._fields[name].name][: self._num_rows]
+        return self._np[self.fields[name].name][: self._num_rows]
 
     def buffer(self, name: str) -> np.ndarray:
         """The whole numpy buffer ``[max_num_seqs, *per_row_shape]`` of field ``name``."""
-        return self._np[self._fields[name].name]
+        return self._np[self.fields[name].name]
 
     def dev(self, name: str) -> paddle.Tensor:
         """Paddle mirror of device field ``name``, rows ``[0, num_reqs)`` at the last sync."""
-        assert self._fields[name].home == "device", f"field {name!r} lives on the host; use batch.np({name!r})"
+        assert self.fields[name].home == "device", f"field {name!r} lives on the host; use batch.np({name!r})"
         assert self._synced_rows is not None, f"device mirror of {name!r} is stale: call sync_to_device() first"
         return self._dev[name][: self._synced_rows]
 
@@ -168,7 +163,8 @@ class InputBatch:
         prompt, output = list(prompt_token_ids), list(output_token_ids)
         blocks, stop = list(block_ids), list(getattr(sampling, "stop_token_ids", None) or ())
         self._check_new_request(req_id, prompt, output, num_computed_tokens, blocks, stop, extra or {})
-        row = self._free_row()
+        holes = np.flatnonzero(np.equal(self._np["req_id"][: self._num_rows], None))
+        row = int(holes[0]) if len(holes) else self._num_rows  # the lowest free row
         self._clear_rows(np.array([row]))
         values = {"req_id": req_id, "num_tokens": len(prompt) + len(output), "num_prompt_tokens": len(prompt),
                   "num_computed_tokens": num_computed_tokens, "num_output_tokens": len(output),
@@ -191,8 +187,8 @@ class InputBatch:
         engine's requests passed ``fleetlab.validation`` already). It runs before the row is touched,
         so a rejected add leaves no trace."""
         sizes, num_tokens = self.sizes, len(prompt) + len(output)
-        unknown = [name for name in extra if name not in self._fields or name == "req_id"]
-        unfit = [name for name, value in extra.items() if name not in unknown and not _fits(self._fields[name], value)]
+        unknown = [name for name in extra if name not in self.fields or name == "req_id"]
+        unfit = [name for name, value in extra.items() if name not in unknown and not _fits(self.fields[name], value)]
         refuse([  # (is it broken, what to say after "request <id>: ")
             (req_id is None, "req_id None is reserved for empty rows (field 'req_id')"),
             (req_id in self._req_id_to_row, "already in the batch (field 'req_id')"),
@@ -209,17 +205,9 @@ class InputBatch:
             (bool(unfit), f"extra values for fields {unfit} do not fit their dtype and shape"),
         ], prefix=f"request {req_id!r}: ")
 
-    def _free_row(self) -> int:
-        holes = np.flatnonzero(np.equal(self._np["req_id"][: self._num_rows], None))
-        return int(holes[0]) if len(holes) else self._num_rows
-
-    def remove_request(self, req_id, *, missing_ok: bool = False) -> int | None:
-        """Empty the request's row and return it; the hole stays until ``condense()``.
-
-        An unknown ``req_id`` raises ``ValueError``, or returns None with ``missing_ok``.
-        """
-        if missing_ok and req_id not in self._req_id_to_row:
-            return None
+    def remove_request(self, req_id) -> int:
+        """Empty the request's row and return it; the hole stays until ``condense()``. An unknown
+        ``req_id`` raises ``ValueError``."""
         row = self.row_of(req_id)
         del self._req_id_to_row[req_id]
         self._clear_rows(np.array([row]))
@@ -311,7 +299,7 @@ class InputBatch:
 
     def _clear_rows(self, rows: np.ndarray) -> None:
         """Reset ``rows`` of every field to the field's fill (the map is the caller's job)."""
-        for field in self._fields:
+        for field in self.fields:
             self._np[field.name][rows] = field.fill
 
     def _trim(self) -> None:
