@@ -411,7 +411,11 @@ class InputProcessor:
         self.block_size, self.num_blocks, self.max_stop_ids = block_size, num_blocks, max_stop_ids
         self.batch_fields, self.processors, self.num_lookahead_tokens = batch_fields, processors, num_lookahead_tokens
         self._ids, self._arrivals = itertools.count(), itertools.count()
-        self._open_fields = None  # the batch fields extra may set (worked out on first use)
+        # The batch fields ``extra`` may set: the user's (``batch_fields``, their own logits processors'), not
+        # the engine's nor its built-in processors' (penalties, grammars).
+        owned = set(DEFAULT_FIELDS.names()) | {f.name for p in processors for f in p.fields
+                                               if type(p).__module__.startswith("fleetlab.")}
+        self.user_fields = frozenset(n for n in batch_fields.names() if n not in owned)
         self._sizes = {"max_model_len": max_model_len, "max_stop_ids": max_stop_ids,
                        "max_blocks_per_seq": -(-max_model_len // block_size)}  # as the InputBatch's
         self._rng = np.random.default_rng(seed)
@@ -439,7 +443,7 @@ class InputProcessor:
         ``sampling_params`` (:func:`fleetlab.output.parallel_sampling.child_sampling_params`)."""
         ids = parent.prompt_token_ids
         sp = self._bound(request_id, ids, check_sampling_params(sampling_params, request_id))
-        extra = {k: v for k, v in parent.extra.items() if k in self._user_fields() or k == "prompt_embeds"}
+        extra = {k: v for k, v in parent.extra.items() if k in self.user_fields or k == "prompt_embeds"}
         return self._request(request_id, ids, sp, parent.priority, extra)
 
     def _request(self, rid: str, ids: list[int], sp, priority: int, extra: dict):
@@ -459,11 +463,8 @@ class InputProcessor:
 
     def _request_id(self, request_id, live_ids) -> str:
         """The user's id (a str, or an int written as one), or the engine's next unused one."""
-        if request_id is None:
-            rid = str(next(self._ids))
-            while rid in live_ids:  # a user chose it: skip it, never collide
-                rid = str(next(self._ids))
-            return rid
+        if request_id is None:  # an id a user chose is skipped: never a collision
+            return next(rid for rid in map(str, self._ids) if rid not in live_ids)
         if isinstance(request_id, (int, np.integer)) and not isinstance(request_id, (bool, np.bool_)):
             request_id = str(int(request_id))
         if not isinstance(request_id, str):
@@ -539,28 +540,19 @@ class InputProcessor:
         where = f"request {rid!r}: extra"
         if extra is not None and not isinstance(extra, Mapping):
             raise _type_error(f"request {rid!r}:", "extra", extra, "a dict {field name: value}")
-        values = {k: v for k, v in (extra_args or {}).items() if k in self._user_fields()}
+        values = {k: v for k, v in (extra_args or {}).items() if k in self.user_fields}
         values.update(extra or {})
         out = {}
         for name, value in values.items():
             if not isinstance(name, str):
                 raise FieldTypeError(f"{where} field name {_short(name)} must be a str")
-            if name not in self._user_fields():
+            if name not in self.user_fields:
                 raise ValueError(f"{where} field {name!r} is not one of this LLM's own batch fields "
-                                 f"{sorted(self._user_fields())}" + _why_not_extra(name, self.batch_fields))
+                                 f"{sorted(self.user_fields)}" + _why_not_extra(name, self.batch_fields))
             out[name] = check_field_value(self.batch_fields[name], f"{where} field", value, self._sizes)
         if prompt_embeds is not None:
             out["prompt_embeds"] = normalize_prompt_embeds(rid, prompt_embeds, num_prompt_tokens, self.hidden_size)
         return out
-
-    def _user_fields(self) -> frozenset:
-        """The batch fields ``extra`` may set: the user's (``batch_fields``, their own logits
-        processors'), not the engine's nor its built-in processors' (penalties, grammars)."""
-        if self._open_fields is None:
-            owned = set(DEFAULT_FIELDS.names()) | {f.name for p in self.processors for f in p.fields
-                                                   if type(p).__module__.startswith("fleetlab.")}
-            self._open_fields = frozenset(n for n in self.batch_fields.names() if n not in owned)
-        return self._open_fields
 
 
 def _why_not_extra(name: str, batch_fields) -> str:
