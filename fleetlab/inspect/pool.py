@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from fleetlab.errors import refuse
@@ -89,12 +90,8 @@ def check_kv_manager(kv, live_request_ids) -> None:
     live = set(live_request_ids)
     if set(kv._blocks) - live:
         raise RuntimeError(f"finished requests still hold blocks: {sorted(set(kv._blocks) - live)}")
-    counts: dict[int, int] = {}
-    for blocks in kv._blocks.values():
-        for b in blocks:
-            counts[b] = counts.get(b, 0) + 1
-    for b in range(kv.pool.num_blocks):
-        if kv.pool.ref_count(b) != counts.get(b, 0):
-            raise RuntimeError(f"block {b}: reference count {kv.pool.ref_count(b)}, held by {counts.get(b, 0)} "
-                               "request(s)")
+    counts = Counter(b for blocks in kv._blocks.values() for b in blocks)
+    wrong = [b for b in range(kv.pool.num_blocks) if kv.pool.ref_count(b) != counts[b]]
+    refuse([(wrong, lambda: f"block {wrong[0]}: reference count {kv.pool.ref_count(wrong[0])}, held by "
+                            f"{counts[wrong[0]]} request(s)")], RuntimeError)
     check_pool(kv.pool)

@@ -82,9 +82,8 @@ class OutputProcessor:
     def _finish(self, out: RequestOutput) -> None:
         """Its stop reason and text; the request is forgotten."""
         sp = self._requests.pop(out.request_id, None)
-        stopped_by_string = self._stops.pop(out.request_id, None) is not None and out.stop_reason is not None
-        if stopped_by_string:
-            return
+        if self._stops.pop(out.request_id, None) is not None and out.stop_reason is not None:
+            return  # a stop string ended it: its text and stop reason are set already
         last = out.token_ids[-1] if out.token_ids else None
         by_token = out.finish_reason == "stop" and sp is not None and last is not None and (
             last in sp.stop_token_ids or (last == self.eos_token_id and not sp.ignore_eos))
