@@ -284,12 +284,10 @@ def engine_config(**kwargs) -> EngineConfig:
                            ("prefix_cache", PREFIX_CACHES)):
         if getattr(cfg, name) is None:
             continue
-        try:
+        try:  # a registry refuses with a FieldTypeError: a TypeError and a ValueError at once
             registry.resolve(getattr(cfg, name))
         except TypeError as exc:
             raise FieldTypeError(f"{where} {name}={getattr(cfg, name)!r:.60}: {exc}") from None
-        except ValueError as exc:
-            raise ValueError(f"{where} {name}: {exc}") from None
     if cfg.kv_transfer_config is not None:
         from fleetlab.kv_transfer.config import check_kv_transfer_config
 
@@ -361,14 +359,11 @@ def check_speculative_config(config):
 
 def _proposer_class(method) -> type:
     """The proposer class ``method`` names (a name, a subclass or an instance)."""
-    try:
+    try:  # the registry refuses with a FieldTypeError (a TypeError), an unknown name included
         return PROPOSERS.resolve(method)
     except TypeError:
         raise FieldTypeError(f"speculative_config: method={method!r:.60} must be a registered proposer "
                              f"({PROPOSERS.names()}), a Proposer subclass or an instance of one") from None
-    except ValueError:
-        raise ValueError(f"speculative_config: method={method!r:.60} is not a registered proposer; "
-                         f"known: {PROPOSERS.names()}") from None
 
 
 def _keyword_options(cls) -> set[str]:

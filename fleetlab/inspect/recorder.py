@@ -38,10 +38,6 @@ class RowTrace:
     num_accepted_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
 
-    @property
-    def num_rejected_tokens(self) -> int:
-        return len(self.draft_token_ids) - self.num_accepted_tokens
-
 
 @dataclass(slots=True)
 class StepTrace:
