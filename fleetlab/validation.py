@@ -357,6 +357,13 @@ def check_speculative_config(config):
     return config
 
 
+def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
+    """A draft model must share the target's tokenizer: the same vocabulary."""
+    if draft_vocab_size != target_vocab_size:
+        raise ValueError(f"speculative_config: field 'model' has vocabulary {draft_vocab_size}, the target "
+                         f"{target_vocab_size}: a draft must share the target's tokenizer")
+
+
 def _proposer_class(method) -> type:
     """The proposer class ``method`` names (a name, a subclass or an instance)."""
     try:  # the registry refuses with a FieldTypeError (a TypeError), an unknown name included
@@ -542,31 +549,38 @@ class InputProcessor:
             if not isinstance(name, str):
                 raise FieldTypeError(f"{where} field name {_short(name)} must be a str")
             if name not in self.user_fields:
+                why = (f"; {name!r} is the engine's own (set it through SamplingParams or add_request's arguments, "
+                       "within their bounds)" if name in DEFAULT_FIELDS or name in self.batch_fields else
+                       f" (pass LLM(..., batch_fields=[Field({name!r}, ...)]) to add it)")
                 raise ValueError(f"{where} field {name!r} is not one of this LLM's own batch fields "
-                                 f"{sorted(self.user_fields)}" + _why_not_extra(name, self.batch_fields))
+                                 f"{sorted(self.user_fields)}{why}")
             out[name] = check_field_value(self.batch_fields[name], f"{where} field", value, self._sizes)
         if prompt_embeds is not None:
             out["prompt_embeds"] = normalize_prompt_embeds(rid, prompt_embeds, num_prompt_tokens, self.hidden_size)
         return out
 
 
-def _why_not_extra(name: str, batch_fields) -> str:
-    if name in DEFAULT_FIELDS or name in batch_fields:
-        return (f"; {name!r} is the engine's own (set it through SamplingParams or add_request's "
-                "arguments, within their bounds)")
-    return f" (pass LLM(..., batch_fields=[Field({name!r}, ...)]) to add it)"
-
-
 def check_field_value(field, where: str, value, sizes: Mapping[str, int]):
-    """``value`` as one row of batch field ``field``: its dtype (``field_value``) and
-    exactly its row's shape (``sizes`` resolves named dimensions); a scalar is never
-    broadcast over a row. ``ValueError`` naming the field otherwise."""
-    cast = field_value(field, where, value)
-    if field.dtype != "object":
-        shape = field.resolve_shape(sizes)
-        if tuple(cast.shape) != shape:
-            raise ValueError(f"{where} {field.name} has shape {list(cast.shape)}; the field holds "
-                             f"{field.dtype} values of shape {list(shape)} per row")
+    """``value`` as one row of batch ``field``: a numpy value of its dtype and exactly its row's
+    shape (``sizes`` resolves named dimensions; a scalar is never broadcast over a row); an object
+    field takes anything. Otherwise ``ValueError`` naming the field: a value of another kind (text
+    for a number, a float for an int) or out of the dtype's range is never coerced."""
+    if field.dtype == "object":
+        return value
+    raw = np.asarray(value)
+    kinds = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}.get(np.dtype(field.dtype).kind, "")
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = raw.astype(field.dtype) if raw.dtype.kind in kinds else None
+    # A float may round (to float32), but never overflow; an int must stay the same int.
+    same = cast is not None and (np.isfinite(cast) | ~np.isfinite(raw) if cast.dtype.kind == "f"
+                                 else cast == raw).all()
+    if not same or raw.ndim != len(field.per_row_shape):
+        raise ValueError(f"{where} {field.name}={value!r:.60} does not fit the field: {field.dtype} values of "
+                         f"shape {field.per_row_shape} per row")
+    shape = field.resolve_shape(sizes)
+    if tuple(cast.shape) != shape:
+        raise ValueError(f"{where} {field.name} has shape {list(cast.shape)}; the field holds "
+                         f"{field.dtype} values of shape {list(shape)} per row")
     return cast
 
 
@@ -621,35 +635,6 @@ def generate_items(prompts, prompt_token_ids, sampling_params, extra=None) -> li
     refuse([(len(sps) != len(items), f"{len(sps)} sampling_params for {len(items)} prompts"),
             (len(extras) != len(items), f"{len(extras)} extra dicts for {len(items)} prompts")], prefix="generate: ")
     return [(p, ids, sp, e) for (p, ids), sp, e in zip(items, sps, extras)]
-
-# ----------------------------------------------------------------------------- the core's public pieces
-# Checks of what a learner hands the core's pieces directly (a batch field's value); the
-# engine's own calls pass through the checks above first.
-def field_value(field, where: str, value):
-    """``value`` as one row of batch ``field`` (a numpy value of its dtype and rank; an object
-    field takes anything), or ``ValueError`` naming the field: a value of another kind (text for
-    a number, a float for an int) or out of the dtype's range is never coerced."""
-    if field.dtype == "object":
-        return value
-    raw = np.asarray(value)
-    kinds = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}.get(np.dtype(field.dtype).kind, "")
-    with np.errstate(over="ignore", invalid="ignore"):
-        cast = raw.astype(field.dtype) if raw.dtype.kind in kinds else None
-    # A float may round (to float32), but never overflow; an int must stay the same int.
-    same = cast is not None and (np.isfinite(cast) | ~np.isfinite(raw) if cast.dtype.kind == "f"
-                                 else cast == raw).all()
-    if not same or raw.ndim != len(field.per_row_shape):
-        raise ValueError(f"{where} {field.name}={value!r:.60} does not fit the field: {field.dtype} values of "
-                         f"shape {field.per_row_shape} per row")
-    return cast
-
-
-def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
-    """A draft model must share the target's tokenizer: the same vocabulary."""
-    if draft_vocab_size != target_vocab_size:
-        raise ValueError(f"speculative_config: field 'model' has vocabulary {draft_vocab_size}, the target "
-                         f"{target_vocab_size}: a draft must share the target's tokenizer")
-
 
 
 # ----------------------------------------------------------------------------- what extensions return

@@ -375,7 +375,7 @@ for _name in DEFAULT_FIELDS.names():
 
 def _fits(field, value) -> bool:
     """Whether ``value`` can be written to one row of ``field`` (so that a write cannot fail halfway;
-    what a value means is the edge's to check, :func:`fleetlab.validation.field_value`)."""
+    what a value means is the edge's to check, :func:`fleetlab.validation.check_field_value`)."""
     try:
         return field.dtype == "object" or np.asarray(value, dtype=field.dtype).ndim == len(field.per_row_shape)
     except (TypeError, ValueError, OverflowError):
