@@ -72,16 +72,9 @@ class _Tile:
     num_blocks: int
 
 
-def paged_attention(
-    query: paddle.Tensor,
-    key_cache: paddle.Tensor,
-    value_cache: paddle.Tensor,
-    metadata: AttentionMetadata,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    sinks: paddle.Tensor | None = None,
-) -> paddle.Tensor:
+def paged_attention(query: paddle.Tensor, key_cache: paddle.Tensor, value_cache: paddle.Tensor,
+                    metadata: AttentionMetadata, *, scale: float, sliding_window: int | None = None,
+                    sinks: paddle.Tensor | None = None) -> paddle.Tensor:
     """Attention of a packed batch of queries over the paged KV cache.
 
     Args:
