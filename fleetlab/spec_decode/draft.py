@@ -57,11 +57,8 @@ class DraftModelProposer(Proposer):
         self.block_size = context.block_size
         self.decode_threshold = context.decode_threshold
         self.fields = proposer_fields(self.num_speculative_tokens)  # registered on the main batch
+        self.num_lookahead_tokens = self.num_speculative_tokens  # its drafts' K/V slots past a row's last token
         self.batch: ProposerInputBatch | None = None
-
-    @property
-    def num_lookahead_tokens(self) -> int:
-        return self.num_speculative_tokens
 
     def bind(self, batch) -> None:
         self.batch = ProposerInputBatch(batch)
