@@ -23,9 +23,7 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def normalize_dtype(dtype) -> str:
     """``"float32"`` / ``paddle.float32`` / ``"paddle.float32"`` -> ``"float32"``; others raise."""
-    if dtype is None:
-        return "float32"
-    name = str(dtype).removeprefix("paddle.")
+    name = "float32" if dtype is None else str(dtype).removeprefix("paddle.")
     if name not in _ITEMSIZE:
         raise TypeError(f"KV cache dtype must be one of {sorted(_ITEMSIZE)}; got {dtype!r}")
     return name
