@@ -196,11 +196,9 @@ def _num_sequences(where: str, sp, temperature: float) -> tuple[int, int]:
     if sp.best_of is None:
         return n, n
     best_of = int_field(where, "best_of", sp.best_of, 1, MAX_NUM_SEQUENCES)
-    if best_of < n:
-        raise ValueError(f"{where} best_of={best_of} must be >= n={n} (it generates best_of and returns the n best)")
-    if best_of > n and temperature == 0:
-        raise ValueError(f"{where} best_of={best_of} > n={n} needs sampling (temperature > 0): greedy sequences "
-                         "are identical, there is nothing to choose from")
+    refuse([(best_of < n, f"must be >= n={n} (it generates best_of and returns the n best)"),
+            (best_of > n and temperature == 0, f"> n={n} needs sampling (temperature > 0): greedy sequences are "
+             "identical, there is nothing to choose from")], prefix=f"{where} best_of={best_of} ")
     return n, best_of
 
 
