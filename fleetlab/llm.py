@@ -166,9 +166,8 @@ class LLM:
         self.processor = InputProcessor(
             self.tokenizer, vocab_size=self.handle.vocab_size, max_model_len=self.max_model_len,
             eos_token_id=self.handle.eos_token_id, hidden_size=self.handle.hidden_size, block_size=cfg.block_size,
-            num_blocks=num_blocks, max_stop_ids=batch.sizes["max_stop_ids"], batch_fields=batch.fields,
-            processors=processors, num_lookahead_tokens=lookahead,
-            seed=cfg.seed, structured_outputs=self.structured_outputs)
+            num_blocks=num_blocks, sizes=batch.sizes, batch_fields=batch.fields, processors=processors,
+            num_lookahead_tokens=lookahead, seed=cfg.seed, structured_outputs=self.structured_outputs)
         self.core = EngineCore(self.scheduler, self.runner, self.hooks)  # the step (an overlapped loop: another core)
         self.output_processor = OutputProcessor(self.tokenizer, self.handle.eos_token_id)
         self.spec_stats = SpecDecodingStats() if self.proposer else None

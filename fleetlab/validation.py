@@ -392,7 +392,7 @@ class InputProcessor:
         mapping with ``"input_ids"`` (or None: token ids only).
       vocab_size, max_model_len, eos_token_id, hidden_size: the model's.
       block_size, num_blocks: the pool's (a request the whole pool could not hold is refused).
-      max_stop_ids: stop ids a batch row keeps; batch_fields: the batch's field registry
+      sizes: the InputBatch's (``max_stop_ids``: stop ids a row keeps); batch_fields: its field registry
         (``extra`` values must name its fields); processors: the sampler's logits processors
         (each fills its own fields from a request's sampling params).
       num_lookahead_tokens: extra slots a running request may hold (speculative drafts).
@@ -403,12 +403,13 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, eos_token_id, hidden_size: int,
-                 block_size: int, num_blocks: int, max_stop_ids: int, batch_fields, processors=(),
+                 block_size: int, num_blocks: int, sizes: Mapping[str, int], batch_fields, processors=(),
                  num_lookahead_tokens: int = 0, seed: int = 0, structured_outputs=None):
         self.structured_outputs = structured_outputs
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.eos_token_id, self.hidden_size = eos_token_id, hidden_size
-        self.block_size, self.num_blocks, self.max_stop_ids = block_size, num_blocks, max_stop_ids
+        self.block_size, self.num_blocks, self.sizes = block_size, num_blocks, sizes
+        self.max_stop_ids = sizes["max_stop_ids"]
         self.batch_fields, self.processors, self.num_lookahead_tokens = batch_fields, processors, num_lookahead_tokens
         self._ids, self._arrivals = itertools.count(), itertools.count()
         # The batch fields ``extra`` may set: the user's (``batch_fields``, their own logits processors'), not
@@ -416,8 +417,6 @@ class InputProcessor:
         owned = set(DEFAULT_FIELDS.names()) | {f.name for p in processors for f in p.fields
                                                if type(p).__module__.startswith("fleetlab.")}
         self.user_fields = frozenset(n for n in batch_fields.names() if n not in owned)
-        self._sizes = {"max_model_len": max_model_len, "max_stop_ids": max_stop_ids,
-                       "max_blocks_per_seq": -(-max_model_len // block_size)}  # as the InputBatch's
         self._rng = np.random.default_rng(seed)
 
     def process(self, prompt, sampling_params, prompt_token_ids, request_id, live_ids, priority=0,
@@ -552,7 +551,7 @@ class InputProcessor:
                        f" (pass LLM(..., batch_fields=[Field({name!r}, ...)]) to add it)")
                 raise ValueError(f"{where} field {name!r} is not one of this LLM's own batch fields "
                                  f"{sorted(self.user_fields)}{why}")
-            out[name] = check_field_value(self.batch_fields[name], f"{where} field", value, self._sizes)
+            out[name] = check_field_value(self.batch_fields[name], f"{where} field", value, self.sizes)
         if prompt_embeds is not None:
             out["prompt_embeds"] = normalize_prompt_embeds(rid, prompt_embeds, num_prompt_tokens, self.hidden_size)
         return out
