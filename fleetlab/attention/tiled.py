@@ -362,8 +362,7 @@ def _check_inputs(query, key_cache, value_cache, metadata, sinks):
 class TiledBackend(AttentionBackend):
     """Paged attention in plain Paddle ops: any device, any row order, windows and sinks."""
 
-    name = "tiled"
-    requires_reorder = False
+    name = "tiled"  # any row order: it needs no decode-first reorder (the base's requires_reorder=False)
 
     def build_metadata(self, common: AttentionMetadata) -> TiledMetadata:
         """The step's metadata with an empty plan memo the step's layers fill."""
