@@ -161,10 +161,10 @@ def check_sampling_params(sp, request_id: str = "?"):
            prefix=f"{where} ")
     temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
     n, best_of = _num_sequences(where, sp, temperature)
-    seed_high = INT64_MAX - (best_of - 1)  # child i of a request draws with seed + i
     flags = {name: bool_field(where, name, getattr(sp, name)) for name in ("ignore_eos", "include_stop_str_in_output")}
     return replace(sp, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
-                   seed=None if sp.seed is None else int_field(where, "seed", sp.seed, 0, seed_high),
+                   # child i of a request draws with seed + i
+                   seed=None if sp.seed is None else int_field(where, "seed", sp.seed, 0, INT64_MAX - (best_of - 1)),
                    stop_token_ids=tuple(stop), stop=stop_strings_field(where, sp.stop), **flags,
                    min_tokens=int_field(where, "min_tokens", sp.min_tokens, 0, max_tokens), n=n,
                    best_of=None if sp.best_of is None else best_of,

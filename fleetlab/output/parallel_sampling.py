@@ -23,6 +23,7 @@ ranked ``best_of``) are returned, ``index`` 0 the best.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -34,11 +35,8 @@ def child_request_id(parent_id: str, index: int, taken=()) -> str:
     """The engine id of child ``index`` of request ``parent_id``: vLLM's ``f"{index}_{parent_id}"``,
     or, where a live request already holds that id (``taken``: anything with ``in``),
     ``f"{index}_{parent_id}_{k}"`` with the smallest ``k >= 1`` that is free."""
-    rid, k = f"{index}_{parent_id}", 0
-    while rid in taken:  # a user's own id, or an automatic id that looks like a child's
-        k += 1
-        rid = f"{index}_{parent_id}_{k}"
-    return rid
+    candidates = itertools.chain([f"{index}_{parent_id}"], (f"{index}_{parent_id}_{k}" for k in itertools.count(1)))
+    return next(rid for rid in candidates if rid not in taken)  # taken: a user's own id, or an automatic one
 
 
 def child_sampling_params(sp: SamplingParams, index: int) -> SamplingParams:
