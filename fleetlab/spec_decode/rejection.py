@@ -45,8 +45,8 @@ class RejectionSampler(Sampler):
             if not res.finite[start:end].all():
                 rows.append(None)
                 continue
-            num_drafts = end - start - 1
-            m = num_drafts if accepted[start : start + num_drafts].all() else int(np.argmin(accepted[start:end]))
+            # The first position not accepted: a rejected draft, or the last one (it verifies none), so m drafts kept.
+            m = int(np.argmin(accepted[start:end]))
             rows.append(drafts[start : start + m].tolist() + [int(res.tokens[start + m])])
         return rows, res
 
