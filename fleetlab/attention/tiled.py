@@ -88,16 +88,15 @@ def paged_attention(query: paddle.Tensor, key_cache: paddle.Tensor, value_cache:
 
     Returns ``[T, Hq, D]`` in ``query``'s dtype; the softmax runs in float32.
     """
-    num_tokens, num_heads, head_dim = _check_inputs(query, key_cache, value_cache, metadata, sinks)
-    sliding_window = _check_window(sliding_window)
+    num_tokens, num_heads, head_dim = _check_inputs(query, key_cache, value_cache, metadata, sinks, sliding_window)
+    sliding_window = None if sliding_window is None else operator.index(sliding_window)
     if num_tokens == 0:
         return paddle.zeros_like(query)
     num_kv_heads = key_cache.shape[2]
     plan = _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, query.place)
     q32 = query.astype("float32") * scale
-    sink_logits = None
-    if sinks is not None:
-        sink_logits = sinks.astype("float32").reshape([1, num_kv_heads, 1, num_heads // num_kv_heads, 1])
+    group = num_heads // num_kv_heads
+    sink_logits = None if sinks is None else sinks.astype("float32").reshape([1, num_kv_heads, 1, group, 1])
     outs = [_attend_tile(q32, key_cache, value_cache, tile, sink_logits) for tile in plan.tiles]
     out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
     if plan.order is not None:
@@ -306,10 +305,7 @@ def _gather_kv(cache, kv_index, num_rows, seq_len):
     ``kv_index``: whole blocks when ``Hkv == 1``, else rows of ``[num_slots * Hkv, D]``
     (see ``_kv_row_index``)."""
     _, _, num_kv_heads, head_dim = cache.shape
-    if num_kv_heads == 1:
-        x = gather_rows(cache, kv_index)
-    else:
-        x = gather_rows(cache.reshape([-1, head_dim]), kv_index)
+    x = gather_rows(cache if num_kv_heads == 1 else cache.reshape([-1, head_dim]), kv_index)
     return x.astype("float32").reshape([num_rows, num_kv_heads, seq_len, head_dim])
 
 
@@ -330,19 +326,9 @@ def _visible(tile, key_start, query_pos, seq_len, sliding_window):
     return visible.reshape([num_rows, 1, q_len, 1, seq_len])
 
 
-def _check_window(sliding_window) -> int | None:
-    """A positive int window (numpy ints welcome) or None."""
-    try:
-        window = None if sliding_window is None else operator.index(sliding_window)
-    except TypeError:
-        window = 0
-    if window is not None and window < 1:
-        raise ValueError(f"paged_attention: sliding_window must be a positive int or None; got {sliding_window!r}")
-    return window
-
-
-def _check_inputs(query, key_cache, value_cache, metadata, sinks):
-    """The shapes agree (learners call ``paged_attention`` directly); returns ``(T, Hq, D)``."""
+def _check_inputs(query, key_cache, value_cache, metadata, sinks, sliding_window):
+    """The shapes agree and the window is a positive int (numpy ints welcome) or None (learners
+    call ``paged_attention`` directly); returns ``(T, Hq, D)``."""
     q, kv, v = list(query.shape), list(key_cache.shape), list(value_cache.shape)
     refuse([(len(q) != 3, lambda: f"query must be [T, Hq, D]; got {q}"),
             (len(kv) != 4 or v != kv, lambda: f"key_cache {kv} and value_cache {v} must both be [num_blocks, "
@@ -355,7 +341,11 @@ def _check_inputs(query, key_cache, value_cache, metadata, sinks):
             (num_tokens != metadata.num_tokens,
              lambda: f"query has {num_tokens} tokens, metadata {metadata.num_tokens}"),
             (sinks is not None and list(sinks.shape) != [num_heads],
-             lambda: f"sinks must be [{num_heads}]; got {list(sinks.shape)}")], prefix="paged_attention: ")
+             lambda: f"sinks must be [{num_heads}]; got {list(sinks.shape)}"),
+            (sliding_window is not None and not (hasattr(sliding_window, "__index__")
+                                                 and operator.index(sliding_window) >= 1),
+             lambda: f"sliding_window must be a positive int or None; got {sliding_window!r}")],
+           prefix="paged_attention: ")
     return num_tokens, num_heads, head_dim
 
 
