@@ -46,7 +46,7 @@ from fleetlab.kv.manager import KVCacheManager
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.kv_sizing import size_kv_cache
 from fleetlab.kv_transfer.config import make_kv_connector
-from fleetlab.output.parallel_sampling import ParentRequest
+from fleetlab.output.parallel_sampling import ParentRequest, child_sampling_params
 from fleetlab.output.processor import OutputProcessor
 from fleetlab.patching import patch_model
 from fleetlab.patching.handle import PatchHandle
@@ -219,7 +219,8 @@ class LLM:
         if sp.n == 1 and (sp.best_of or 1) == 1:
             return None, [req]
         parent = ParentRequest(req.request_id, sp, live)
-        return parent, [self.processor.child(req, parent.child_params(i), c) for i, c in enumerate(parent.child_ids)]
+        return parent, [self.processor.child(req, child_sampling_params(sp, i), child_id)
+                        for i, child_id in enumerate(parent.child_ids)]
 
     def _queue(self, parent: ParentRequest | None, reqs: list) -> None:
         self.handle.check_live()  # a stale LLM (its model closed or re-patched) queues nothing

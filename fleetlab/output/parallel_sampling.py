@@ -74,9 +74,6 @@ class ParentRequest:
         self._index = {cid: i for i, cid in enumerate(self.child_ids)}
         self._finished: dict[int, RequestOutput] = {}
 
-    def child_params(self, index: int) -> SamplingParams:
-        return child_sampling_params(self.sampling_params, index)
-
     @property
     def finished(self) -> bool:
         """Every child has finished."""

@@ -95,17 +95,10 @@ class OutputProcessor:
 
     def _fan_in(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Children's outputs as their parents'."""
-        if not self._parent_of:
-            return outputs
         fanned_in = []
-        for out in outputs:
-            parent = self._parent_of.get(out.request_id)
-            if parent is None:
-                fanned_in.append(out)
-                continue
-            if out.finished:
-                del self._parent_of[out.request_id]
-            fanned_in += parent.process(out)
-            if parent.finished:
+        for out in outputs:  # a finished child is forgotten; so is its parent once every child finished
+            parent = (self._parent_of.pop if out.finished else self._parent_of.get)(out.request_id, None)
+            fanned_in += [out] if parent is None else parent.process(out)
+            if parent is not None and parent.finished:
                 del self.parents[parent.request_id]
         return fanned_in
