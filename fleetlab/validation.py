@@ -13,6 +13,7 @@ is not a number. What passes is bounded to what the batch's buffers hold: ``max_
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import numbers
@@ -335,8 +336,13 @@ def check_speculative_config(config):
         known = {f.name for f in fields(SpeculativeConfig)} - {"options"}
         options = {k: v for k, v in config.items() if k not in known}
         config = SpeculativeConfig(**{k: v for k, v in config.items() if k in known}, options=options)
-    cls = _proposer_class(config.method)
-    own = _keyword_options(cls)
+    try:  # the registry refuses with a FieldTypeError (a TypeError), an unknown name included
+        cls = PROPOSERS.resolve(config.method)
+    except TypeError:
+        raise FieldTypeError(f"speculative_config: method={config.method!r:.60} must be a registered proposer "
+                             f"({PROPOSERS.names()}), a Proposer subclass or an instance of one") from None
+    # Its own options: the keyword-only parameters of its __init__.
+    own = {p.name for p in inspect.signature(cls.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY}
     unknown, known = sorted(set(config.options) - own), sorted(f.name for f in fields(SpeculativeConfig))
     refuse([(unknown, f"unknown field(s) {unknown}; known: {[n for n in known if n != 'options']} and "
                       f"{cls.__name__}'s own options {sorted(own)}"),
@@ -360,23 +366,6 @@ def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
     if draft_vocab_size != target_vocab_size:
         raise ValueError(f"speculative_config: field 'model' has vocabulary {draft_vocab_size}, the target "
                          f"{target_vocab_size}: a draft must share the target's tokenizer")
-
-
-def _proposer_class(method) -> type:
-    """The proposer class ``method`` names (a name, a subclass or an instance)."""
-    try:  # the registry refuses with a FieldTypeError (a TypeError), an unknown name included
-        return PROPOSERS.resolve(method)
-    except TypeError:
-        raise FieldTypeError(f"speculative_config: method={method!r:.60} must be a registered proposer "
-                             f"({PROPOSERS.names()}), a Proposer subclass or an instance of one") from None
-
-
-def _keyword_options(cls) -> set[str]:
-    """The keyword-only parameters of a proposer class's ``__init__`` (its own options)."""
-    import inspect
-
-    params = inspect.signature(cls.__init__).parameters.values()
-    return {p.name for p in params if p.kind is p.KEYWORD_ONLY}
 
 
 # ----------------------------------------------------------------------------- requests
@@ -409,7 +398,6 @@ class InputProcessor:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.eos_token_id, self.hidden_size = eos_token_id, hidden_size
         self.block_size, self.num_blocks, self.sizes = block_size, num_blocks, sizes
-        self.max_stop_ids = sizes["max_stop_ids"]
         self.batch_fields, self.processors, self.num_lookahead_tokens = batch_fields, processors, num_lookahead_tokens
         self._ids, self._arrivals = itertools.count(), itertools.count()
         # The batch fields ``extra`` may set: the user's (``batch_fields``, their own logits processors'), not
@@ -509,8 +497,8 @@ class InputProcessor:
         need = -(-min(len(ids) + max_tokens + self.num_lookahead_tokens, self.max_model_len) // self.block_size)
         bad_stop, bad_bias = ([t for t in got if t >= self.vocab_size][:5] for got in (sp.stop_token_ids,
                                                                                         sp.logit_bias or {}))
-        refuse([(len(sp.stop_token_ids) > self.max_stop_ids, f"sampling field stop_token_ids holds "
-                 f"{len(sp.stop_token_ids)} ids; the engine keeps at most {self.max_stop_ids}"),
+        refuse([(len(sp.stop_token_ids) > self.sizes["max_stop_ids"], f"sampling field stop_token_ids holds "
+                 f"{len(sp.stop_token_ids)} ids; the engine keeps at most {self.sizes['max_stop_ids']}"),
                 (bad_stop, f"sampling field stop_token_ids {bad_stop} {vocab}"),
                 (need > self.num_blocks, f"needs {need} KV blocks but the pool has only {self.num_blocks} "
                  "(num_blocks is too small for even this one request)"),
