@@ -111,12 +111,8 @@ class PenaltiesProcessor(LogitsProcessor):
         ones = paddle.ones([sub.shape[0], max(lo, lp)], "float32")
         counts = scatter(ints[:, 1: 1 + lo], ones[:, :lo]) if lo else paddle.zeros_like(sub)
         seen = (counts > 0).astype("float32")
-        repeated = seen
-        if lp:
-            in_prompt = scatter(ints[:, 1 + lo: 1 + lo + lp], ones[:, :lp])
-            repeated = ((seen + in_prompt) > 0).astype("float32")
+        repeated = seen + scatter(ints[:, 1 + lo: 1 + lo + lp], ones[:, :lp]) if lp else seen  # > 0: prompt or output
         r = floats[:, 2:3]
-        scale = paddle.where(sub > 0, 1.0 / r, r)
-        sub = sub * paddle.where(repeated > 0, scale, paddle.ones_like(scale))
+        sub = paddle.where(repeated > 0, paddle.where(sub > 0, sub / r, sub * r), sub)
         sub = sub - floats[:, 1:2] * counts - floats[:, 0:1] * seen
         return paddle.scatter(logits, index, sub, overwrite=True)
