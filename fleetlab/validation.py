@@ -60,10 +60,8 @@ def _interval(low, high, low_open: bool = False) -> str:
     def num(x):
         return f"{x:g}" if isinstance(x, float) else str(x)
 
-    if high is None:
+    if high is None:  # (every bounded caller gives a low bound)
         return "" if low is None else f" {'>' if low_open else '>='} {num(low)}"
-    if low is None:
-        return f" <= {num(high)}"
     return f" in {'(' if low_open else '['}{num(low)}, {num(high)}]"
 
 
