@@ -144,13 +144,9 @@ class PagedKVCache:
             paddle.index_put_(cache, (block, offset), gather_rows(rows, source))
 
     def _check_layer(self, layer_id) -> int:
-        try:
-            index = operator.index(layer_id)
-        except TypeError:
-            index = -1
-        if not 0 <= index < self.num_layers:
+        if not (hasattr(layer_id, "__index__") and 0 <= operator.index(layer_id) < self.num_layers):
             raise ValueError(f"layer_id {layer_id!r} out of range: the cache has {self.num_layers} layers")
-        return index
+        return operator.index(layer_id)
 
 
 def _skip_plan(slots: paddle.Tensor):

@@ -85,8 +85,8 @@ class OutputProcessor:
         if self._stops.pop(out.request_id, None) is not None and out.stop_reason is not None:
             return  # a stop string ended it: its text and stop reason are set already
         last = out.token_ids[-1] if out.token_ids else None
-        by_token = out.finish_reason == "stop" and sp is not None and last is not None and (
-            last in sp.stop_token_ids or (last == self.eos_token_id and not sp.ignore_eos))
+        # The scheduler's "stop" is its last token's (EOS or a stop token); a stop string returned above.
+        by_token = out.finish_reason == "stop" and sp is not None
         if by_token and last in sp.stop_token_ids and (last != self.eos_token_id or sp.ignore_eos):
             out.stop_reason = last
         if self.tokenizer is not None:  # as vLLM: a stop token's text is not output unless asked for
