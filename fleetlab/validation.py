@@ -384,14 +384,14 @@ class InputProcessor:
         (each fills its own fields from a request's sampling params).
       num_lookahead_tokens: extra slots a running request may hold (speculative drafts).
       seed: draws the seed of requests that set none.
-      structured_outputs: the engine's ``StructuredOutputsProcessor`` (None: constraints refused);
+      structured_outputs: the engine's ``StructuredOutputsProcessor`` (the LLM always has one);
         its ``start(request_id, params)`` checks a constraint with the grammar backend and
         starts its compile.
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, eos_token_id, hidden_size: int,
                  block_size: int, num_blocks: int, sizes: Mapping[str, int], batch_fields, processors=(),
-                 num_lookahead_tokens: int = 0, seed: int = 0, structured_outputs=None):
+                 num_lookahead_tokens: int = 0, seed: int = 0, structured_outputs):
         self.structured_outputs = structured_outputs
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.eos_token_id, self.hidden_size = eos_token_id, hidden_size
@@ -425,26 +425,22 @@ class InputProcessor:
     def child(self, parent, sampling_params, request_id: str):
         """Child ``request_id`` of the parallel-sampling request ``parent`` (a checked
         ``Request``): its prompt, priority and batch-field values, its own settings
-        ``sampling_params`` (:func:`fleetlab.output.parallel_sampling.child_sampling_params`)."""
-        ids = parent.prompt_token_ids
-        sp = self._bound(request_id, ids, check_sampling_params(sampling_params, request_id))
+        ``sampling_params`` (:func:`fleetlab.output.parallel_sampling.child_sampling_params` of the
+        parent's checked and bounded ones: nothing in them to check again)."""
         extra = {k: v for k, v in parent.extra.items() if k in self.user_fields or k == "prompt_embeds"}
-        return self._request(request_id, ids, sp, parent.priority, extra)
+        return self._request(request_id, parent.prompt_token_ids, sampling_params, parent.priority, extra)
 
     def _request(self, rid: str, ids: list[int], sp, priority: int, extra: dict):
         """The ``Request``: processors' field values filled, its grammar's compile started."""
         for processor in self.processors:
             extra.update(processor.request_values(sp))
-        waiting_on = None
-        if sp.structured_outputs is not None:  # the grammar compiles ahead; the request waits for it
-            if self.structured_outputs is None:
-                raise ValueError(f"request {rid!r}: sampling field structured_outputs: this engine has no "
-                                 "structured-outputs processor")
+        constrained = sp.structured_outputs is not None  # the grammar compiles ahead; the request waits for it
+        if constrained:
             extra["structured_output"] = self.structured_outputs.start(rid, sp.structured_outputs)
-            waiting_on = extra["structured_output"].compiled
         seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**62))
         return Request(rid, ids, sp, seed=seed, arrival_order=next(self._arrivals), eos_token_id=self.eos_token_id,
-                       priority=priority, extra=extra, waiting_on=waiting_on)
+                       priority=priority, extra=extra,
+                       waiting_on=extra["structured_output"].compiled if constrained else None)
 
     def _request_id(self, request_id, live_ids) -> str:
         """The user's id (a str, or an int written as one), or the engine's next unused one."""

@@ -50,11 +50,9 @@ def child_sampling_params(sp: SamplingParams, index: int) -> SamplingParams:
 def select_best(items: Sequence, n: int, cumulative_logprob: Callable) -> list:
     """The ``n`` items with the highest ``cumulative_logprob(item)``, best first (ties: first
     come first; None ranks last)."""
-    def key(pair):
-        value = cumulative_logprob(pair[1])
-        return (value is None, -(value or 0.0), pair[0])
-
-    return [item for _, item in sorted(enumerate(items), key=key)[:n]]
+    scores = [cumulative_logprob(item) for item in items]
+    order = sorted(range(len(items)), key=lambda i: (scores[i] is None, -(scores[i] or 0.0), i))
+    return [items[i] for i in order[:n]]
 
 
 class ParentRequest:
