@@ -184,13 +184,12 @@ def _stage_tile(tile, metadata, packer: Packer) -> dict:
 
 def _index_tile(tile, parts, packer, table, block_size, num_kv_heads, sliding_window) -> _TileIndex:
     """A tile's device-side plan, from the views of its uploaded host arrays."""
-    blocks = paddle.gather(table, packer.get(parts["cells"])).clip(min=0)
+    dev = {name: None if handle is None else packer.get(handle) for name, handle in parts.items()}
+    blocks = paddle.gather(table, dev["cells"]).clip(min=0)
     seq_len = tile.num_blocks * block_size
-    rows = _kv_row_index(blocks, len(tile.rows), block_size, num_kv_heads)
-    valid = None if parts["valid"] is None else packer.get(parts["valid"])
-    visible = _visible(tile, packer.get(parts["key_start"]), packer.get(parts["qpos"]), seq_len, sliding_window)
-    return _TileIndex(tile, seq_len, packer.get(parts["tokens"]), blocks if rows is None else rows,
-                      visible, packer.get(parts["live"]), valid)
+    kv_index = _kv_row_index(blocks, len(tile.rows), block_size, num_kv_heads)
+    visible = _visible(tile, dev["key_start"], dev["qpos"], seq_len, sliding_window)
+    return _TileIndex(tile, seq_len, dev["tokens"], kv_index, visible, dev["live"], dev["valid"])
 
 
 def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: int,
@@ -290,10 +289,10 @@ def _kv_row_index(blocks, num_rows, block_size, num_kv_heads):
 
     Gathering these rows yields keys already laid out ``[B, Hkv, L, D]``: cheaper than
     gathering whole blocks ``[B, L, Hkv, D]`` and transposing (a strided copy, slow on CPU).
-    None when ``Hkv == 1``, where whole blocks already have that layout.
+    The block ids themselves when ``Hkv == 1``, where whole blocks already have that layout.
     """
     if num_kv_heads == 1:
-        return None
+        return blocks
     slots = blocks.reshape([num_rows, -1, 1]) * block_size + paddle.arange(block_size, dtype="int64")
     heads = paddle.arange(num_kv_heads, dtype="int64").reshape([1, num_kv_heads, 1])
     return (slots.reshape([num_rows, 1, -1]) * num_kv_heads + heads).flatten()
