@@ -69,7 +69,4 @@ def _all_fill(rows: np.ndarray, fill) -> bool:
     """Every entry equals ``fill`` (NaN fills compare equal to NaN; objects by identity or ==)."""
     if rows.dtype == object:
         return all(x is fill or x == fill for x in rows.reshape(-1))
-    fill = np.asarray(fill, dtype=rows.dtype)
-    if np.issubdtype(rows.dtype, np.floating) and np.isnan(fill):
-        return bool(np.isnan(rows).all())
-    return bool(np.all(rows == fill))
+    return np.array_equal(rows, np.full_like(rows, fill), equal_nan=True)
