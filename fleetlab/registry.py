@@ -24,7 +24,7 @@ class Registry:
     def __init__(self, kind: str, base: type, builtins: dict[str, str]):
         self.kind, self.base = kind, base
         self._entries: dict[str, type | str] = dict(builtins)
-        self._builtins = frozenset(builtins)
+        self._builtins = dict(builtins)  # name -> 'module:Class', for the message refusing to replace one
 
     def register(self, name: str, cls, *, replace: bool = False):
         """Make ``cls`` (a subclass of the base, or ``"module:Class"`` imported on first use)
@@ -32,7 +32,7 @@ class Registry:
         lazy, builtin = isinstance(cls, str), name in self._builtins
         refuse([  # a FieldTypeError: a TypeError (a wrong kind) and a ValueError (an unknown name) at once
             (not isinstance(name, str) or not name, f"{self.kind} name must be a non-empty str, got {name!r}"),
-            (builtin and not replace, f"{self.kind} {name!r} is built in ({self._describe(name) if builtin else ''}); "
+            (builtin and not replace, f"{self.kind} {name!r} is built in ({self._builtins.get(name)}); "
              "pass replace=True to replace it, or choose another name"),
             (lazy and ":" not in cls, f"{self.kind} {name!r}: a lazy entry is spelled 'module:Class', got {cls!r}"),
         ], FieldTypeError)
@@ -74,7 +74,3 @@ class Registry:
              f"register it under that name, or subclass it with name = {name!r}"),
         ], FieldTypeError)
         return cls
-
-    def _describe(self, name: str) -> str:
-        entry = self._entries[name]
-        return entry if isinstance(entry, str) else f"{entry.__module__}.{entry.__name__}"
