@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from fleetlab.errors import refuse
-from fleetlab.lessons.row_moves import by_request, unpermute  # noqa: F401  (notebook 04 imports them here)
 
 
 @dataclass(slots=True)
