@@ -573,8 +573,8 @@ def normalize_prompt_embeds(request_id: str, prompt_embeds, num_prompt_tokens: i
     where = f"request {request_id!r}: prompt_embeds "
     if isinstance(prompt_embeds, dict):
         refuse([(not prompt_embeds, "is an empty dict")], prefix=where)
-        items = sorted(prompt_embeds.items())
-        try:
+        try:  # (keys of mixed types do not even sort)
+            items = sorted(prompt_embeds.items())
             positions = np.array([int(p) for p, _ in items], dtype=np.int64)
             values = np.stack([np.asarray(v, dtype=np.float32) for _, v in items])
         except (TypeError, ValueError) as exc:
