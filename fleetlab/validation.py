@@ -29,8 +29,7 @@ from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.policies import POLICIES
 from fleetlab.engine.request import Request
 from fleetlab.engine.sampling_params import SamplingParams
-from fleetlab.errors import FieldTypeError, refuse
-from fleetlab.errors import short as _short
+from fleetlab.errors import FieldTypeError, refuse, short
 from fleetlab.prefix_cache import PREFIX_CACHES
 from fleetlab.spec_decode.config import SpeculativeConfig
 from fleetlab.spec_decode.proposer import PROPOSERS
@@ -53,7 +52,7 @@ def _scalar(value):
 
 def _type_error(where: str, name: str, value, rule: str) -> FieldTypeError:
     """The refusal of a value of the wrong kind: the field, the value as sent, its type."""
-    return FieldTypeError(f"{where} {name}={_short(value)} must be {rule}, not {type(value).__name__}")
+    return FieldTypeError(f"{where} {name}={short(value)} must be {rule}, not {type(value).__name__}")
 
 
 def _interval(low, high, low_open: bool = False) -> str:
@@ -106,9 +105,9 @@ def stop_strings_field(where: str, value) -> tuple[str, ...]:
     """``SamplingParams.stop`` as a tuple of non-empty strings (None: none; a str: that one)."""
     items = () if value is None else (value,) if isinstance(value, str) else value
     if not is_sequence(items) or not all(isinstance(s, str) for s in items):
-        raise FieldTypeError(f"{where} stop={_short(value)} must be a string or a list of strings")
+        raise FieldTypeError(f"{where} stop={short(value)} must be a string or a list of strings")
     if not all(items):
-        raise ValueError(f"{where} stop={_short(value)}: a stop string cannot be empty")
+        raise ValueError(f"{where} stop={short(value)}: a stop string cannot be empty")
     return tuple(items)
 
 
@@ -135,7 +134,7 @@ def token_ids_field(where: str, name: str, value, hint: str = "") -> list[int]:
     for i, t in enumerate(value):
         if type(t) is not int:  # the common case stays fast
             if is_sequence(t):
-                raise FieldTypeError(f"{where} {name}[{i}]={_short(t)} is a {type(t).__name__}, but {name} is "
+                raise FieldTypeError(f"{where} {name}[{i}]={short(t)} is a {type(t).__name__}, but {name} is "
                                      f"a flat sequence of int token ids{hint}")
             t = int_field(where, f"{name}[{i}]", t)
         ids.append(t)
@@ -231,7 +230,7 @@ def _extra_args(where: str, value) -> dict | None:
         raise _type_error(where, "extra_args", value, "a dict {name: value}")
     bad = [k for k in value if not isinstance(k, str)]
     if bad:
-        raise FieldTypeError(f"{where} extra_args key {_short(bad[0])} must be a str")
+        raise FieldTypeError(f"{where} extra_args key {short(bad[0])} must be a str")
     return dict(value)
 
 
@@ -526,7 +525,7 @@ class InputProcessor:
         out = {}
         for name, value in values.items():
             if not isinstance(name, str):
-                raise FieldTypeError(f"{where} field name {_short(name)} must be a str")
+                raise FieldTypeError(f"{where} field name {short(name)} must be a str")
             if name not in self.user_fields:
                 why = (f"; {name!r} is the engine's own (set it through SamplingParams or add_request's arguments, "
                        "within their bounds)" if name in DEFAULT_FIELDS or name in self.batch_fields else
@@ -679,7 +678,7 @@ def check_victim(policy, victim, running: list):
         return victim
     name = f"scheduling policy {getattr(policy, 'name', '?')!r} ({type(policy).__name__})"
     if not isinstance(victim, Request):
-        raise FieldTypeError(f"{name}: pick_victim returned {_short(victim)} ({type(victim).__name__}); it must "
+        raise FieldTypeError(f"{name}: pick_victim returned {short(victim)} ({type(victim).__name__}); it must "
                              "return one of the Request objects in the list it is given")
     raise ValueError(f"{name}: pick_victim returned request {victim.request_id!r}, which is not running; it must "
                      "return one of the requests in the list it is given")
