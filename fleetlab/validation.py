@@ -545,7 +545,10 @@ def check_field_value(field, where: str, value, sizes: Mapping[str, int]):
     for a number, a float for an int) or out of the dtype's range is never coerced."""
     if field.dtype == "object":
         return value
-    raw = np.asarray(value)
+    try:
+        raw = np.asarray(value)
+    except ValueError:  # a ragged nesting ([None, []]) is no array: it fits no field
+        raw = np.empty((), object)
     kinds = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}.get(np.dtype(field.dtype).kind, "")
     with np.errstate(over="ignore", invalid="ignore"):
         cast = raw.astype(field.dtype) if raw.dtype.kind in kinds else None
