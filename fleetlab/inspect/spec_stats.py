@@ -30,8 +30,7 @@ class SpecDecodingStats:
             self.num_accepted_tokens += num_accepted
             for counts, n in ((self.drafted_per_position, len(drafts)), (self.accepted_per_position, num_accepted)):
                 counts.extend([0] * (n - len(counts)))
-                for i in range(n):
-                    counts[i] += 1
+                counts[:n] = [c + 1 for c in counts[:n]]
 
     def as_dict(self) -> dict:
         """The ``LLM.stats()`` keys of speculative decoding."""
