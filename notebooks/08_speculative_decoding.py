@@ -195,7 +195,7 @@ lockstep_figure
 # the target's (request `a`: 14 against 11, `k` = 3 ahead), because while proposing it ran
 # the newest token and wrote the K/V of its first `k - 1` drafts, which the target computes
 # only in this step. After the target verifies, the draft's count rolls
-# back to what the target kept (`ProposerInputBatch.np("num_computed_tokens")`), as the
+# back to what the target kept (`ProposerInputBatch.num_computed_tokens`), as the
 # target's own `num_computed_tokens` rolls back past rejected drafts.
 #
 # The same holds in the running engine. Below, six requests share a budget of 16 tokens

@@ -172,7 +172,7 @@ def test_proposer_batch_moves_in_lockstep_with_the_main_batch(ops):
             rid = f"r{next_id}"
             next_id += 1
             row = batch.add_request(rid, [5] * op[1])
-            follower.np("num_computed_tokens")[row] = 100 + next_id
+            follower.num_computed_tokens[row] = 100 + next_id
             follower.set_drafts(row, [next_id, next_id + 1][: op[1] % 3])
             fingerprint[rid] = (100 + next_id, [next_id, next_id + 1][: op[1] % 3])
             batch.set_num_scheduled({r: 1 for r in batch.req_ids if r is not None})
@@ -190,7 +190,7 @@ def test_proposer_batch_moves_in_lockstep_with_the_main_batch(ops):
             swap_rows(batch, op[1] % batch.num_rows, op[2] % batch.num_rows)
         for rid, (computed, drafts) in fingerprint.items():
             row = batch.row_of(rid)
-            assert follower.np("num_computed_tokens")[row] == computed
+            assert follower.num_computed_tokens[row] == computed
             n = follower.np("num_draft_tokens")[row]
             assert follower.np("draft_token_ids")[row, :n].tolist() == drafts
 

@@ -108,7 +108,7 @@ def lockstep_batches(k=2):
         if generated:
             batch.set_spec_tokens(rid, [7] * k)
             follower.set_drafts(r, [7] * k)
-            follower.np("num_computed_tokens")[r] = n + generated + k - 1
+            follower.num_computed_tokens[r] = n + generated + k - 1
     batch.remove_request("c")
     batch.set_num_scheduled({"a": k + 1, "b": 6, "d": k + 1})
     return batch, follower
@@ -236,7 +236,7 @@ def test_lockstep_rows_can_show_the_proposer_as_the_step_began():
     began = viz.draft_state(follower)
     assert began == {"a": (8, [7, 7]), "b": (0, []), "d": (6, [7, 7])}
     follower.set_drafts(0, [5, 5])  # what drafting in the step would write
-    follower.np("num_computed_tokens")[0] = 11
+    follower.num_computed_tokens[0] = 11
     batch.condense()
     batch.reorder_split_prefill_and_decode(3)
     now = {r.req_id: (r.draft_num_computed_tokens, r.draft_token_ids) for r in viz.lockstep_rows(batch, follower, 3)}

@@ -69,7 +69,7 @@ class DraftModelProposer(Proposer):
             self.handle.unpatch()
 
     def propose(self, batch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-        n, req_ids, reach = batch.num_reqs, batch.req_ids, self.batch.np("num_computed_tokens")
+        n, req_ids, reach = batch.num_reqs, batch.req_ids, self.batch.num_computed_tokens
         # What both models' caches hold: drafts past the target's count that it rejected are redone.
         start = np.minimum(self.batch.reach()[:n], batch.num_computed_tokens[:n]).astype(np.int64)
         num_tokens = batch.num_tokens[:n].astype(np.int64)

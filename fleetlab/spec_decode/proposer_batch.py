@@ -44,9 +44,13 @@ class ProposerInputBatch:
 
     def np(self, name: str) -> np.ndarray:
         """The whole numpy buffer of field ``name`` (``req_id``, ``num_computed_tokens``,
-        ``draft_token_ids``, ``num_draft_tokens``); rows are the main batch's rows (writable;
-        ``num_computed_tokens`` is -1 where the draft has not run yet)."""
+        ``draft_token_ids``, ``num_draft_tokens``); rows are the main batch's rows."""
         return self.main.buffer(NAMES[name])
+
+    @property
+    def num_computed_tokens(self) -> np.ndarray:
+        """The draft's own record per row (writable; -1 where it has not run yet)."""
+        return self.np("num_computed_tokens")
 
     def reach(self) -> np.ndarray:
         """How far the draft model's cache reaches per row: its own record, or, on a row it has
