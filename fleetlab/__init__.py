@@ -62,7 +62,7 @@ _LAZY = {
     "Field": "fleetlab.engine.batch_fields",
     "FieldRegistry": "fleetlab.engine.batch_fields",
     "DEFAULT_FIELDS": "fleetlab.engine.batch_fields",
-    "unpermute": "fleetlab.inspect.batch",
+    "unpermute": "fleetlab.lessons.row_moves",
     "StepRecorder": "fleetlab.inspect.recorder",
     "KVConnector": "fleetlab.kv_transfer",
     "KVTransferConfig": "fleetlab.kv_transfer",

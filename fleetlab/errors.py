@@ -13,3 +13,12 @@ def short(value, limit: int = 60) -> str:
     """``repr(value)`` cut to ``limit`` characters, for messages that quote what a user sent."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def refuse(checks, error: type = ValueError, prefix: str = "") -> None:
+    """Raise ``error(prefix + why)`` for the first ``(is it broken, why)`` of ``checks`` that is
+    broken: a piece's checks read as one table, each condition beside what it says. ``why`` may
+    be a function returning the message (a check on a hot path formats nothing until it fails)."""
+    why = next((what for broken, what in checks if broken), None)
+    if why:
+        raise error(prefix + (why() if callable(why) else why))

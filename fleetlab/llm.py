@@ -46,7 +46,7 @@ from fleetlab.kv.manager import KVCacheManager
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.kv_sizing import size_kv_cache
 from fleetlab.kv_transfer.config import make_kv_connector
-from fleetlab.output.parallel_sampling import ParentRequest
+from fleetlab.output.parallel_sampling import ParentRequest, child_sampling_params
 from fleetlab.output.processor import OutputProcessor
 from fleetlab.overlap import OverlapEngineCore, RefusedStructuredOutputs
 from fleetlab.patching import patch_model
@@ -167,10 +167,9 @@ class LLM:
         self.processor = InputProcessor(
             self.tokenizer, vocab_size=self.handle.vocab_size, max_model_len=self.max_model_len,
             eos_token_id=self.handle.eos_token_id, hidden_size=self.handle.hidden_size, block_size=cfg.block_size,
-            num_blocks=num_blocks, max_stop_ids=batch.sizes["max_stop_ids"], batch_fields=batch.fields,
-            processors=processors, num_lookahead_tokens=lookahead,
-            seed=cfg.seed, structured_outputs=RefusedStructuredOutputs() if cfg.async_scheduling
-            else self.structured_outputs)
+            num_blocks=num_blocks, sizes=batch.sizes, batch_fields=batch.fields, processors=processors,
+            num_lookahead_tokens=lookahead, seed=cfg.seed,
+            structured_outputs=RefusedStructuredOutputs() if cfg.async_scheduling else self.structured_outputs)
         self.core = (OverlapEngineCore if cfg.async_scheduling else EngineCore)(self.scheduler, self.runner, self.hooks)
         if cfg.async_scheduling:
             self._closables.insert(0, self.core)  # its model thread stops before anything it reads is closed
@@ -224,7 +223,8 @@ class LLM:
         if sp.n == 1 and (sp.best_of or 1) == 1:
             return None, [req]
         parent = ParentRequest(req.request_id, sp, live)
-        return parent, [self.processor.child(req, parent.child_params(i), c) for i, c in enumerate(parent.child_ids)]
+        return parent, [self.processor.child(req, child_sampling_params(sp, i), child_id)
+                        for i, child_id in enumerate(parent.child_ids)]
 
     def _queue(self, parent: ParentRequest | None, reqs: list) -> None:
         self.handle.check_live()  # a stale LLM (its model closed or re-patched) queues nothing
@@ -288,10 +288,9 @@ class LLM:
             parent, reqs = self._fan_out(req, live)
             live |= {req.request_id, *(r.request_id for r in reqs)}
             queued.append((req.request_id, req.sampling_params.n, parent, reqs))
-        for _, _, _, reqs in queued:  # a constraint the model cannot spell is refused here, before anything runs
-            for req in reqs:
-                if "structured_output" in req.extra:
-                    req.extra["structured_output"].check(req.request_id, timeout=None)
+        # A constraint the model cannot spell is refused here, before anything runs.
+        for req in (r for *_, reqs in queued for r in reqs if "structured_output" in r.extra):
+            req.extra["structured_output"].check(req.request_id, timeout=None)
         for _, _, parent, reqs in queued:
             self._queue(parent, reqs)
         done: dict[tuple[str, int], RequestOutput] = {}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 
-from fleetlab.errors import FieldTypeError
+from fleetlab.errors import FieldTypeError, refuse
 
 
 class Registry:
@@ -24,26 +24,26 @@ class Registry:
     def __init__(self, kind: str, base: type, builtins: dict[str, str]):
         self.kind, self.base = kind, base
         self._entries: dict[str, type | str] = dict(builtins)
-        self._builtins = frozenset(builtins)
+        self._builtins = dict(builtins)  # name -> 'module:Class', for the message refusing to replace one
 
     def register(self, name: str, cls, *, replace: bool = False):
         """Make ``cls`` (a subclass of the base, or ``"module:Class"`` imported on first use)
         selectable as ``name``; returns ``cls``. A built-in's name needs ``replace=True``."""
         lazy, builtin = isinstance(cls, str), name in self._builtins
-        _refuse([
+        refuse([  # a FieldTypeError: a TypeError (a wrong kind) and a ValueError (an unknown name) at once
             (not isinstance(name, str) or not name, f"{self.kind} name must be a non-empty str, got {name!r}"),
-            (builtin and not replace, f"{self.kind} {name!r} is built in ({self._describe(name) if builtin else ''}); "
+            (builtin and not replace, f"{self.kind} {name!r} is built in ({self._builtins.get(name)}); "
              "pass replace=True to replace it, or choose another name"),
             (lazy and ":" not in cls, f"{self.kind} {name!r}: a lazy entry is spelled 'module:Class', got {cls!r}"),
-        ])
+        ], FieldTypeError)
         self._entries[name] = cls if lazy else self._check(name, cls)
         return cls
 
     def get(self, name: str) -> type:
         """The class registered as ``name`` (imported on first use)."""
         known = isinstance(name, str) and name in self._entries
-        _refuse([(not known, f"unknown {self.kind} {name!r:.80}; it must be a registered name ({self.names()}), "
-                             f"a subclass of {self.base.__name__} or an instance of one")])
+        refuse([(not known, f"unknown {self.kind} {name!r:.80}; it must be a registered name ({self.names()}), "
+                             f"a subclass of {self.base.__name__} or an instance of one")], FieldTypeError)
         entry = self._entries[name]
         if isinstance(entry, str):
             module, _, attr = entry.partition(":")
@@ -66,23 +66,11 @@ class Registry:
 
     def _check(self, name: str, cls) -> type:
         subclass = isinstance(cls, type) and issubclass(cls, self.base)
-        _refuse([
+        refuse([
             (not subclass, f"{self.kind} {name!r} must be a subclass of {self.base.__module__}.{self.base.__name__}, "
              f"got {cls!r:.80}"),
             (subclass and getattr(cls, "name", name) != name,
              f"{self.kind} {name!r}: class {getattr(cls, '__name__', cls)} says name={getattr(cls, 'name', None)!r}; "
              f"register it under that name, or subclass it with name = {name!r}"),
-        ])
+        ], FieldTypeError)
         return cls
-
-    def _describe(self, name: str) -> str:
-        entry = self._entries[name]
-        return entry if isinstance(entry, str) else f"{entry.__module__}.{entry.__name__}"
-
-
-def _refuse(checks) -> None:
-    """Raise for the first ``(is it broken, why)`` that is: a :class:`FieldTypeError`, which is a
-    ``TypeError`` (a value of the wrong kind) and a ``ValueError`` (a name not known) at once."""
-    why = next((what for broken, what in checks if broken), None)
-    if why:
-        raise FieldTypeError(why)

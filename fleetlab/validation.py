@@ -13,6 +13,7 @@ is not a number. What passes is bounded to what the batch's buffers hold: ``max_
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import numbers
@@ -28,8 +29,7 @@ from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.policies import POLICIES
 from fleetlab.engine.request import Request
 from fleetlab.engine.sampling_params import SamplingParams
-from fleetlab.errors import FieldTypeError
-from fleetlab.errors import short as _short
+from fleetlab.errors import FieldTypeError, refuse, short
 from fleetlab.prefix_cache import PREFIX_CACHES
 from fleetlab.spec_decode.config import SpeculativeConfig
 from fleetlab.spec_decode.proposer import PROPOSERS
@@ -50,14 +50,17 @@ def _scalar(value):
     return value[()] if isinstance(value, np.ndarray) and value.ndim == 0 else value
 
 
+def _type_error(where: str, name: str, value, rule: str) -> FieldTypeError:
+    """The refusal of a value of the wrong kind: the field, the value as sent, its type."""
+    return FieldTypeError(f"{where} {name}={short(value)} must be {rule}, not {type(value).__name__}")
+
+
 def _interval(low, high, low_open: bool = False) -> str:
     def num(x):
         return f"{x:g}" if isinstance(x, float) else str(x)
 
-    if high is None:
+    if high is None:  # (every bounded caller gives a low bound)
         return "" if low is None else f" {'>' if low_open else '>='} {num(low)}"
-    if low is None:
-        return f" <= {num(high)}"
     return f" in {'(' if low_open else '['}{num(low)}, {num(high)}]"
 
 
@@ -70,7 +73,7 @@ def int_field(where: str, name: str, value, low: int | None = None, high: int | 
     try:
         number = operator.index(value)
     except TypeError:
-        raise FieldTypeError(f"{where} {name}={_short(value)} must be {rule}, not {type(value).__name__}") from None
+        raise _type_error(where, name, value, rule) from None
     if (low is not None and number < low) or (high is not None and number > high):
         raise ValueError(f"{where} {name}={number} must be {rule}")
     return int(number)
@@ -83,7 +86,7 @@ def float_field(where: str, name: str, value, low: float, high: float, *, low_op
     value = _scalar(value)
     rule = "a number" + _interval(low, high, low_open) + note
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise FieldTypeError(f"{where} {name}={_short(value)} must be {rule}, not {type(value).__name__}")
+        raise _type_error(where, name, value, rule)
     number = float(value)
     if not (low < number if low_open else low <= number) or not number <= high:  # NaN fails both
         raise ValueError(f"{where} {name}={value!r} must be {rule}")
@@ -94,7 +97,7 @@ def bool_field(where: str, name: str, value) -> bool:
     """``value`` (``True``/``False`` or a numpy bool) as a Python bool; nothing else is truthy here."""
     value = _scalar(value)
     if not isinstance(value, (bool, np.bool_)):
-        raise FieldTypeError(f"{where} {name}={_short(value)} must be True or False, not {type(value).__name__}")
+        raise _type_error(where, name, value, "True or False")
     return bool(value)
 
 
@@ -102,9 +105,9 @@ def stop_strings_field(where: str, value) -> tuple[str, ...]:
     """``SamplingParams.stop`` as a tuple of non-empty strings (None: none; a str: that one)."""
     items = () if value is None else (value,) if isinstance(value, str) else value
     if not is_sequence(items) or not all(isinstance(s, str) for s in items):
-        raise FieldTypeError(f"{where} stop={_short(value)} must be a string or a list of strings")
+        raise FieldTypeError(f"{where} stop={short(value)} must be a string or a list of strings")
     if not all(items):
-        raise ValueError(f"{where} stop={_short(value)}: a stop string cannot be empty")
+        raise ValueError(f"{where} stop={short(value)}: a stop string cannot be empty")
     return tuple(items)
 
 
@@ -126,13 +129,12 @@ def token_ids_field(where: str, name: str, value, hint: str = "") -> list[int]:
         raise FieldTypeError(f"{where} {name} must be a flat sequence of int token ids; got a numpy array "
                              f"of shape {value.shape} and dtype {value.dtype}{hint}")
     if not is_sequence(value):
-        raise FieldTypeError(f"{where} {name}={_short(value)} must be a sequence of int token ids (e.g. "
-                             f"[5, 17]), not {type(value).__name__}")
+        raise _type_error(where, name, value, "a sequence of int token ids (e.g. [5, 17])")
     ids = []
     for i, t in enumerate(value):
         if type(t) is not int:  # the common case stays fast
             if is_sequence(t):
-                raise FieldTypeError(f"{where} {name}[{i}]={_short(t)} is a {type(t).__name__}, but {name} is "
+                raise FieldTypeError(f"{where} {name}[{i}]={short(t)} is a {type(t).__name__}, but {name} is "
                                      f"a flat sequence of int token ids{hint}")
             t = int_field(where, f"{name}[{i}]", t)
         ids.append(t)
@@ -149,32 +151,33 @@ def check_sampling_params(sp, request_id: str = "?"):
     temperature = float_field(where, "temperature", sp.temperature, 0.0, FLOAT32_MAX,
                               note=f" (0 = greedy; below {MIN_TEMPERATURE:g} counts as greedy)")
     top_p = float_field(where, "top_p", sp.top_p, 0.0, 1.0, low_open=True)
-    if np.float32(top_p) == 0:  # the sampler's float32 buffer would hold 0: nothing kept
-        raise ValueError(f"{where} top_p={top_p!r} must be in (0, 1] and stay > 0 as a float32 (>= 1e-45)")
     top_k = int_field(where, "top_k", sp.top_k, -1)
     stop = token_ids_field(where, "stop_token_ids", sp.stop_token_ids)
-    if any(t < 0 for t in stop):
-        raise ValueError(f"{where} stop_token_ids holds {[t for t in stop if t < 0][:5]}: token ids are >= 0")
+    refuse([(np.float32(top_p) == 0,  # the sampler's float32 buffer would hold 0: nothing kept
+             f"top_p={top_p!r} must be in (0, 1] and stay > 0 as a float32 (>= 1e-45)"),
+            (any(t < 0 for t in stop), f"stop_token_ids holds {[t for t in stop if t < 0][:5]}: token ids are >= 0")],
+           prefix=f"{where} ")
     temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
     n, best_of = _num_sequences(where, sp, temperature)
-    seed_high = INT64_MAX - (best_of - 1)  # child i of a request draws with seed + i
-    seed = None if sp.seed is None else int_field(where, "seed", sp.seed, 0, seed_high)
-    ignore_eos = bool_field(where, "ignore_eos", sp.ignore_eos)
-    return replace(sp, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p, seed=seed,
-                   stop_token_ids=tuple(stop), ignore_eos=ignore_eos, stop=stop_strings_field(where, sp.stop),
-                   include_stop_str_in_output=bool_field(where, "include_stop_str_in_output",
-                                                         sp.include_stop_str_in_output),
+    flags = {name: bool_field(where, name, getattr(sp, name)) for name in ("ignore_eos", "include_stop_str_in_output")}
+    return replace(sp, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
+                   # child i of a request draws with seed + i
+                   seed=None if sp.seed is None else int_field(where, "seed", sp.seed, 0, INT64_MAX - (best_of - 1)),
+                   stop_token_ids=tuple(stop), stop=stop_strings_field(where, sp.stop), **flags,
                    min_tokens=int_field(where, "min_tokens", sp.min_tokens, 0, max_tokens), n=n,
                    best_of=None if sp.best_of is None else best_of,
-                   presence_penalty=float_field(where, "presence_penalty", sp.presence_penalty, -2.0, 2.0),
-                   frequency_penalty=float_field(where, "frequency_penalty", sp.frequency_penalty, -2.0, 2.0),
-                   repetition_penalty=float_field(where, "repetition_penalty", sp.repetition_penalty, 0.0,
-                                                  FLOAT32_MAX, low_open=True),
+                   **{name: float_field(where, name, getattr(sp, name), low, high, low_open=low_open)
+                      for name, (low, high, low_open) in PENALTY_BOUNDS.items()},
                    logit_bias=_logit_bias(where, sp.logit_bias),
-                   logprobs=_num_logprobs(where, "logprobs", sp.logprobs),
-                   prompt_logprobs=_num_logprobs(where, "prompt_logprobs", sp.prompt_logprobs),
-                   structured_outputs=_structured_outputs(where, request_id, sp.structured_outputs, ignore_eos),
+                   **{name: _num_logprobs(where, name, getattr(sp, name)) for name in ("logprobs", "prompt_logprobs")},
+                   structured_outputs=_structured_outputs(where, request_id, sp.structured_outputs,
+                                                          flags["ignore_eos"]),
                    extra_args=_extra_args(where, sp.extra_args))
+
+
+PENALTY_BOUNDS = {"presence_penalty": (-2.0, 2.0, False), "frequency_penalty": (-2.0, 2.0, False),
+                  "repetition_penalty": (0.0, FLOAT32_MAX, True)}
+"""``(low, high, low_open)`` of each penalty (vLLM's bounds; a repetition penalty divides: > 0)."""
 
 
 MAX_NUM_SEQUENCES = 16384
@@ -191,11 +194,9 @@ def _num_sequences(where: str, sp, temperature: float) -> tuple[int, int]:
     if sp.best_of is None:
         return n, n
     best_of = int_field(where, "best_of", sp.best_of, 1, MAX_NUM_SEQUENCES)
-    if best_of < n:
-        raise ValueError(f"{where} best_of={best_of} must be >= n={n} (it generates best_of and returns the n best)")
-    if best_of > n and temperature == 0:
-        raise ValueError(f"{where} best_of={best_of} > n={n} needs sampling (temperature > 0): greedy sequences "
-                         "are identical, there is nothing to choose from")
+    refuse([(best_of < n, f"must be >= n={n} (it generates best_of and returns the n best)"),
+            (best_of > n and temperature == 0, f"> n={n} needs sampling (temperature > 0): greedy sequences are "
+             "identical, there is nothing to choose from")], prefix=f"{where} best_of={best_of} ")
     return n, best_of
 
 
@@ -210,8 +211,7 @@ def _logit_bias(where: str, bias) -> dict[int, float] | None:
     if bias is None:
         return None
     if not isinstance(bias, Mapping):
-        raise FieldTypeError(f"{where} logit_bias={_short(bias)} must be a dict {{token id: bias}}, "
-                             f"not {type(bias).__name__}")
+        raise _type_error(where, "logit_bias", bias, "a dict {token id: bias}")
     out = {}
     for key, value in bias.items():
         # "²" and "١" pass str.isdigit(); JSON's numeric keys are ASCII digits only
@@ -227,11 +227,10 @@ def _extra_args(where: str, value) -> dict | None:
     if value is None:
         return None
     if not isinstance(value, Mapping):
-        raise FieldTypeError(f"{where} extra_args={_short(value)} must be a dict {{name: value}}, "
-                             f"not {type(value).__name__}")
+        raise _type_error(where, "extra_args", value, "a dict {name: value}")
     bad = [k for k in value if not isinstance(k, str)]
     if bad:
-        raise FieldTypeError(f"{where} extra_args key {_short(bad[0])} must be a str")
+        raise FieldTypeError(f"{where} extra_args key {short(bad[0])} must be a str")
     return dict(value)
 
 
@@ -239,7 +238,6 @@ def _structured_outputs(where: str, request_id: str, value, ignore_eos: bool):
     """``structured_outputs`` checked (None stays None): its own fields, and what it cannot go with."""
     if value is None:
         return None
-
     if ignore_eos:
         raise ValueError(f"{where} ignore_eos=True cannot go with structured_outputs: a complete output ends with "
                          "EOS, and the grammar allows nothing else after it")
@@ -269,26 +267,23 @@ def engine_config(**kwargs) -> EngineConfig:
     if cfg.memory_utilization is not None:
         cfg.memory_utilization = float_field(where, "memory_utilization", cfg.memory_utilization, 0.0, 1.0,
                                              low_open=True)
-        sized = [name for name in ("num_blocks", "kv_cache_memory_bytes") if getattr(cfg, name) is not None]
-        if sized:
-            raise ValueError(f"{where} memory_utilization sizes the pool, and so does {sized[0]}: give one")
-    elif cfg.memory_budget_bytes is not None:
-        raise ValueError(f"{where} memory_budget_bytes is the memory memory_utilization shares out; "
-                         "it needs memory_utilization")
-    if not cfg.enable_prefix_caching and cfg.prefix_cache not in (None, "hash"):
-        raise ValueError(f"{where} enable_prefix_caching=False contradicts prefix_cache={cfg.prefix_cache!r:.60}")
+    sized = [name for name in ("num_blocks", "kv_cache_memory_bytes") if getattr(cfg, name) is not None]
+    refuse([(cfg.memory_utilization is not None and sized,
+             f"memory_utilization sizes the pool, and so does {(sized or [''])[0]}: give one"),
+            (cfg.memory_utilization is None and cfg.memory_budget_bytes is not None,
+             "memory_budget_bytes is the memory memory_utilization shares out; it needs memory_utilization"),
+            (not cfg.enable_prefix_caching and cfg.prefix_cache not in (None, "hash"),
+             f"enable_prefix_caching=False contradicts prefix_cache={cfg.prefix_cache!r:.60}")], prefix=f"{where} ")
     if cfg.prefix_cache is None or not cfg.enable_prefix_caching:  # one spelling of "no prefix cache"
         cfg.prefix_cache, cfg.enable_prefix_caching = None, False
     for name, registry in (("backend", ATTENTION_BACKENDS), ("scheduling_policy", POLICIES),
                            ("prefix_cache", PREFIX_CACHES)):
         if getattr(cfg, name) is None:
             continue
-        try:
+        try:  # a registry refuses with a FieldTypeError: a TypeError and a ValueError at once
             registry.resolve(getattr(cfg, name))
         except TypeError as exc:
             raise FieldTypeError(f"{where} {name}={getattr(cfg, name)!r:.60}: {exc}") from None
-        except ValueError as exc:
-            raise ValueError(f"{where} {name}: {exc}") from None
     if cfg.kv_transfer_config is not None:
         from fleetlab.kv_transfer.config import check_kv_transfer_config
 
@@ -304,15 +299,13 @@ def engine_config(**kwargs) -> EngineConfig:
 
 def check_backend_fits(cfg: EngineConfig, backend_cls) -> None:
     """Refuse, before any step, an attention backend whose declared needs the config cannot meet."""
-    name = backend_cls.name
-    if not isinstance(backend_cls.reorder_threshold, int) or backend_cls.reorder_threshold < 1:
-        raise ValueError(f"attention backend {name!r}: reorder_threshold must be an int >= 1")
-    if backend_cls.requires_reorder and cfg.reorder is False:
-        raise ValueError(f"engine config: reorder=False, but attention backend {name!r} requires decode-first "
-                         "rows (requires_reorder=True)")
-    if backend_cls.reorder_threshold > cfg.max_num_batched_tokens:
-        raise ValueError(f"attention backend {name!r}: reorder_threshold={backend_cls.reorder_threshold} exceeds "
-                         f"max_num_batched_tokens={cfg.max_num_batched_tokens}")
+    name, threshold = backend_cls.name, backend_cls.reorder_threshold
+    refuse([(not isinstance(threshold, int) or threshold < 1,
+             f"attention backend {name!r}: reorder_threshold must be an int >= 1"),
+            (backend_cls.requires_reorder and cfg.reorder is False, f"engine config: reorder=False, but attention "
+             f"backend {name!r} requires decode-first rows (requires_reorder=True)"),
+            (isinstance(threshold, int) and threshold > cfg.max_num_batched_tokens, f"attention backend {name!r}: "
+             f"reorder_threshold={threshold} exceeds max_num_batched_tokens={cfg.max_num_batched_tokens}")])
 
 
 def resolve_max_model_len(cfg: EngineConfig, model_max_len: int) -> int:
@@ -344,50 +337,36 @@ def check_speculative_config(config):
         known = {f.name for f in fields(SpeculativeConfig)} - {"options"}
         options = {k: v for k, v in config.items() if k not in known}
         config = SpeculativeConfig(**{k: v for k, v in config.items() if k in known}, options=options)
-    cls = _proposer_class(config.method)
-    unknown = sorted(set(config.options) - _keyword_options(cls))
-    if unknown:
-        raise ValueError(f"speculative_config: unknown field(s) {unknown}; known: "
-                         f"{sorted(f.name for f in fields(SpeculativeConfig) if f.name != 'options')}"
-                         f" and {cls.__name__}'s own options {sorted(_keyword_options(cls))}")
-    if isinstance(config.method, PROPOSERS.base) and config.options:
-        raise ValueError(f"speculative_config: options {sorted(config.options)} cannot reach a proposer instance "
-                         "(it is built already): pass its class, or build it with them")
-    where = "speculative_config: field"
-    config.num_speculative_tokens = int_field(where, "num_speculative_tokens", config.num_speculative_tokens, 1, 16)
-    config.prompt_lookup_min = int_field(where, "prompt_lookup_min", config.prompt_lookup_min, 1, 64)
-    config.prompt_lookup_max = int_field(where, "prompt_lookup_max", config.prompt_lookup_max, 1, 64)
-    if config.prompt_lookup_min > config.prompt_lookup_max:
-        raise ValueError(f"speculative_config: prompt_lookup_min={config.prompt_lookup_min} exceeds "
-                         f"prompt_lookup_max={config.prompt_lookup_max}")
-    if config.method == "draft" and config.model is None:
-        raise ValueError("speculative_config: method='draft' needs field 'model' (e.g. "
-                         "fleetlab.models.load_tiny_draft()[0])")
+    try:  # the registry refuses with a FieldTypeError (a TypeError), an unknown name included
+        cls = PROPOSERS.resolve(config.method)
+    except TypeError:
+        raise FieldTypeError(f"speculative_config: method={config.method!r:.60} must be a registered proposer "
+                             f"({PROPOSERS.names()}), a Proposer subclass or an instance of one") from None
+    # Its own options: the keyword-only parameters of its __init__.
+    own = {p.name for p in inspect.signature(cls.__init__).parameters.values() if p.kind is p.KEYWORD_ONLY}
+    unknown, known = sorted(set(config.options) - own), sorted(f.name for f in fields(SpeculativeConfig))
+    refuse([(unknown, f"unknown field(s) {unknown}; known: {[n for n in known if n != 'options']} and "
+                      f"{cls.__name__}'s own options {sorted(own)}"),
+            (isinstance(config.method, PROPOSERS.base) and config.options, f"options {sorted(config.options)} "
+             "cannot reach a proposer instance (it is built already): pass its class, or build it with them")],
+           prefix="speculative_config: ")
+    for name, high in (("num_speculative_tokens", 16), ("prompt_lookup_min", 64), ("prompt_lookup_max", 64)):
+        setattr(config, name, int_field("speculative_config: field", name, getattr(config, name), 1, high))
     k = getattr(config.method, "num_speculative_tokens", config.num_speculative_tokens)
-    if k != config.num_speculative_tokens:
-        raise ValueError(f"speculative_config: num_speculative_tokens={config.num_speculative_tokens}, but the "
-                         f"proposer instance drafts {k!r}")
+    refuse([(config.prompt_lookup_min > config.prompt_lookup_max, f"prompt_lookup_min={config.prompt_lookup_min} "
+             f"exceeds prompt_lookup_max={config.prompt_lookup_max}"),
+            (config.method == "draft" and config.model is None,
+             "method='draft' needs field 'model' (e.g. fleetlab.models.load_tiny_draft()[0])"),
+            (k != config.num_speculative_tokens, f"num_speculative_tokens={config.num_speculative_tokens}, but the "
+             f"proposer instance drafts {k!r}")], prefix="speculative_config: ")
     return config
 
 
-def _proposer_class(method) -> type:
-    """The proposer class ``method`` names (a name, a subclass or an instance)."""
-    try:
-        return PROPOSERS.resolve(method)
-    except TypeError:
-        raise FieldTypeError(f"speculative_config: method={method!r:.60} must be a registered proposer "
-                             f"({PROPOSERS.names()}), a Proposer subclass or an instance of one") from None
-    except ValueError:
-        raise ValueError(f"speculative_config: method={method!r:.60} is not a registered proposer; "
-                         f"known: {PROPOSERS.names()}") from None
-
-
-def _keyword_options(cls) -> set[str]:
-    """The keyword-only parameters of a proposer class's ``__init__`` (its own options)."""
-    import inspect
-
-    params = inspect.signature(cls.__init__).parameters.values()
-    return {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
+    """A draft model must share the target's tokenizer: the same vocabulary."""
+    if draft_vocab_size != target_vocab_size:
+        raise ValueError(f"speculative_config: field 'model' has vocabulary {draft_vocab_size}, the target "
+                         f"{target_vocab_size}: a draft must share the target's tokenizer")
 
 
 # ----------------------------------------------------------------------------- requests
@@ -403,28 +382,30 @@ class InputProcessor:
         mapping with ``"input_ids"`` (or None: token ids only).
       vocab_size, max_model_len, eos_token_id, hidden_size: the model's.
       block_size, num_blocks: the pool's (a request the whole pool could not hold is refused).
-      max_stop_ids: stop ids a batch row keeps; batch_fields: the batch's field registry
+      sizes: the InputBatch's (``max_stop_ids``: stop ids a row keeps); batch_fields: its field registry
         (``extra`` values must name its fields); processors: the sampler's logits processors
         (each fills its own fields from a request's sampling params).
       num_lookahead_tokens: extra slots a running request may hold (speculative drafts).
       seed: draws the seed of requests that set none.
-      structured_outputs: the engine's ``StructuredOutputsProcessor`` (None: constraints refused);
+      structured_outputs: the engine's ``StructuredOutputsProcessor`` (the LLM always has one);
         its ``start(request_id, params)`` checks a constraint with the grammar backend and
         starts its compile.
     """
 
     def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, eos_token_id, hidden_size: int,
-                 block_size: int, num_blocks: int, max_stop_ids: int, batch_fields, processors=(),
-                 num_lookahead_tokens: int = 0, seed: int = 0, structured_outputs=None):
+                 block_size: int, num_blocks: int, sizes: Mapping[str, int], batch_fields, processors=(),
+                 num_lookahead_tokens: int = 0, seed: int = 0, structured_outputs):
         self.structured_outputs = structured_outputs
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.eos_token_id, self.hidden_size = eos_token_id, hidden_size
-        self.block_size, self.num_blocks, self.max_stop_ids = block_size, num_blocks, max_stop_ids
+        self.block_size, self.num_blocks, self.sizes = block_size, num_blocks, sizes
         self.batch_fields, self.processors, self.num_lookahead_tokens = batch_fields, processors, num_lookahead_tokens
         self._ids, self._arrivals = itertools.count(), itertools.count()
-        self._open_fields = None  # the batch fields extra may set (worked out on first use)
-        self._sizes = {"max_model_len": max_model_len, "max_stop_ids": max_stop_ids,
-                       "max_blocks_per_seq": -(-max_model_len // block_size)}  # as the InputBatch's
+        # The batch fields ``extra`` may set: the user's (``batch_fields``, their own logits processors'), not
+        # the engine's nor its built-in processors' (penalties, grammars).
+        owned = set(DEFAULT_FIELDS.names()) | {f.name for p in processors for f in p.fields
+                                               if type(p).__module__.startswith("fleetlab.")}
+        self.user_fields = frozenset(n for n in batch_fields.names() if n not in owned)
         self._rng = np.random.default_rng(seed)
 
     def process(self, prompt, sampling_params, prompt_token_ids, request_id, live_ids, priority=0,
@@ -447,34 +428,27 @@ class InputProcessor:
     def child(self, parent, sampling_params, request_id: str):
         """Child ``request_id`` of the parallel-sampling request ``parent`` (a checked
         ``Request``): its prompt, priority and batch-field values, its own settings
-        ``sampling_params`` (:func:`fleetlab.output.parallel_sampling.child_sampling_params`)."""
-        ids = parent.prompt_token_ids
-        sp = self._bound(request_id, ids, check_sampling_params(sampling_params, request_id))
-        extra = {k: v for k, v in parent.extra.items() if k in self._user_fields() or k == "prompt_embeds"}
-        return self._request(request_id, ids, sp, parent.priority, extra)
+        ``sampling_params`` (:func:`fleetlab.output.parallel_sampling.child_sampling_params` of the
+        parent's checked and bounded ones: nothing in them to check again)."""
+        extra = {k: v for k, v in parent.extra.items() if k in self.user_fields or k == "prompt_embeds"}
+        return self._request(request_id, parent.prompt_token_ids, sampling_params, parent.priority, extra)
 
     def _request(self, rid: str, ids: list[int], sp, priority: int, extra: dict):
         """The ``Request``: processors' field values filled, its grammar's compile started."""
         for processor in self.processors:
             extra.update(processor.request_values(sp))
-        waiting_on = None
-        if sp.structured_outputs is not None:  # the grammar compiles ahead; the request waits for it
-            if self.structured_outputs is None:
-                raise ValueError(f"request {rid!r}: sampling field structured_outputs: this engine has no "
-                                 "structured-outputs processor")
+        constrained = sp.structured_outputs is not None  # the grammar compiles ahead; the request waits for it
+        if constrained:
             extra["structured_output"] = self.structured_outputs.start(rid, sp.structured_outputs)
-            waiting_on = extra["structured_output"].compiled
         seed = sp.seed if sp.seed is not None else int(self._rng.integers(2**62))
         return Request(rid, ids, sp, seed=seed, arrival_order=next(self._arrivals), eos_token_id=self.eos_token_id,
-                       priority=priority, extra=extra, waiting_on=waiting_on)
+                       priority=priority, extra=extra,
+                       waiting_on=extra["structured_output"].compiled if constrained else None)
 
     def _request_id(self, request_id, live_ids) -> str:
         """The user's id (a str, or an int written as one), or the engine's next unused one."""
-        if request_id is None:
-            rid = str(next(self._ids))
-            while rid in live_ids:  # a user chose it: skip it, never collide
-                rid = str(next(self._ids))
-            return rid
+        if request_id is None:  # an id a user chose is skipped: never a collision
+            return next(rid for rid in map(str, self._ids) if rid not in live_ids)
         if isinstance(request_id, (int, np.integer)) and not isinstance(request_id, (bool, np.bool_)):
             request_id = str(int(request_id))
         if not isinstance(request_id, str):
@@ -489,18 +463,14 @@ class InputProcessor:
         where = f"request {rid!r}:"
         if prompt is not None and prompt_token_ids is not None:
             raise ValueError(f"{where} give exactly one of prompt and prompt_token_ids")
-        if prompt_token_ids is not None:
-            ids = token_ids_field(where, "prompt_token_ids", prompt_token_ids, _ONE_PROMPT)
-        else:
-            ids = self._encode(where, prompt)
-        if not ids:
-            raise ValueError(f"{where} prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{where} prompt_token_ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"{where} prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no "
-                             "room to generate")
+        ids = (self._encode(where, prompt) if prompt_token_ids is None
+               else token_ids_field(where, "prompt_token_ids", prompt_token_ids, _ONE_PROMPT))
+        bad = [t for t in ids if not 0 <= t < self.vocab_size][:5]
+        refuse([(not ids, "prompt is empty"),
+                (bad, f"prompt_token_ids {bad} outside the vocabulary [0, {self.vocab_size})"),
+                (len(ids) >= self.max_model_len,
+                 f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate")],
+               prefix=f"{where} ")
         return ids
 
     def _encode(self, where: str, prompt) -> list[int]:
@@ -519,22 +489,17 @@ class InputProcessor:
 
     def _bound(self, rid, ids, sp: SamplingParams) -> SamplingParams:
         """Refuse what the batch row cannot hold; clamp what means the same clamped."""
-        where = f"request {rid!r}: sampling field stop_token_ids"
-        if len(sp.stop_token_ids) > self.max_stop_ids:
-            raise ValueError(f"{where} holds {len(sp.stop_token_ids)} ids; the engine keeps at most "
-                             f"{self.max_stop_ids}")
-        bad = [t for t in sp.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"{where} {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
-        max_tokens = min(sp.max_tokens, self.max_model_len - len(ids))
+        vocab, max_tokens = f"outside the vocabulary [0, {self.vocab_size})", min(sp.max_tokens,
+                                                                                  self.max_model_len - len(ids))
         need = -(-min(len(ids) + max_tokens + self.num_lookahead_tokens, self.max_model_len) // self.block_size)
-        if need > self.num_blocks:
-            raise ValueError(f"request {rid!r}: needs {need} KV blocks but the pool has only {self.num_blocks} "
-                             "(num_blocks is too small for even this one request)")
-        bad = [t for t in (sp.logit_bias or {}) if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"request {rid!r}: sampling field logit_bias has token ids {bad[:5]} outside the "
-                             f"vocabulary [0, {self.vocab_size})")
+        bad_stop, bad_bias = ([t for t in got if t >= self.vocab_size][:5] for got in (sp.stop_token_ids,
+                                                                                        sp.logit_bias or {}))
+        refuse([(len(sp.stop_token_ids) > self.sizes["max_stop_ids"], f"sampling field stop_token_ids holds "
+                 f"{len(sp.stop_token_ids)} ids; the engine keeps at most {self.sizes['max_stop_ids']}"),
+                (bad_stop, f"sampling field stop_token_ids {bad_stop} {vocab}"),
+                (need > self.num_blocks, f"needs {need} KV blocks but the pool has only {self.num_blocks} "
+                 "(num_blocks is too small for even this one request)"),
+                (bad_bias, f"sampling field logit_bias has token ids {bad_bias} {vocab}")], prefix=f"request {rid!r}: ")
         lp = {name: self._bound_logprobs(rid, name, getattr(sp, name)) for name in ("logprobs", "prompt_logprobs")}
         return replace(sp, max_tokens=max_tokens, min_tokens=min(sp.min_tokens, max_tokens),
                        top_k=min(sp.top_k, self.vocab_size), **lp)
@@ -544,12 +509,10 @@ class InputProcessor:
         if value is None:
             return None
         num = self.vocab_size if value == -1 else value
-        if num > self.vocab_size:
-            raise ValueError(f"request {rid!r}: sampling field {name}={value} asks for more log-probabilities per "
-                             f"token than the vocabulary's {self.vocab_size} tokens")
-        if num > MAX_LOGPROBS:
-            raise ValueError(f"request {rid!r}: sampling field {name}={value} asks for {num} log-probabilities per "
-                             f"token, more than the {MAX_LOGPROBS} allowed (vLLM's default max_logprobs)")
+        refuse([(num > self.vocab_size, f"more log-probabilities per token than the vocabulary's {self.vocab_size} "
+                 "tokens"), (num > MAX_LOGPROBS, f"{num} log-probabilities per token, more than the {MAX_LOGPROBS} "
+                            "allowed (vLLM's default max_logprobs)")],
+               prefix=f"request {rid!r}: sampling field {name}={value} asks for ")
         return num
 
     def _extra(self, rid, extra, prompt_embeds, num_prompt_tokens: int, extra_args=None) -> dict:
@@ -560,49 +523,49 @@ class InputProcessor:
         processors' are set from the sampling params, within their bounds."""
         where = f"request {rid!r}: extra"
         if extra is not None and not isinstance(extra, Mapping):
-            raise FieldTypeError(f"{where}={_short(extra)} must be a dict {{field name: value}}, "
-                                 f"not {type(extra).__name__}")
-        values = {k: v for k, v in (extra_args or {}).items() if k in self._user_fields()}
+            raise _type_error(f"request {rid!r}:", "extra", extra, "a dict {field name: value}")
+        values = {k: v for k, v in (extra_args or {}).items() if k in self.user_fields}
         values.update(extra or {})
         out = {}
         for name, value in values.items():
             if not isinstance(name, str):
-                raise FieldTypeError(f"{where} field name {_short(name)} must be a str")
-            if name not in self._user_fields():
+                raise FieldTypeError(f"{where} field name {short(name)} must be a str")
+            if name not in self.user_fields:
+                why = (f"; {name!r} is the engine's own (set it through SamplingParams or add_request's arguments, "
+                       "within their bounds)" if name in DEFAULT_FIELDS or name in self.batch_fields else
+                       f" (pass LLM(..., batch_fields=[Field({name!r}, ...)]) to add it)")
                 raise ValueError(f"{where} field {name!r} is not one of this LLM's own batch fields "
-                                 f"{sorted(self._user_fields())}" + _why_not_extra(name, self.batch_fields))
-            out[name] = check_field_value(self.batch_fields[name], f"{where} field", value, self._sizes)
+                                 f"{sorted(self.user_fields)}{why}")
+            out[name] = check_field_value(self.batch_fields[name], f"{where} field", value, self.sizes)
         if prompt_embeds is not None:
             out["prompt_embeds"] = normalize_prompt_embeds(rid, prompt_embeds, num_prompt_tokens, self.hidden_size)
         return out
 
-    def _user_fields(self) -> frozenset:
-        """The batch fields ``extra`` may set: the user's (``batch_fields``, their own logits
-        processors'), not the engine's nor its built-in processors' (penalties, grammars)."""
-        if self._open_fields is None:
-            owned = set(DEFAULT_FIELDS.names()) | {f.name for p in self.processors for f in p.fields
-                                                   if type(p).__module__.startswith("fleetlab.")}
-            self._open_fields = frozenset(n for n in self.batch_fields.names() if n not in owned)
-        return self._open_fields
-
-
-def _why_not_extra(name: str, batch_fields) -> str:
-    if name in DEFAULT_FIELDS or name in batch_fields:
-        return (f"; {name!r} is the engine's own (set it through SamplingParams or add_request's "
-                "arguments, within their bounds)")
-    return f" (pass LLM(..., batch_fields=[Field({name!r}, ...)]) to add it)"
-
 
 def check_field_value(field, where: str, value, sizes: Mapping[str, int]):
-    """``value`` as one row of batch field ``field``: its dtype (``field_value``) and
-    exactly its row's shape (``sizes`` resolves named dimensions); a scalar is never
-    broadcast over a row. ``ValueError`` naming the field otherwise."""
-    cast = field_value(field, where, value)
-    if field.dtype != "object":
-        shape = field.resolve_shape(sizes)
-        if tuple(cast.shape) != shape:
-            raise ValueError(f"{where} {field.name} has shape {list(cast.shape)}; the field holds "
-                             f"{field.dtype} values of shape {list(shape)} per row")
+    """``value`` as one row of batch ``field``: a numpy value of its dtype and exactly its row's
+    shape (``sizes`` resolves named dimensions; a scalar is never broadcast over a row); an object
+    field takes anything. Otherwise ``ValueError`` naming the field: a value of another kind (text
+    for a number, a float for an int) or out of the dtype's range is never coerced."""
+    if field.dtype == "object":
+        return value
+    try:
+        raw = np.asarray(value)
+    except ValueError:  # a ragged nesting ([None, []]) is no array: it fits no field
+        raw = np.empty((), object)
+    kinds = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}.get(np.dtype(field.dtype).kind, "")
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = raw.astype(field.dtype) if raw.dtype.kind in kinds else None
+    # A float may round (to float32), but never overflow; an int must stay the same int.
+    same = cast is not None and (np.isfinite(cast) | ~np.isfinite(raw) if cast.dtype.kind == "f"
+                                 else cast == raw).all()
+    if not same or raw.ndim != len(field.per_row_shape):
+        raise ValueError(f"{where} {field.name}={value!r:.60} does not fit the field: {field.dtype} values of "
+                         f"shape {field.per_row_shape} per row")
+    shape = field.resolve_shape(sizes)
+    if tuple(cast.shape) != shape:
+        raise ValueError(f"{where} {field.name} has shape {list(cast.shape)}; the field holds "
+                         f"{field.dtype} values of shape {list(shape)} per row")
     return cast
 
 
@@ -613,30 +576,25 @@ def normalize_prompt_embeds(request_id: str, prompt_embeds, num_prompt_tokens: i
     hidden_size]`` (every position replaced). Raises ``ValueError`` naming the request and
     ``prompt_embeds`` for a position outside the prompt, a wrong width, or a non-finite value.
     """
-    def bad(why):
-        raise ValueError(f"request {request_id!r}: prompt_embeds {why}")
-
+    where = f"request {request_id!r}: prompt_embeds "
     if isinstance(prompt_embeds, dict):
-        if not prompt_embeds:
-            bad("is an empty dict")
-        items = sorted(prompt_embeds.items())
-        try:
+        refuse([(not prompt_embeds, "is an empty dict")], prefix=where)
+        try:  # (keys of mixed types do not even sort)
+            items = sorted(prompt_embeds.items())
             positions = np.array([int(p) for p, _ in items], dtype=np.int64)
             values = np.stack([np.asarray(v, dtype=np.float32) for _, v in items])
         except (TypeError, ValueError) as exc:
-            bad(f"must map int positions to vectors of {hidden_size} floats ({exc})")
+            raise ValueError(f"{where}must map int positions to vectors of {hidden_size} floats ({exc})") from None
     else:
         values = np.asarray(prompt_embeds, dtype=np.float32)
-        if values.ndim != 2 or values.shape[0] != num_prompt_tokens:
-            bad(f"as an array must be [num_prompt_tokens={num_prompt_tokens}, {hidden_size}]; "
-                f"got {list(values.shape)}")
+        refuse([(values.ndim != 2 or values.shape[0] != num_prompt_tokens, f"as an array must be [num_prompt_tokens="
+                 f"{num_prompt_tokens}, {hidden_size}]; got {list(values.shape)}")], prefix=where)
         positions = np.arange(num_prompt_tokens, dtype=np.int64)
-    if values.ndim != 2 or values.shape[1] != hidden_size:
-        bad(f"vectors must have the model's hidden size {hidden_size}; got shape {list(values.shape)}")
-    if positions.min() < 0 or positions.max() >= num_prompt_tokens:
-        bad(f"positions {positions.tolist()[:5]} must lie in the prompt [0, {num_prompt_tokens})")
-    if not np.isfinite(values).all():
-        bad("holds non-finite values")
+    refuse([(values.ndim != 2 or values.shape[1] != hidden_size,
+             f"vectors must have the model's hidden size {hidden_size}; got shape {list(values.shape)}"),
+            (positions.min() < 0 or positions.max() >= num_prompt_tokens,
+             f"positions {positions.tolist()[:5]} must lie in the prompt [0, {num_prompt_tokens})"),
+            (not np.isfinite(values).all(), "holds non-finite values")], prefix=where)
     return positions, values
 
 
@@ -658,42 +616,10 @@ def generate_items(prompts, prompt_token_ids, sampling_params, extra=None) -> li
         # One flat prompt ([5, 17, 3]) or a list of prompts: a first entry that is not itself a
         # sequence means one prompt (the InputProcessor refuses floats, strings, bools in it).
         items = [(None, s) for s in ([seqs] if len(seqs) and not is_sequence(seqs[0]) else seqs)]
-    sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(items)
-    if len(sps) != len(items):
-        raise ValueError(f"generate: {len(sps)} sampling_params for {len(items)} prompts")
-    extras = list(extra) if isinstance(extra, (list, tuple)) else [extra] * len(items)
-    if len(extras) != len(items):
-        raise ValueError(f"generate: {len(extras)} extra dicts for {len(items)} prompts")
+    sps, extras = (list(v) if isinstance(v, (list, tuple)) else [v] * len(items) for v in (sampling_params, extra))
+    refuse([(len(sps) != len(items), f"{len(sps)} sampling_params for {len(items)} prompts"),
+            (len(extras) != len(items), f"{len(extras)} extra dicts for {len(items)} prompts")], prefix="generate: ")
     return [(p, ids, sp, e) for (p, ids), sp, e in zip(items, sps, extras)]
-
-# ----------------------------------------------------------------------------- the core's public pieces
-# Checks of what a learner hands the core's pieces directly (a batch field's value); the
-# engine's own calls pass through the checks above first.
-def field_value(field, where: str, value):
-    """``value`` as one row of batch ``field`` (a numpy value of its dtype and rank; an object
-    field takes anything), or ``ValueError`` naming the field: a value of another kind (text for
-    a number, a float for an int) or out of the dtype's range is never coerced."""
-    if field.dtype == "object":
-        return value
-    raw = np.asarray(value)
-    kinds = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}.get(np.dtype(field.dtype).kind, "")
-    with np.errstate(over="ignore", invalid="ignore"):
-        cast = raw.astype(field.dtype) if raw.dtype.kind in kinds else None
-    # A float may round (to float32), but never overflow; an int must stay the same int.
-    same = cast is not None and (np.isfinite(cast) | ~np.isfinite(raw) if cast.dtype.kind == "f"
-                                 else cast == raw).all()
-    if not same or raw.ndim != len(field.per_row_shape):
-        raise ValueError(f"{where} {field.name}={value!r:.60} does not fit the field: {field.dtype} values of "
-                         f"shape {field.per_row_shape} per row")
-    return cast
-
-
-def check_draft_vocab(draft_vocab_size: int, target_vocab_size: int) -> None:
-    """A draft model must share the target's tokenizer: the same vocabulary."""
-    if draft_vocab_size != target_vocab_size:
-        raise ValueError(f"speculative_config: field 'model' has vocabulary {draft_vocab_size}, the target "
-                         f"{target_vocab_size}: a draft must share the target's tokenizer")
-
 
 
 # ----------------------------------------------------------------------------- what extensions return
@@ -759,7 +685,7 @@ def check_victim(policy, victim, running: list):
         return victim
     name = f"scheduling policy {getattr(policy, 'name', '?')!r} ({type(policy).__name__})"
     if not isinstance(victim, Request):
-        raise FieldTypeError(f"{name}: pick_victim returned {_short(victim)} ({type(victim).__name__}); it must "
+        raise FieldTypeError(f"{name}: pick_victim returned {short(victim)} ({type(victim).__name__}); it must "
                              "return one of the Request objects in the list it is given")
     raise ValueError(f"{name}: pick_victim returned request {victim.request_id!r}, which is not running; it must "
                      "return one of the requests in the list it is given")

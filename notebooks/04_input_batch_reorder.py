@@ -161,8 +161,8 @@ viz.draw_reorder(frames[1].records, frames[-1].records, num_decodes=frames[-1].n
 # by id (`by_request`), or through the permutation (`unpermute`).
 
 # %%
-from fleetlab.inspect.batch import by_request, unpermute
 from fleetlab.lessons.reorder import stable_reorder  # the teaching variant, kept out of the runtime class
+from fleetlab.lessons.row_moves import by_request, unpermute
 
 for stable in (False, True):
     b = make_batch()

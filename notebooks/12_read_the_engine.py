@@ -69,7 +69,7 @@ viz.show_source(LLM.add_request, body_only=True)
 # extra fields. The core behind it trusts what passes and never checks again.
 
 # %%
-viz.show_source(InputProcessor.process, body_only=True, stop="return Request(")
+viz.show_source(InputProcessor.process, body_only=True)
 
 # %% [markdown]
 # A request that cannot run is refused here, with a `ValueError` naming the request and the

@@ -261,7 +261,7 @@ assert [int(x) for x in mixed_mask.key_slot[~mixed_mask.key_cached]] == written
 '''
 
 PROMISES["04_input_batch_reorder"] = '''
-from fleetlab.inspect.batch import unpermute as _unpermute  # noqa: F401  (the notebook's import)
+from fleetlab.lessons.row_moves import unpermute as _unpermute  # noqa: F401  (the notebook's import)
 
 split_before, split_after = viz.token_split(rows_before), viz.token_split(rows_after)
 # "here T = 37 tokens"; "Before, only row a is in the decode kernel's range: the five other decodes

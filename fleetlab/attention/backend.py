@@ -16,6 +16,7 @@ import paddle
 
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.context import current_kv_connector
+from fleetlab.errors import refuse
 from fleetlab.registry import Registry
 
 
@@ -43,14 +44,10 @@ class AttentionBackend:
     supports_sinks: ClassVar[bool] = True
 
     def __init__(self) -> None:
-        device = current_device_kind()
-        if device not in self.supported_devices:
-            hint = "" if "cpu" in self.supported_devices else (
-                " (on a GPU: install paddlepaddle-gpu, README); use backend='tiled' on this machine")
-            raise RuntimeError(
-                f"attention backend {self.name!r} runs on {list(self.supported_devices)}, "
-                f"but Paddle's current device is {paddle.device.get_device()!r}{hint}"
-            )
+        supported, hint = list(self.supported_devices), "" if "cpu" in self.supported_devices else (
+            " (on a GPU: install paddlepaddle-gpu, README); use backend='tiled' on this machine")
+        refuse([(current_device_kind() not in supported, f"attention backend {self.name!r} runs on {supported}, "
+                 f"but Paddle's current device is {paddle.device.get_device()!r}{hint}")], RuntimeError)
 
     def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
         """This backend's metadata for one step, built once (by the step's first attention

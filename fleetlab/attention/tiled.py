@@ -27,6 +27,7 @@ import paddle
 from fleetlab.attention.backend import AttentionBackend, current_device_kind
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.device import Packer
+from fleetlab.errors import refuse
 from fleetlab.kv.paged_cache import gather_rows
 
 
@@ -71,16 +72,9 @@ class _Tile:
     num_blocks: int
 
 
-def paged_attention(
-    query: paddle.Tensor,
-    key_cache: paddle.Tensor,
-    value_cache: paddle.Tensor,
-    metadata: AttentionMetadata,
-    *,
-    scale: float,
-    sliding_window: int | None = None,
-    sinks: paddle.Tensor | None = None,
-) -> paddle.Tensor:
+def paged_attention(query: paddle.Tensor, key_cache: paddle.Tensor, value_cache: paddle.Tensor,
+                    metadata: AttentionMetadata, *, scale: float, sliding_window: int | None = None,
+                    sinks: paddle.Tensor | None = None) -> paddle.Tensor:
     """Attention of a packed batch of queries over the paged KV cache.
 
     Args:
@@ -94,16 +88,15 @@ def paged_attention(
 
     Returns ``[T, Hq, D]`` in ``query``'s dtype; the softmax runs in float32.
     """
-    num_tokens, num_heads, head_dim = _check_inputs(query, key_cache, value_cache, metadata, sinks)
-    sliding_window = _check_window(sliding_window)
+    num_tokens, num_heads, head_dim = _check_inputs(query, key_cache, value_cache, metadata, sinks, sliding_window)
+    sliding_window = None if sliding_window is None else operator.index(sliding_window)
     if num_tokens == 0:
         return paddle.zeros_like(query)
     num_kv_heads = key_cache.shape[2]
     plan = _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, query.place)
     q32 = query.astype("float32") * scale
-    sink_logits = None
-    if sinks is not None:
-        sink_logits = sinks.astype("float32").reshape([1, num_kv_heads, 1, num_heads // num_kv_heads, 1])
+    group = num_heads // num_kv_heads
+    sink_logits = None if sinks is None else sinks.astype("float32").reshape([1, num_kv_heads, 1, group, 1])
     outs = [_attend_tile(q32, key_cache, value_cache, tile, sink_logits) for tile in plan.tiles]
     out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
     if plan.order is not None:
@@ -191,13 +184,12 @@ def _stage_tile(tile, metadata, packer: Packer) -> dict:
 
 def _index_tile(tile, parts, packer, table, block_size, num_kv_heads, sliding_window) -> _TileIndex:
     """A tile's device-side plan, from the views of its uploaded host arrays."""
-    blocks = paddle.gather(table, packer.get(parts["cells"])).clip(min=0)
+    dev = {name: None if handle is None else packer.get(handle) for name, handle in parts.items()}
+    blocks = paddle.gather(table, dev["cells"]).clip(min=0)
     seq_len = tile.num_blocks * block_size
-    rows = _kv_row_index(blocks, len(tile.rows), block_size, num_kv_heads)
-    valid = None if parts["valid"] is None else packer.get(parts["valid"])
-    visible = _visible(tile, packer.get(parts["key_start"]), packer.get(parts["qpos"]), seq_len, sliding_window)
-    return _TileIndex(tile, seq_len, packer.get(parts["tokens"]), blocks if rows is None else rows,
-                      visible, packer.get(parts["live"]), valid)
+    kv_index = _kv_row_index(blocks, len(tile.rows), block_size, num_kv_heads)
+    visible = _visible(tile, dev["key_start"], dev["qpos"], seq_len, sliding_window)
+    return _TileIndex(tile, seq_len, dev["tokens"], kv_index, visible, dev["live"], dev["valid"])
 
 
 def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: int,
@@ -297,10 +289,10 @@ def _kv_row_index(blocks, num_rows, block_size, num_kv_heads):
 
     Gathering these rows yields keys already laid out ``[B, Hkv, L, D]``: cheaper than
     gathering whole blocks ``[B, L, Hkv, D]`` and transposing (a strided copy, slow on CPU).
-    None when ``Hkv == 1``, where whole blocks already have that layout.
+    The block ids themselves when ``Hkv == 1``, where whole blocks already have that layout.
     """
     if num_kv_heads == 1:
-        return None
+        return blocks
     slots = blocks.reshape([num_rows, -1, 1]) * block_size + paddle.arange(block_size, dtype="int64")
     heads = paddle.arange(num_kv_heads, dtype="int64").reshape([1, num_kv_heads, 1])
     return (slots.reshape([num_rows, 1, -1]) * num_kv_heads + heads).flatten()
@@ -312,10 +304,7 @@ def _gather_kv(cache, kv_index, num_rows, seq_len):
     ``kv_index``: whole blocks when ``Hkv == 1``, else rows of ``[num_slots * Hkv, D]``
     (see ``_kv_row_index``)."""
     _, _, num_kv_heads, head_dim = cache.shape
-    if num_kv_heads == 1:
-        x = gather_rows(cache, kv_index)
-    else:
-        x = gather_rows(cache.reshape([-1, head_dim]), kv_index)
+    x = gather_rows(cache if num_kv_heads == 1 else cache.reshape([-1, head_dim]), kv_index)
     return x.astype("float32").reshape([num_rows, num_kv_heads, seq_len, head_dim])
 
 
@@ -336,47 +325,33 @@ def _visible(tile, key_start, query_pos, seq_len, sliding_window):
     return visible.reshape([num_rows, 1, q_len, 1, seq_len])
 
 
-def _check_window(sliding_window) -> int | None:
-    """A positive int window (numpy ints welcome) or None."""
-    if sliding_window is None:
-        return None
-    try:
-        window = operator.index(sliding_window)
-    except TypeError:
-        window = 0
-    if window < 1:
-        raise ValueError(f"paged_attention: sliding_window must be a positive int or None; got {sliding_window!r}")
-    return window
-
-
-def _check_inputs(query, key_cache, value_cache, metadata, sinks):
-    """Validate shapes; return ``(T, Hq, D)``."""
-    if query.ndim != 3:
-        raise ValueError(f"paged_attention: query must be [T, Hq, D]; got {list(query.shape)}")
-    if key_cache.ndim != 4 or list(value_cache.shape) != list(key_cache.shape):
-        raise ValueError(f"paged_attention: key_cache {list(key_cache.shape)} and value_cache "
-                         f"{list(value_cache.shape)} must both be [num_blocks, block_size, Hkv, D]")
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, cache_dim = key_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"paged_attention: query head_dim {head_dim} != cache head_dim {cache_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"paged_attention: {num_heads} query heads is not a multiple of {num_kv_heads} KV heads")
-    if block_size != metadata.block_size:
-        raise ValueError(f"paged_attention: cache block_size {block_size} != metadata.block_size "
-                         f"{metadata.block_size}")
-    if num_tokens != metadata.num_tokens:
-        raise ValueError(f"paged_attention: query has {num_tokens} tokens, metadata {metadata.num_tokens}")
-    if sinks is not None and list(sinks.shape) != [num_heads]:
-        raise ValueError(f"paged_attention: sinks must be [{num_heads}]; got {list(sinks.shape)}")
+def _check_inputs(query, key_cache, value_cache, metadata, sinks, sliding_window):
+    """The shapes agree and the window is a positive int (numpy ints welcome) or None (learners
+    call ``paged_attention`` directly); returns ``(T, Hq, D)``."""
+    q, kv, v = list(query.shape), list(key_cache.shape), list(value_cache.shape)
+    refuse([(len(q) != 3, lambda: f"query must be [T, Hq, D]; got {q}"),
+            (len(kv) != 4 or v != kv, lambda: f"key_cache {kv} and value_cache {v} must both be [num_blocks, "
+             "block_size, Hkv, D]")], prefix="paged_attention: ")
+    (num_tokens, num_heads, head_dim), (_, block_size, num_kv_heads, cache_dim) = q, kv
+    refuse([(cache_dim != head_dim, lambda: f"query head_dim {head_dim} != cache head_dim {cache_dim}"),
+            (num_heads % num_kv_heads, lambda: f"{num_heads} query heads is not a multiple of {num_kv_heads} KV heads"),
+            (block_size != metadata.block_size,
+             lambda: f"cache block_size {block_size} != metadata.block_size {metadata.block_size}"),
+            (num_tokens != metadata.num_tokens,
+             lambda: f"query has {num_tokens} tokens, metadata {metadata.num_tokens}"),
+            (sinks is not None and list(sinks.shape) != [num_heads],
+             lambda: f"sinks must be [{num_heads}]; got {list(sinks.shape)}"),
+            (sliding_window is not None and not (hasattr(sliding_window, "__index__")
+                                                 and operator.index(sliding_window) >= 1),
+             lambda: f"sliding_window must be a positive int or None; got {sliding_window!r}")],
+           prefix="paged_attention: ")
     return num_tokens, num_heads, head_dim
 
 
 class TiledBackend(AttentionBackend):
     """Paged attention in plain Paddle ops: any device, any row order, windows and sinks."""
 
-    name = "tiled"
-    requires_reorder = False
+    name = "tiled"  # any row order: it needs no decode-first reorder (the base's requires_reorder=False)
 
     def build_metadata(self, common: AttentionMetadata) -> TiledMetadata:
         """The step's metadata with an empty plan memo the step's layers fill."""

@@ -37,8 +37,8 @@ import paddle
 from fleetlab.bench.machine import MachineRecord, describe
 from fleetlab.bench.progress import add_quiet, section
 from fleetlab.engine.input_batch import InputBatch
-from fleetlab.inspect.batch import append_tokens
 from fleetlab.lessons.reorder import decode_first_order
+from fleetlab.lessons.row_moves import append_tokens
 
 DEFAULT_OUT = Path("benchmarks/results")
 # Host fields the step reads besides the device fields (query lengths, context lengths).

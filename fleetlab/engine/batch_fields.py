@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fleetlab.errors import FieldTypeError
+from fleetlab.errors import FieldTypeError, refuse
 
 HOMES = ("host", "device")
 DEVICE_DTYPES = ("bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64")
@@ -51,7 +51,7 @@ class Field:
             dtype_ok = self.dtype == "object" or bool(np.dtype(self.dtype))
         except TypeError:
             dtype_ok = False
-        broken = [  # (is it broken, what to say after "field <name>: ")
+        refuse([  # (is it broken, what to say after "field <name>: ")
             (not self.name.isidentifier() or self.name.startswith("_"), "must be a public Python identifier"),
             (self.home not in HOMES, f"home must be one of {HOMES}, got {self.home!r}"),
             (not dtype_ok, f"unknown dtype {self.dtype!r}"),
@@ -60,10 +60,7 @@ class Field:
              and np.dtype(self.dtype).name not in DEVICE_DTYPES,
              f"dtype {self.dtype!r} cannot live on the device: {DEVICE_DTYPES}"),
             (not isinstance(self.per_row_shape, tuple), "per_row_shape must be a tuple"),
-        ]
-        why = next((what for is_broken, what in broken if is_broken), None)
-        if why:
-            raise ValueError(f"field {self.name!r}: {why}")
+        ], prefix=f"field {self.name!r}: ")
 
     def resolve_shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
         """``per_row_shape`` with size-parameter names replaced by their values."""
@@ -94,7 +91,7 @@ class FieldRegistry:
     def register(self, field: Field, owner: str = "") -> Field:
         """Add ``field`` (``owner``: who declares it, named if another declares it again); a second
         field with the same name is an error."""
-        broken = [
+        refuse([  # a TypeError (not a Field) and a ValueError (the rest) at once
             (getattr(self, "frozen", False), f"cannot add field {getattr(field, 'name', field)!r}: a batch's fields "
              "are fixed once it is built; register it on a copy and pass it as InputBatch(..., fields=...) "
              "(or LLM(..., batch_fields=[...]))"),
@@ -102,10 +99,7 @@ class FieldRegistry:
             (getattr(field, "name", None) in self._fields,
              f"field {getattr(field, 'name', '')!r}{' of ' + owner if owner else ''} is already registered by "
              f"{self._owners.get(getattr(field, 'name', None)) or 'an earlier registration'}"),
-        ]
-        why = next((what for is_broken, what in broken if is_broken), None)
-        if why:
-            raise FieldTypeError(why)  # a TypeError (not a Field) and a ValueError (the rest) at once
+        ], FieldTypeError)
         self._fields[field.name] = field
         self._owners[field.name] = owner
         return field
@@ -129,45 +123,36 @@ class FieldRegistry:
     def __len__(self) -> int:
         return len(self._fields)
 
-    def __repr__(self) -> str:
-        return f"FieldRegistry({self.names()})"
-
-
-def _f(name, shape, dtype, home, fill, doc) -> Field:
-    return Field(name=name, per_row_shape=shape, dtype=dtype, home=home, fill=fill, doc=doc)
-
 
 # The per-request state of one running request. Device fields are what the sampler reads
 # every step (and the block table, which attention reads); the rest is host bookkeeping
 # that the runner turns into AttentionMetadata itself.
-DEFAULT_FIELDS = FieldRegistry(
-    [
-        _f("req_id", (), "object", "host", None, "request id; None marks an empty row"),
-        _f("token_ids", ("max_model_len",), "int64", "host", 0, "prompt then output tokens"),
-        _f("num_tokens", (), "int32", "host", 0, "valid entries of token_ids (prompt + output)"),
-        _f("num_prompt_tokens", (), "int32", "host", 0, "prompt length"),
-        _f("num_computed_tokens", (), "int32", "host", 0, "tokens whose K/V is already in the cache"),
-        _f("num_scheduled_tokens", (), "int32", "host", 0, "tokens this step computes (query length)"),
-        _f("num_spec_tokens", (), "int32", "host", 0,
-           "draft tokens verified this step, written in token_ids after num_tokens"),
-        _f("block_table", ("max_blocks_per_seq",), "int32", "device", -1, "physical block ids, -1 unused"),
-        _f("num_blocks", (), "int32", "host", 0, "valid entries of block_table"),
-        _f("temperature", (), "float32", "device", 1.0, "sampling temperature; 0 = greedy"),
-        _f("top_k", (), "int32", "device", 0, "keep the k most likely tokens; 0 = all"),
-        _f("top_p", (), "float32", "device", 1.0, "nucleus mass; 1 = all"),
-        _f("seed", (), "int64", "device", 0, "per-request seed of the sampler"),
-        _f("num_output_tokens", (), "int32", "host", 0,
-           "tokens generated so far; (seed, this counter) is the request's random state"),
-        _f("max_tokens", (), "int32", "host", 0, "stop after this many output tokens"),
-        _f("min_tokens", (), "int32", "host", 0, "ignore stop tokens before this many outputs"),
-        _f("ignore_eos", (), "bool", "host", False, "keep going past eos"),
-        _f("stop_token_ids", ("max_stop_ids",), "int64", "host", -1, "extra stop tokens, -1 unused"),
-        _f("eos_token_id", (), "int64", "host", -1, "end-of-sequence token; -1 = none"),
-        _f("num_logprobs", (), "int32", "host", -1, "top log-probabilities returned per sampled token; -1 = none"),
-        _f("num_prompt_logprobs", (), "int32", "host", -1,
-           "top log-probabilities returned per prompt token; -1 = none"),
-        _f("prompt_embeds", (), "object", "host", None,
-           "side data bound to the request: (positions, embeddings) replacing prompt token embeddings"),
-    ]
-)
+DEFAULT_FIELDS = FieldRegistry([
+    Field("req_id", (), "object", "host", None, "request id; None marks an empty row"),
+    Field("token_ids", ("max_model_len",), "int64", "host", 0, "prompt then output tokens"),
+    Field("num_tokens", (), "int32", "host", 0, "valid entries of token_ids (prompt + output)"),
+    Field("num_prompt_tokens", (), "int32", "host", 0, "prompt length"),
+    Field("num_computed_tokens", (), "int32", "host", 0, "tokens whose K/V is already in the cache"),
+    Field("num_scheduled_tokens", (), "int32", "host", 0, "tokens this step computes (query length)"),
+    Field("num_spec_tokens", (), "int32", "host", 0,
+          "draft tokens verified this step, written in token_ids after num_tokens"),
+    Field("block_table", ("max_blocks_per_seq",), "int32", "device", -1, "physical block ids, -1 unused"),
+    Field("num_blocks", (), "int32", "host", 0, "valid entries of block_table"),
+    Field("temperature", (), "float32", "device", 1.0, "sampling temperature; 0 = greedy"),
+    Field("top_k", (), "int32", "device", 0, "keep the k most likely tokens; 0 = all"),
+    Field("top_p", (), "float32", "device", 1.0, "nucleus mass; 1 = all"),
+    Field("seed", (), "int64", "device", 0, "per-request seed of the sampler"),
+    Field("num_output_tokens", (), "int32", "host", 0,
+          "tokens generated so far; (seed, this counter) is the request's random state"),
+    Field("max_tokens", (), "int32", "host", 0, "stop after this many output tokens"),
+    Field("min_tokens", (), "int32", "host", 0, "ignore stop tokens before this many outputs"),
+    Field("ignore_eos", (), "bool", "host", False, "keep going past eos"),
+    Field("stop_token_ids", ("max_stop_ids",), "int64", "host", -1, "extra stop tokens, -1 unused"),
+    Field("eos_token_id", (), "int64", "host", -1, "end-of-sequence token; -1 = none"),
+    Field("num_logprobs", (), "int32", "host", -1, "top log-probabilities returned per sampled token; -1 = none"),
+    Field("num_prompt_logprobs", (), "int32", "host", -1,
+          "top log-probabilities returned per prompt token; -1 = none"),
+    Field("prompt_embeds", (), "object", "host", None,
+          "side data bound to the request: (positions, embeddings) replacing prompt token embeddings"),
+])
 DEFAULT_FIELDS._owners = dict.fromkeys(DEFAULT_FIELDS.names(), "the engine (fleetlab DEFAULT_FIELDS)")

@@ -17,7 +17,8 @@ field can be forgotten. Access: ``batch.token_ids`` (a typed accessor for each d
 ``[max_num_seqs, ...]`` buffer; ``batch.dev(name)`` is the Paddle mirror of a device field
 as of the last ``sync_to_device()``. Row order is internal: results leave keyed by request
 id. Drawing and checking a batch (``batch_snapshot``, ``check_batch``) and moving its rows by
-hand (``swap_rows``, ``permute_rows``) live beside it, in :mod:`fleetlab.inspect.batch`.
+hand (``swap_rows``, ``permute_rows``) live beside it, in :mod:`fleetlab.inspect.batch` and
+:mod:`fleetlab.lessons.row_moves`.
 
 A speculative proposer's state (its ``ProposerInputBatch``) is a group of fields in this
 registry, so it moves with the rows like every other field.
@@ -36,6 +37,7 @@ import paddle
 from fleetlab import device
 from fleetlab.attention.metadata import is_decode_row
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS, FieldRegistry
+from fleetlab.errors import refuse
 
 logger = logging.getLogger(__name__)
 
@@ -62,20 +64,6 @@ def two_pointer_swaps(is_decode: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return lefts, rights
 
 
-class FieldView:
-    """Typed accessor of one default field: ``batch.token_ids`` is ``batch.np("token_ids")``.
-
-    Declared on the class (not resolved by ``__getattr__``) so fields show in IDEs."""
-
-    def __set_name__(self, owner, name: str) -> None:
-        self.name = name
-
-    def __get__(self, batch, owner=None) -> np.ndarray:
-        if batch is None:
-            return self
-        return batch.np(self.name)
-
-
 class InputBatch:
     """Persistent per-request batch state with room for ``max_num_seqs`` rows.
 
@@ -94,39 +82,18 @@ class InputBatch:
     ``sync_to_device()`` copies rows ``[0, num_reqs)`` of each device field once per step.
     """
 
-    token_ids = FieldView()
-    num_tokens = FieldView()
-    num_prompt_tokens = FieldView()
-    num_computed_tokens = FieldView()
-    num_scheduled_tokens = FieldView()
-    num_spec_tokens = FieldView()
-    block_table = FieldView()
-    num_blocks = FieldView()
-    temperature = FieldView()
-    top_k = FieldView()
-    top_p = FieldView()
-    seed = FieldView()
-    num_output_tokens = FieldView()
-    max_tokens = FieldView()
-    min_tokens = FieldView()
-    ignore_eos = FieldView()
-    stop_token_ids = FieldView()
-    eos_token_id = FieldView()
-    num_logprobs = FieldView()
-    num_prompt_logprobs = FieldView()
-    prompt_embeds = FieldView()
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, *, max_stop_ids: int = 8,
                  fields: FieldRegistry | None = None, place=None) -> None:
-        self._fields = (fields if fields is not None else DEFAULT_FIELDS).copy(frozen=True)
+        self.fields = (fields if fields is not None else DEFAULT_FIELDS).copy(frozen=True)  # the batch's own copy
         self.sizes = {"max_model_len": max_model_len, "max_blocks_per_seq": max_blocks_per_seq,
                       "max_stop_ids": max_stop_ids}
-        _check_layout(max_num_seqs, self.sizes, self._fields)
+        _check_layout(max_num_seqs, self.sizes, self.fields)
         self.max_num_seqs = int(max_num_seqs)
         self._np: dict[str, np.ndarray] = {}
         self._dev: dict[str, paddle.Tensor] = {}
         self._mirrored: dict[str, np.ndarray] = {}  # what each device mirror holds (a host copy)
-        for field in self._fields:
+        for field in self.fields:
             shape = (self.max_num_seqs, *field.resolve_shape(self.sizes))
             self._np[field.name] = np.full(shape, field.fill, dtype=field.dtype)
             if field.home == "device":
@@ -137,11 +104,6 @@ class InputBatch:
         self._synced_rows: int | None = None  # rows mirrored by the last sync; None = stale
 
     # ------------------------------------------------------------------ access
-    @property
-    def fields(self) -> FieldRegistry:
-        """The batch's own copy of its field registry."""
-        return self._fields
-
     @property
     def num_reqs(self) -> int:
         """Live requests (rows ``[0, num_reqs)`` once condensed)."""
@@ -169,15 +131,15 @@ class InputBatch:
 
     def np(self, name: str) -> np.ndarray:
         """Writable numpy view of field ``name``, rows ``[0, num_rows)``."""
-        return self._np[self._fields[name].name][: self._num_rows]
+        return self._np[self.fields[name].name][: self._num_rows]
 
     def buffer(self, name: str) -> np.ndarray:
         """The whole numpy buffer ``[max_num_seqs, *per_row_shape]`` of field ``name``."""
-        return self._np[self._fields[name].name]
+        return self._np[self.fields[name].name]
 
     def dev(self, name: str) -> paddle.Tensor:
         """Paddle mirror of device field ``name``, rows ``[0, num_reqs)`` at the last sync."""
-        assert self._fields[name].home == "device", f"field {name!r} lives on the host; use batch.np({name!r})"
+        assert self.fields[name].home == "device", f"field {name!r} lives on the host; use batch.np({name!r})"
         assert self._synced_rows is not None, f"device mirror of {name!r} is stale: call sync_to_device() first"
         return self._dev[name][: self._synced_rows]
 
@@ -201,7 +163,8 @@ class InputBatch:
         prompt, output = list(prompt_token_ids), list(output_token_ids)
         blocks, stop = list(block_ids), list(getattr(sampling, "stop_token_ids", None) or ())
         self._check_new_request(req_id, prompt, output, num_computed_tokens, blocks, stop, extra or {})
-        row = self._free_row()
+        holes = np.flatnonzero(np.equal(self._np["req_id"][: self._num_rows], None))
+        row = int(holes[0]) if len(holes) else self._num_rows  # the lowest free row
         self._clear_rows(np.array([row]))
         values = {"req_id": req_id, "num_tokens": len(prompt) + len(output), "num_prompt_tokens": len(prompt),
                   "num_computed_tokens": num_computed_tokens, "num_output_tokens": len(output),
@@ -224,9 +187,9 @@ class InputBatch:
         engine's requests passed ``fleetlab.validation`` already). It runs before the row is touched,
         so a rejected add leaves no trace."""
         sizes, num_tokens = self.sizes, len(prompt) + len(output)
-        unknown = [name for name in extra if name not in self._fields or name == "req_id"]
-        unfit = [name for name, value in extra.items() if name not in unknown and not _fits(self._fields[name], value)]
-        broken = [  # (is it broken, what to say after "request <id>: ")
+        unknown = [name for name in extra if name not in self.fields or name == "req_id"]
+        unfit = [name for name, value in extra.items() if name not in unknown and not _fits(self.fields[name], value)]
+        refuse([  # (is it broken, what to say after "request <id>: ")
             (req_id is None, "req_id None is reserved for empty rows (field 'req_id')"),
             (req_id in self._req_id_to_row, "already in the batch (field 'req_id')"),
             (self.num_reqs >= self.max_num_seqs, f"batch is full (max_num_seqs={self.max_num_seqs})"),
@@ -240,22 +203,11 @@ class InputBatch:
              f"(max_stop_ids={sizes['max_stop_ids']})"),
             (bool(unknown), f"extra values for unknown fields {unknown}"),
             (bool(unfit), f"extra values for fields {unfit} do not fit their dtype and shape"),
-        ]
-        why = next((what for is_broken, what in broken if is_broken), None)
-        if why:
-            raise ValueError(f"request {req_id!r}: {why}")
+        ], prefix=f"request {req_id!r}: ")
 
-    def _free_row(self) -> int:
-        holes = np.flatnonzero(np.equal(self._np["req_id"][: self._num_rows], None))
-        return int(holes[0]) if len(holes) else self._num_rows
-
-    def remove_request(self, req_id, *, missing_ok: bool = False) -> int | None:
-        """Empty the request's row and return it; the hole stays until ``condense()``.
-
-        An unknown ``req_id`` raises ``ValueError``, or returns None with ``missing_ok``.
-        """
-        if missing_ok and req_id not in self._req_id_to_row:
-            return None
+    def remove_request(self, req_id) -> int:
+        """Empty the request's row and return it; the hole stays until ``condense()``. An unknown
+        ``req_id`` raises ``ValueError``."""
         row = self.row_of(req_id)
         del self._req_id_to_row[req_id]
         self._clear_rows(np.array([row]))
@@ -347,7 +299,7 @@ class InputBatch:
 
     def _clear_rows(self, rows: np.ndarray) -> None:
         """Reset ``rows`` of every field to the field's fill (the map is the caller's job)."""
-        for field in self._fields:
+        for field in self.fields:
             self._np[field.name][rows] = field.fill
 
     def _trim(self) -> None:
@@ -415,17 +367,17 @@ class InputBatch:
                 self._mirrored[name][...] = self._np[name]
         self._synced_rows = self._num_rows
 
-    def __repr__(self) -> str:
-        return f"InputBatch(num_reqs={self.num_reqs}, num_rows={self._num_rows}, max_num_seqs={self.max_num_seqs})"
+
+# ``batch.token_ids`` is ``batch.np("token_ids")``: a typed accessor for each default field.
+for _name in DEFAULT_FIELDS.names():
+    setattr(InputBatch, _name, property(lambda batch, name=_name: batch.np(name), doc=DEFAULT_FIELDS[_name].doc))
 
 
 def _fits(field, value) -> bool:
     """Whether ``value`` can be written to one row of ``field`` (so that a write cannot fail halfway;
-    what a value means is the edge's to check, :func:`fleetlab.validation.field_value`)."""
-    if field.dtype == "object":
-        return True
+    what a value means is the edge's to check, :func:`fleetlab.validation.check_field_value`)."""
     try:
-        return np.asarray(value, dtype=field.dtype).ndim == len(field.per_row_shape)
+        return field.dtype == "object" or np.asarray(value, dtype=field.dtype).ndim == len(field.per_row_shape)
     except (TypeError, ValueError, OverflowError):
         return False
 
@@ -435,13 +387,10 @@ def _check_layout(max_num_seqs, sizes: Mapping[str, int], fields: FieldRegistry)
     small = {name: v for name, v in {"max_num_seqs": max_num_seqs, **sizes}.items()
              if not isinstance(v, (int, np.integer)) or v < (0 if name == "max_stop_ids" else 1)}
     missing = [name for name in DEFAULT_FIELDS.names() if name not in fields]
-    clash = [f.name for f in fields if not isinstance(getattr(InputBatch, f.name, FieldView()), FieldView)]
-    broken = [
+    clash = [f.name for f in fields if f.name not in DEFAULT_FIELDS and hasattr(InputBatch, f.name)]
+    refuse([
         (small, f"sizes {small} must be ints >= 1 (max_stop_ids >= 0)"),
         (missing, f"field registry lacks fields the InputBatch needs: {missing}"),
         ("req_id" in fields and fields["req_id"].dtype != "object", "field 'req_id' must have dtype 'object'"),
         (clash, f"field names {clash} clash with InputBatch attributes (clashes)"),
-    ]
-    why = next((what for is_broken, what in broken if is_broken), None)
-    if why:
-        raise ValueError(why)
+    ])

@@ -56,10 +56,7 @@ def unpack(block: np.ndarray, token_ids, ks) -> list[TokenLogprobs]:
     ``r`` keeps its own ``ks[r]`` top entries."""
     ks = [int(x) for x in ks]
     k = max(ks, default=0)
-    rows = block.reshape(len(ks), 2 + 2 * k)
-    out = []
-    for r, (token, kr) in enumerate(zip(token_ids, ks)):
-        ids, values = rows[r, 2: 2 + kr], rows[r, 2 + k: 2 + k + kr]
-        out.append(TokenLogprobs(int(token), float(rows[r, 0]), int(rows[r, 1]),
-                                 [(int(i), float(v)) for i, v in zip(ids, values)]))
-    return out
+    rows = block.reshape(len(ks), 2 + 2 * k)  # per row: logprob, rank, top ids, top logprobs
+    return [TokenLogprobs(int(token), float(row[0]), int(row[1]),
+                          [(int(i), float(v)) for i, v in zip(row[2: 2 + kr], row[2 + k: 2 + k + kr])])
+            for row, token, kr in zip(rows, token_ids, ks)]

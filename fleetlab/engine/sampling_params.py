@@ -96,7 +96,3 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | dict | None = None
     extra_args: dict | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+
+from fleetlab.errors import refuse
 
 
 @dataclass(slots=True)
@@ -64,23 +67,19 @@ def pool_snapshot(pool) -> list[BlockInfo]:
 
 def check_pool(pool) -> None:
     """Raise RuntimeError if a pool's bookkeeping is inconsistent (its prefix cache's included)."""
-    counts = pool._ref_counts
-    for b, count in enumerate(counts):
-        if count < 0:
-            raise RuntimeError(f"block {b} has negative reference count {count}")
-    for b in [*pool._free, *pool._kept]:
-        if not 0 <= b < pool.num_blocks:
-            raise RuntimeError(f"free queue holds unknown block id {b}")
-        if counts[b] != 0:
-            raise RuntimeError(f"block {b} is in the free queue with reference count {counts[b]}")
-    if pool._kept & set(pool._free):
-        raise RuntimeError(f"blocks {sorted(pool._kept & set(pool._free))} are both queued and kept by the cache")
-    for b in pool._kept:
-        if not pool.is_cached(b):
-            raise RuntimeError(f"block {b} is kept by the prefix cache but holds no cached prefix")
+    counts, free = pool._ref_counts, [*pool._free, *pool._kept]
+    negative = [b for b, count in enumerate(counts) if count < 0]
+    unknown = [b for b in free if not 0 <= b < pool.num_blocks]
+    held = [b for b in free if not unknown and counts[b] != 0]
+    both, uncached = sorted(pool._kept & set(pool._free)), [b for b in pool._kept if not pool.is_cached(b)]
     used = sum(1 for c in counts if c > 0)
-    if pool.num_free_blocks + used != pool.num_blocks:
-        raise RuntimeError(f"free ({pool.num_free_blocks}) + used ({used}) != total ({pool.num_blocks})")
+    refuse([(negative, lambda: f"block {negative[0]} has negative reference count {counts[negative[0]]}"),
+            (unknown, lambda: f"free queue holds unknown block id {unknown[0]}"),
+            (held, lambda: f"block {held[0]} is in the free queue with reference count {counts[held[0]]}"),
+            (both, f"blocks {both} are both queued and kept by the cache"),
+            (uncached, lambda: f"block {uncached[0]} is kept by the prefix cache but holds no cached prefix"),
+            (pool.num_free_blocks + used != pool.num_blocks,
+             f"free ({pool.num_free_blocks}) + used ({used}) != total ({pool.num_blocks})")], RuntimeError)
     if pool.prefix_cache is not None:
         pool.prefix_cache.check_invariants()
 
@@ -91,12 +90,8 @@ def check_kv_manager(kv, live_request_ids) -> None:
     live = set(live_request_ids)
     if set(kv._blocks) - live:
         raise RuntimeError(f"finished requests still hold blocks: {sorted(set(kv._blocks) - live)}")
-    counts: dict[int, int] = {}
-    for blocks in kv._blocks.values():
-        for b in blocks:
-            counts[b] = counts.get(b, 0) + 1
-    for b in range(kv.pool.num_blocks):
-        if kv.pool.ref_count(b) != counts.get(b, 0):
-            raise RuntimeError(f"block {b}: reference count {kv.pool.ref_count(b)}, held by {counts.get(b, 0)} "
-                               "request(s)")
+    counts = Counter(b for blocks in kv._blocks.values() for b in blocks)
+    wrong = [b for b in range(kv.pool.num_blocks) if kv.pool.ref_count(b) != counts[b]]
+    refuse([(wrong, lambda: f"block {wrong[0]}: reference count {kv.pool.ref_count(wrong[0])}, held by "
+                            f"{counts[wrong[0]]} request(s)")], RuntimeError)
     check_pool(kv.pool)

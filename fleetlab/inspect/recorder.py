@@ -38,10 +38,6 @@ class RowTrace:
     num_accepted_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
 
-    @property
-    def num_rejected_tokens(self) -> int:
-        return len(self.draft_token_ids) - self.num_accepted_tokens
-
 
 @dataclass(slots=True)
 class StepTrace:
@@ -51,9 +47,9 @@ class StepTrace:
     request ids by batch row before and after the decode-first reorder (equal when the step
     did not reorder); reordered: the reorder moved rows this step; reorder: it is on for this
     engine (a step may still find every decode first already); tokens: request id -> the
-    tokens it kept this step; timings: seconds
-    spent in each of ``STEP_TIMING_PARTS``, and in ``"record"`` the recorder's own (building
-    this trace: what the step would not spend without a recorder).
+    tokens it kept this step; timings: seconds spent in each of the step's ``PHASES``
+    (:mod:`fleetlab.engine.hooks`), and in ``"record"`` the recorder's own (building this
+    trace: what the step would not spend without a recorder).
     """
 
     step: int
@@ -70,10 +66,6 @@ class StepTrace:
     num_batched_tokens: int
     timings: dict[str, float] = field(default_factory=dict)
     reorder: bool = False
-
-
-# The parts of a step that StepTrace.timings times, in the order they run.
-STEP_TIMING_PARTS = PHASES
 
 
 class StepRecorder:

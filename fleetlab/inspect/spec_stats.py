@@ -22,28 +22,22 @@ class SpecDecodingStats:
     def on_step(self, so, result, outputs) -> None:
         """Count each row of the step that verified drafts: it gained its accepted drafts plus one."""
         for rid, drafts in so.scheduled_spec_decode_tokens.items():
-            if rid in result.sampled_token_ids:
-                self.observe(len(drafts), len(result.sampled_token_ids[rid]) - 1)
-
-    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft_tokens
-        self.num_accepted_tokens += num_accepted
-        for counts, n in ((self.drafted_per_position, num_draft_tokens), (self.accepted_per_position, num_accepted)):
-            counts.extend([0] * (n - len(counts)))
-            for i in range(n):
-                counts[i] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+            if rid not in result.sampled_token_ids:
+                continue
+            num_accepted = len(result.sampled_token_ids[rid]) - 1
+            self.num_drafts += 1
+            self.num_draft_tokens += len(drafts)
+            self.num_accepted_tokens += num_accepted
+            for counts, n in ((self.drafted_per_position, len(drafts)), (self.accepted_per_position, num_accepted)):
+                counts.extend([0] * (n - len(counts)))
+                counts[:n] = [c + 1 for c in counts[:n]]
 
     def as_dict(self) -> dict:
         """The ``LLM.stats()`` keys of speculative decoding."""
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens,
                 "num_accepted_tokens_per_pos": list(self.accepted_per_position),  # vLLM's counts, by draft position
-                "spec_acceptance_rate": self.acceptance_rate,
+                "spec_acceptance_rate": self.num_accepted_tokens / max(1, self.num_draft_tokens),
                 "spec_mean_acceptance_length": (self.num_accepted_tokens + self.num_drafts) / max(1, self.num_drafts),
                 "spec_acceptance_by_position": [a / d for a, d in zip(self.accepted_per_position,
                                                                       self.drafted_per_position)]}

@@ -23,9 +23,7 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def normalize_dtype(dtype) -> str:
     """``"float32"`` / ``paddle.float32`` / ``"paddle.float32"`` -> ``"float32"``; others raise."""
-    if dtype is None:
-        return "float32"
-    name = str(dtype).removeprefix("paddle.")
+    name = "float32" if dtype is None else str(dtype).removeprefix("paddle.")
     if name not in _ITEMSIZE:
         raise TypeError(f"KV cache dtype must be one of {sorted(_ITEMSIZE)}; got {dtype!r}")
     return name
@@ -58,16 +56,12 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype="float32", place=None):
-        for name, value in (("num_layers", num_layers), ("num_blocks", num_blocks),
-                            ("block_size", block_size), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim)):
+        sizes = {"num_layers": num_layers, "num_blocks": num_blocks, "block_size": block_size,
+                 "num_kv_heads": num_kv_heads, "head_dim": head_dim}
+        for name, value in sizes.items():  # self.num_layers, self.num_blocks, ...
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedKVCache: {name} must be a positive int; got {value!r}")
-        self.num_layers = num_layers
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
+            setattr(self, name, value)
         self.dtype = normalize_dtype(dtype)
         shape = [num_blocks, block_size, num_kv_heads, head_dim]
         self._k = [paddle.zeros(shape, self.dtype, device=place) for _ in range(num_layers)]
@@ -150,18 +144,9 @@ class PagedKVCache:
             paddle.index_put_(cache, (block, offset), gather_rows(rows, source))
 
     def _check_layer(self, layer_id) -> int:
-        try:
-            index = operator.index(layer_id)
-        except TypeError:
-            index = -1
-        if not 0 <= index < self.num_layers:
+        if not (hasattr(layer_id, "__index__") and 0 <= operator.index(layer_id) < self.num_layers):
             raise ValueError(f"layer_id {layer_id!r} out of range: the cache has {self.num_layers} layers")
-        return index
-
-    def __repr__(self) -> str:
-        return (f"PagedKVCache(num_layers={self.num_layers}, num_blocks={self.num_blocks}, "
-                f"block_size={self.block_size}, num_kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, dtype={self.dtype!r})")
+        return operator.index(layer_id)
 
 
 def _skip_plan(slots: paddle.Tensor):

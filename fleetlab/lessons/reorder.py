@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fleetlab.inspect.batch import permute_rows
+from fleetlab.lessons.row_moves import permute_rows
 
 
 def stable_partition(is_decode: np.ndarray) -> np.ndarray:

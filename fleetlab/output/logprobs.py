@@ -48,8 +48,8 @@ class LogprobsCollector:
             if lists is None:
                 continue
             if lists.sample is not None:
-                new = (result.logprobs.get(out.request_id, []) if result is not None else [])
-                new = new[: len(out.new_token_ids)]  # tokens past a stop were dropped
+                # (cut to the tokens kept: those past a stop were dropped)
+                new = (result.logprobs.get(out.request_id, []) if result is not None else [])[: len(out.new_token_ids)]
                 lists.sample += new
                 lists.cumulative += sum(lp.logprob for lp in new)
                 out.logprobs, out.cumulative_logprob = list(lists.sample), lists.cumulative

@@ -23,6 +23,7 @@ ranked ``best_of``) are returned, ``index`` 0 the best.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -34,11 +35,8 @@ def child_request_id(parent_id: str, index: int, taken=()) -> str:
     """The engine id of child ``index`` of request ``parent_id``: vLLM's ``f"{index}_{parent_id}"``,
     or, where a live request already holds that id (``taken``: anything with ``in``),
     ``f"{index}_{parent_id}_{k}"`` with the smallest ``k >= 1`` that is free."""
-    rid, k = f"{index}_{parent_id}", 0
-    while rid in taken:  # a user's own id, or an automatic id that looks like a child's
-        k += 1
-        rid = f"{index}_{parent_id}_{k}"
-    return rid
+    candidates = itertools.chain([f"{index}_{parent_id}"], (f"{index}_{parent_id}_{k}" for k in itertools.count(1)))
+    return next(rid for rid in candidates if rid not in taken)  # taken: a user's own id, or an automatic one
 
 
 def child_sampling_params(sp: SamplingParams, index: int) -> SamplingParams:
@@ -52,11 +50,9 @@ def child_sampling_params(sp: SamplingParams, index: int) -> SamplingParams:
 def select_best(items: Sequence, n: int, cumulative_logprob: Callable) -> list:
     """The ``n`` items with the highest ``cumulative_logprob(item)``, best first (ties: first
     come first; None ranks last)."""
-    def key(pair):
-        value = cumulative_logprob(pair[1])
-        return (value is None, -(value or 0.0), pair[0])
-
-    return [item for _, item in sorted(enumerate(items), key=key)[:n]]
+    scores = [cumulative_logprob(item) for item in items]
+    order = sorted(range(len(items)), key=lambda i: (scores[i] is None, -(scores[i] or 0.0), i))
+    return [items[i] for i in order[:n]]
 
 
 class ParentRequest:
@@ -75,9 +71,6 @@ class ParentRequest:
         self.child_ids = [child_request_id(request_id, i, taken) for i in range(self.best_of)]
         self._index = {cid: i for i, cid in enumerate(self.child_ids)}
         self._finished: dict[int, RequestOutput] = {}
-
-    def child_params(self, index: int) -> SamplingParams:
-        return child_sampling_params(self.sampling_params, index)
 
     @property
     def finished(self) -> bool:

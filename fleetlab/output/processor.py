@@ -82,12 +82,11 @@ class OutputProcessor:
     def _finish(self, out: RequestOutput) -> None:
         """Its stop reason and text; the request is forgotten."""
         sp = self._requests.pop(out.request_id, None)
-        stopped_by_string = self._stops.pop(out.request_id, None) is not None and out.stop_reason is not None
-        if stopped_by_string:
-            return
+        if self._stops.pop(out.request_id, None) is not None and out.stop_reason is not None:
+            return  # a stop string ended it: its text and stop reason are set already
         last = out.token_ids[-1] if out.token_ids else None
-        by_token = out.finish_reason == "stop" and sp is not None and last is not None and (
-            last in sp.stop_token_ids or (last == self.eos_token_id and not sp.ignore_eos))
+        # The scheduler's "stop" is its last token's (EOS or a stop token); a stop string returned above.
+        by_token = out.finish_reason == "stop" and sp is not None
         if by_token and last in sp.stop_token_ids and (last != self.eos_token_id or sp.ignore_eos):
             out.stop_reason = last
         if self.tokenizer is not None:  # as vLLM: a stop token's text is not output unless asked for
@@ -96,17 +95,10 @@ class OutputProcessor:
 
     def _fan_in(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Children's outputs as their parents'."""
-        if not self._parent_of:
-            return outputs
         fanned_in = []
-        for out in outputs:
-            parent = self._parent_of.get(out.request_id)
-            if parent is None:
-                fanned_in.append(out)
-                continue
-            if out.finished:
-                del self._parent_of[out.request_id]
-            fanned_in += parent.process(out)
-            if parent.finished:
+        for out in outputs:  # a finished child is forgotten; so is its parent once every child finished
+            parent = (self._parent_of.pop if out.finished else self._parent_of.get)(out.request_id, None)
+            fanned_in += [out] if parent is None else parent.process(out)
+            if parent is not None and parent.finished:
                 del self.parents[parent.request_id]
         return fanned_in

@@ -21,14 +21,10 @@ def find_stop_string(text: str, stop: Sequence[str], num_new_chars: int,
     """``(stop string, length of the text to keep)`` for the stop string that appears in
     ``text`` earliest, among those that end in its last ``num_new_chars`` characters (text
     already searched is not searched again); None if none does."""
-    found = None
-    for s in stop:
-        at = text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))
-        if at >= 0 and (found is None or at < found[1]):
-            found = (s, at)
-    if found is None:
+    hits = [(s, at) for s in stop if (at := text.find(s, max(0, len(text) - num_new_chars - len(s) + 1))) >= 0]
+    if not hits:
         return None
-    s, at = found
+    s, at = min(hits, key=lambda hit: hit[1])  # the earliest; of two at one place, the first listed
     return s, at + len(s) if include_in_output else at
 
 

@@ -30,6 +30,10 @@ from fleetlab.device import upload
 from fleetlab.engine.batch_fields import Field
 from fleetlab.engine.logits_processor import LogitsProcessor
 
+NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+"""Each penalty's setting that changes nothing (a row whose settings are all these is left alone)."""
+_NEUTRAL = np.array(list(NEUTRAL.values()), np.float32)
+
 
 class PenaltiesProcessor(LogitsProcessor):
     """``logit_bias``, ``repetition_penalty``, ``frequency_penalty`` and ``presence_penalty``
@@ -45,10 +49,8 @@ class PenaltiesProcessor(LogitsProcessor):
     )
 
     def request_values(self, sampling_params) -> dict:
-        sp, values = sampling_params, {}
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            if getattr(sp, name) != neutral:
-                values[name] = getattr(sp, name)
+        sp = sampling_params
+        values = {name: getattr(sp, name) for name, off in NEUTRAL.items() if getattr(sp, name) != off}
         if sp.logit_bias:
             values["logit_bias"] = (np.fromiter(sp.logit_bias, np.int64, len(sp.logit_bias)),
                                     np.fromiter(sp.logit_bias.values(), np.float32, len(sp.logit_bias)))
@@ -57,19 +59,13 @@ class PenaltiesProcessor(LogitsProcessor):
     def __call__(self, logits: paddle.Tensor, st) -> paddle.Tensor:
         if st.batch is None or st.pos_row is None:
             return logits
-        settings = self._settings(st.batch, st.pos_row)
-        active = np.flatnonzero((settings[:, 0] != 0) | (settings[:, 1] != 0) | (settings[:, 2] != 1)
-                                | np.not_equal(st.batch.np("logit_bias")[st.pos_row], None))
+        settings = np.stack([st.batch.np(name)[st.pos_row] for name in NEUTRAL], axis=1)  # [P, 3], each row's
+        biased = np.not_equal(st.batch.np("logit_bias")[st.pos_row], None)
+        active = np.flatnonzero((settings != _NEUTRAL).any(axis=1) | biased)
         if len(active) == 0:
             return logits
         ints, widths, floats = self._host_arrays(st, active, settings[active], logits.shape[-1])
         return self.apply(logits, upload(ints), widths, upload(floats))
-
-    @staticmethod
-    def _settings(batch, rows) -> np.ndarray:
-        """float32 ``[P, 3]``: presence, frequency, repetition of each position's row."""
-        return np.stack([batch.np(name)[rows] for name in ("presence_penalty", "frequency_penalty",
-                                                            "repetition_penalty")], axis=1)
 
     @staticmethod
     def _host_arrays(st, active: np.ndarray, settings: np.ndarray, vocab: int):
@@ -115,12 +111,8 @@ class PenaltiesProcessor(LogitsProcessor):
         ones = paddle.ones([sub.shape[0], max(lo, lp)], "float32")
         counts = scatter(ints[:, 1: 1 + lo], ones[:, :lo]) if lo else paddle.zeros_like(sub)
         seen = (counts > 0).astype("float32")
-        repeated = seen
-        if lp:
-            in_prompt = scatter(ints[:, 1 + lo: 1 + lo + lp], ones[:, :lp])
-            repeated = ((seen + in_prompt) > 0).astype("float32")
+        repeated = seen + scatter(ints[:, 1 + lo: 1 + lo + lp], ones[:, :lp]) if lp else seen  # > 0: prompt or output
         r = floats[:, 2:3]
-        scale = paddle.where(sub > 0, 1.0 / r, r)
-        sub = sub * paddle.where(repeated > 0, scale, paddle.ones_like(scale))
+        sub = paddle.where(repeated > 0, paddle.where(sub > 0, sub / r, sub * r), sub)
         sub = sub - floats[:, 1:2] * counts - floats[:, 0:1] * seen
         return paddle.scatter(logits, index, sub, overwrite=True)

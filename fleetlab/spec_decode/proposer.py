@@ -37,15 +37,12 @@ class Proposer:
 
     name: ClassVar[str] = "base"
     fields: tuple = ()  # batch fields of its per-request state, registered on the runner's InputBatch
+    num_lookahead_tokens: int = 0
 
     def __init__(self, config, context: ProposerContext) -> None:
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
         self.max_model_len = context.max_model_len
-
-    @property
-    def num_lookahead_tokens(self) -> int:
-        return 0
 
     def bind(self, batch) -> None:
         """Called once with the runner's (empty) ``InputBatch``."""
@@ -76,5 +73,3 @@ PROPOSERS = Registry("proposer", Proposer, {
     "draft": "fleetlab.spec_decode.draft:DraftModelProposer",
 })
 register_proposer = PROPOSERS.register
-get_proposer = PROPOSERS.get
-list_proposers = PROPOSERS.names

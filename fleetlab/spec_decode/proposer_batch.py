@@ -41,7 +41,6 @@ class ProposerInputBatch:
         missing = [name for name in NAMES.values() if name not in batch.fields]
         assert not missing, f"register proposer_fields(k) in the batch's field registry first (missing {missing})"
         self.main = batch
-        self.max_num_seqs = batch.max_num_seqs
 
     def np(self, name: str) -> np.ndarray:
         """The whole numpy buffer of field ``name`` (``req_id``, ``num_computed_tokens``,

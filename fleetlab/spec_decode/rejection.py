@@ -16,12 +16,7 @@ import numpy as np
 import paddle
 
 from fleetlab.device import upload
-from fleetlab.engine.sampler import Sampler, SamplingTensors, request_rng, uniform_for
-
-
-def accept_uniform_for(seed: int, draw_index: int) -> float:
-    """An independent uniform for accepting a draft as the request's ``draw_index``-th token."""
-    return float(request_rng(seed, draw_index).random(2)[1])
+from fleetlab.engine.sampler import Sampler, SamplingTensors, request_rng
 
 
 class RejectionSampler(Sampler):
@@ -45,8 +40,8 @@ class RejectionSampler(Sampler):
             if not res.finite[start:end].all():
                 rows.append(None)
                 continue
-            num_drafts = end - start - 1
-            m = num_drafts if accepted[start : start + num_drafts].all() else int(np.argmin(accepted[start:end]))
+            # The first position not accepted: a rejected draft, or the last one (it verifies none), so m drafts kept.
+            m = int(np.argmin(accepted[start:end]))
             rows.append(drafts[start : start + m].tolist() + [int(res.tokens[start + m])])
         return rows, res
 
@@ -58,9 +53,8 @@ class RejectionSampler(Sampler):
         """``{"token": drawn, "accepted": 0/1}`` for the sampled positions ``rows``: a draft is accepted with
         probability ``p(draft)``; the drawn token comes from ``p`` without the draft."""
         drafts = st.draft_token_ids[rows]
-        u = upload([[uniform_for(st.seeds[r], st.draw_index[r]),
-                     accept_uniform_for(st.seeds[r], st.draw_index[r]) if d >= 0 else 1.0]
-                    for r, d in zip(rows.tolist(), drafts.tolist())], np.float32)
+        # Two uniforms of the request's own stream: the first, the sampler's, draws a token; the second accepts.
+        u = upload([request_rng(st.seeds[r], st.draw_index[r]).random(2) for r in rows.tolist()], np.float32)
         draft_ids = upload(drafts)
         has_draft = draft_ids >= 0
         draft_col = draft_ids.clip(min=0).unsqueeze(-1)

@@ -29,7 +29,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import ConnectionPatch, Patch, Rectangle
 
-from fleetlab.inspect.batch import batch_snapshot, swap_rows
+from fleetlab.inspect.batch import batch_snapshot
+from fleetlab.lessons.row_moves import swap_rows
 from fleetlab.viz._style import ALERT_COLOR, EDGE_COLOR, integer_steps, phase_color, request_color
 
 _ROW_WIDTH = 10.0
