@@ -49,6 +49,22 @@ def check_pools(res):
     assert res["decode_pool"][0] == res["decode_pool"][1] and res["prefill_pool"][0] == res["prefill_pool"][1]
 
 
+def test_every_family_through_prefill_and_decode():
+    """One job, a pair of engines per family: greedy tokens through the two ranks equal one
+    engine's and the model's own full forward, bytes per token as the family's layout says."""
+    from fleetlab.models import FAMILIES
+
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    r = launch(["fleetlab.kv_transfer.disagg", "--model", ",".join(FAMILIES)], 2, timeout=120, env=env)
+    results = [json.loads(line.removeprefix("DISAGG_RESULT ")) for line in r.output.splitlines()
+               if line.startswith("DISAGG_RESULT ")]
+    assert r.returncode == 0 and [res["model"] for res in results] == list(FAMILIES), r.output[-3000:]
+    for res in results:
+        assert res["equal_single"] and res["equal_forward"], res["model"]
+        assert res["loaded_tokens"] > 0 and res["bytes_per_token"] == res["expected_bytes_per_token"], res["model"]
+        assert res["decode_pool"][0] == res["decode_pool"][1] and res["prefill_pool"][0] == res["prefill_pool"][1]
+
+
 def test_a_request_waits_for_its_kv_while_the_others_decode():
     """Half the prompts arrive while the first half decodes, and the prefill side is slow: the
     decode side runs steps while their K/V is on the wire (held out of the batch), then they join;

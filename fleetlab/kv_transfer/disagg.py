@@ -94,7 +94,8 @@ def drive(llm, prompts, sps, stagger: int) -> list[list[int]]:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="fleet")
+    ap.add_argument("--model", default="fleet", help="a family, \"tiny\", or several, comma-separated (one "
+                    "DISAGG_RESULT line each)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=4)
@@ -113,17 +114,23 @@ def main(argv=None) -> None:
 
     import paddle.distributed as dist
 
+    dist.init_parallel_env()
+    for name in args.model.split(","):  # one pair of engines per model, in one job
+        _run_pair(name, args, dist.get_rank())
+
+
+def _run_pair(name: str, args, rank: int) -> None:
+    """Rank 1 serves prefills until the decode side stops it; rank 0 drives the prompts and prints."""
     from fleetlab import LLM
     from fleetlab.kv_transfer.paddle_distributed import serve
 
-    dist.init_parallel_env()
-    rank = dist.get_rank()
-    model, tok = _model(args.model, args.structured)
+    model, tok = _model(name, args.structured)
     common = dict(block_size=args.block_size, max_num_batched_tokens=args.budget, max_num_seqs=4)
     if rank == 1:
         llm = LLM(model, tok, **common, max_model_len=args.prefill_max_model_len,
                   kv_transfer_config={"connector": "paddle_distributed", "role": "producer", "peer_rank": 0})
         serve(llm, delay_s=args.prefill_delay)
+        llm.close()
         return
     prompts = _prompts(args.prompts, args.seed, args.prompt_len, tok.vocab_size if tok else 40)
     sps = _params(args, len(prompts))
@@ -150,7 +157,7 @@ def main(argv=None) -> None:
     s, spec = conn.stats, conn.spec
     print("DISAGG_RESULT " + json.dumps({
         "equal_single": got == want, "equal_forward": None if forward is None else got == forward,
-        "num_prompts": len(prompts), "tokens": got,
+        "model": name, "num_prompts": len(prompts), "tokens": got,
         "loaded_tokens": s.loaded_tokens, "bytes_loaded": s.bytes_loaded,
         "bytes_per_token": s.bytes_loaded / max(1, s.loaded_tokens),
         "expected_bytes_per_token": spec.bytes_per_block // spec.block_size,

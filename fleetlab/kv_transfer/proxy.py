@@ -98,12 +98,17 @@ class Gone(Exception):
 async def _or_gone(awaitable, gone: asyncio.Event):
     """``await awaitable``, unless the job goes down first (then :class:`Gone`)."""
     task, stop = asyncio.ensure_future(awaitable), asyncio.ensure_future(gone.wait())
-    done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
+    try:
+        done, _ = await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        raise Gone
+    finally:  # also when this wait is cancelled (the client hung up, the server stops)
         stop.cancel()
-        return task.result()
-    task.cancel()
-    raise Gone
+        task.cancel()
+        # An abandoned read may still fail as it ends (a dying rank closed its socket): an error
+        # answered already, not one for asyncio to log as never retrieved.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 def build_proxy(upstream: str, watch: JobWatch):
