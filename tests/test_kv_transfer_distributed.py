@@ -49,6 +49,16 @@ def check_pools(res):
     assert res["decode_pool"][0] == res["decode_pool"][1] and res["prefill_pool"][0] == res["prefill_pool"][1]
 
 
+def test_parallel_sampling_and_logprobs_through_prefill_and_decode():
+    """``n = 3`` seeded sequences per prompt with their logprobs: the pair's equal one engine's
+    (the children share the prompt's blocks, loaded once per request the decode side admits)."""
+    res = run_pair("--sequences", "3", "--temperature", "0.8", "--seed", "2", "--logprobs", "2")
+    assert res["equal_single"] and len(res["tokens"]) == 3 * res["num_prompts"]
+    assert res["num_logprobs"] == 3 * res["num_prompts"] * 5 and res["logprob_max_diff"] < 1e-4
+    assert res["loaded_tokens"] > 0 and res["failed_loads"] == 0
+    assert res["decode_pool"][0] == res["decode_pool"][1] and res["prefill_pool"][0] == res["prefill_pool"][1]
+
+
 def test_every_family_through_prefill_and_decode():
     """One job, a pair of engines per family: greedy tokens through the two ranks equal one
     engine's and the model's own full forward, bytes per token as the family's layout says."""

@@ -15,7 +15,9 @@ decode side has run ``K`` steps (their K/V arrives while the first half decodes)
 ``--prefill-delay S`` makes the prefill side wait ``S`` seconds before each handshake's work
 (a slow peer: transfers are surely in flight); ``--structured`` gives every other request a
 JSON schema or a regex (a tiny model over the JSON character vocabulary); ``--ngram K``
-speculates ``K`` prompt-lookup drafts on the decode side (and on the single engine).
+speculates ``K`` prompt-lookup drafts on the decode side (and on the single engine);
+``--sequences N`` samples ``n = N`` sequences per prompt and ``--logprobs K`` compares each sampled
+token's logprob with one engine's; ``--model a,b,...`` runs a pair of engines per model in one job.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def _params(args, n: int) -> list:
     from fleetlab import SamplingParams
     from fleetlab.structured_output.examples import MAX_JSON_CHARS, SCHEMAS
 
-    plain = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=args.temperature, seed=args.seed)
+    plain = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=args.temperature, seed=args.seed,
+                           n=args.sequences, logprobs=args.logprobs)
     if not args.structured:
         return [plain] * n
     kinds = [{"json": SCHEMAS["person"], "disable_any_whitespace": True}, {"regex": r"[0-9]{2,3}-[a-z]{2}"}]
@@ -74,22 +77,24 @@ class HeldSteps:
         self.count += bool(held and so.num_scheduled_tokens)
 
 
-def drive(llm, prompts, sps, stagger: int) -> list[list[int]]:
+def drive(llm, prompts, sps, stagger: int) -> tuple[list[list[int]], list[list[float]]]:
     """Serve ``prompts``, the second half added after ``stagger`` steps (0: all at once); the
-    tokens of each, in order."""
+    tokens of each of their ``n`` sequences, in order, and each sampled token's logprob (with
+    ``--logprobs``)."""
     half = len(prompts) // 2 if stagger else len(prompts)
     for i in range(half):
         llm.add_request(prompt_token_ids=prompts[i], sampling_params=sps[i], request_id=str(i))
-    tokens, step = {}, 0
+    done, step = {}, 0
     while llm.has_unfinished_requests() or half < len(prompts):
         if step == stagger and half < len(prompts):
             for i in range(half, len(prompts)):
                 llm.add_request(prompt_token_ids=prompts[i], sampling_params=sps[i], request_id=str(i))
             half = len(prompts)
         llm.wait_until_runnable()
-        tokens.update({o.request_id: list(o.token_ids) for o in llm.step() if o.finished})
+        done.update({(o.request_id, o.index): o for o in llm.step() if o.finished})
         step += 1
-    return [tokens[str(i)] for i in range(len(prompts))]
+    outs = [done[key] for key in sorted(done, key=lambda k: (int(k[0]), k[1]))]
+    return [list(o.token_ids) for o in outs], [[lp.logprob for lp in o.logprobs or []] for o in outs]
 
 
 def main(argv=None) -> None:
@@ -110,6 +115,9 @@ def main(argv=None) -> None:
     ap.add_argument("--prefill-delay", type=float, default=0.0, help="seconds the prefill side waits per handshake")
     ap.add_argument("--structured", action="store_true", help="every other request a JSON schema or a regex")
     ap.add_argument("--ngram", type=int, default=0, help="ngram drafts per step on the decode side")
+    ap.add_argument("--sequences", type=int, default=1, help="n, sequences per prompt (parallel sampling on the "
+                    "decode side)")
+    ap.add_argument("--logprobs", type=int, default=None, help="top logprobs per sampled token, compared too")
     args = ap.parse_args(argv)
 
     import paddle.distributed as dist
@@ -141,23 +149,26 @@ def _run_pair(name: str, args, rank: int) -> None:
     held = HeldSteps(decode)
     decode.observers.append(held)
     t0 = time.perf_counter()
-    got = drive(decode, prompts, sps, args.stagger)
+    got, got_lp = drive(decode, prompts, sps, args.stagger)
     seconds = time.perf_counter() - t0
     conn = decode.kv_connector
     decode_free = (decode.pool.num_free_blocks, decode.pool.num_blocks)
     preemptions = decode.stats()["num_preemptions"]
     decode.close()  # tells the prefill rank to stop; it answers with its pool's free blocks
     single = LLM(model, tok, **common, **decode_only)
-    want = drive(single, prompts, sps, args.stagger)
+    want, want_lp = drive(single, prompts, sps, args.stagger)
     single.close()
     from fleetlab.patching.parity import reference_greedy
 
     greedy = args.temperature == 0 and not args.structured
-    forward = reference_greedy(model, prompts, args.max_tokens)[0] if greedy else None
+    forward = [ids for ids in reference_greedy(model, prompts, args.max_tokens)[0] for _ in range(args.sequences)] \
+        if greedy else None
+    lp_diff = max((abs(a - b) for x, y in zip(got_lp, want_lp) for a, b in zip(x, y)), default=0.0)
     s, spec = conn.stats, conn.spec
     print("DISAGG_RESULT " + json.dumps({
         "equal_single": got == want, "equal_forward": None if forward is None else got == forward,
         "model": name, "num_prompts": len(prompts), "tokens": got,
+        "num_logprobs": sum(map(len, got_lp)), "logprob_max_diff": lp_diff,
         "loaded_tokens": s.loaded_tokens, "bytes_loaded": s.bytes_loaded,
         "bytes_per_token": s.bytes_loaded / max(1, s.loaded_tokens),
         "expected_bytes_per_token": spec.bytes_per_block // spec.block_size,
