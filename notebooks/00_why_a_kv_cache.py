@@ -208,8 +208,8 @@ split
 
 # %% [markdown]
 # The engine's own work (scheduling, updating its batch, building the metadata, sampling,
-# committing) is the small part. Most of the difference is the forward itself: the engine's
-# forward costs more than a bare pass over a short sequence, because its attention takes
+# committing) is the small part of its step; the forward is most of it, and that forward costs
+# more than a bare pass over a short sequence, because its attention takes
 # the paged path (write the new K/V into their slots, gather every cached key through the
 # block table, a plan for the tiled kernels) where the bare pass attends over a few
 # contiguous tokens. That fixed cost stays while the bare pass grows with the sequence,

@@ -30,10 +30,11 @@ assert pass_ms[128] > 1.5 * pass_ms[8] and pass_ms[128] > np.median(decode_ms), 
 # than ten times cheaper"; "a pass of 8 tokens ... costs less than two passes of 1"; "half an operation per byte"
 assert pass_ms[64] < 8 * pass_ms[1] and per_token[1] / per_token[64] > 10, pass_ms
 assert pass_ms[8] < 2 * pass_ms[1], pass_ms
-# Section 3, the timing by measurement: "the engine's forward costs more than a bare pass over a short sequence";
-# "The engine's own work ... is the small part. Most of the difference is the forward itself"; "the lines cross"
-assert engine_forward_ms > bare_ms and engine_forward_ms - bare_ms > sum(host_ms.values()), (engine_forward_ms,
-                                                                                        bare_ms, host_ms)
+# Section 3, the timing by measurement (the two timed in alternating rounds): "The engine's own work ... is the
+# small part of its step; the forward is most of it, and that forward costs more than a bare pass over a short
+# sequence"; "the lines cross"
+assert sum(host_ms.values()) < 0.5 * engine_forward_ms and engine_forward_ms > bare_ms, (engine_forward_ms,
+                                                                                       bare_ms, host_ms)
 assert len(early) >= 10 and set(host_ms) == {"schedule", "batch_update", "metadata", "sample", "update"}
 assert crossing is not None and crossing > 8
 bars = {p.get_gid(): p.get_width() for p in split.axes[0].patches}
