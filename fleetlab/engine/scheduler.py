@@ -79,7 +79,7 @@ class Scheduler:
         # What the runner holds of each request: (tokens, blocks) as of the last message.
         self._sent: dict[str, tuple[int, int]] = {}
         self._finished_ids: set[str] = set()
-        self._admitted: list[Request] = []  # this step's admissions, for rollback
+        self.admitted: list[Request] = []  # the last plan's admissions, which rollback sends back
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -106,7 +106,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first (preempting on a dry pool), then admissions."""
         out = SchedulerOutput(step=self.step_count)
-        self._admitted = []
+        self.admitted = []
         self._take_remote_kvs(out)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:  # after a preemption the pool is tight: admit nobody new
@@ -198,7 +198,7 @@ class Scheduler:
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS if wait else RequestStatus.RUNNING
             req.waiting_on = arrival if wait else req.waiting_on
             self.running.append(req)
-            self._admitted.append(req)
+            self.admitted.append(req)
             if not wait:
                 self._schedule(req, n, out)
                 budget -= n
@@ -333,8 +333,9 @@ class Scheduler:
         self._sent.pop(req.request_id, None)
         self._finished_ids.add(req.request_id)
 
-    def rollback(self, out: SchedulerOutput) -> None:
+    def rollback(self, out: SchedulerOutput, admitted: list[Request] | None = None) -> None:
         """The runner failed on ``out``: undo what planning changed, so the step never happened.
+        ``admitted``: the requests ``out`` admitted (default: the last plan's, ``self.admitted``).
 
         Prefix-cache entries registered for the step are dropped (their K/V may be unwritten),
         requests admitted in it go back to the waiting queue with their blocks freed, and the
@@ -342,13 +343,13 @@ class Scheduler:
         requests keep the blocks planning gave them (they will need them); preemptions stand.
         """
         self.kv.rollback_step()
-        for req in reversed(self._admitted):
+        for req in reversed(self.admitted if admitted is None else admitted):
             self.running.remove(req)
             self.kv.free(req)
             req.num_computed_tokens, req.waiting_on = 0, None  # (a transfer it awaited is dropped)
             req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
             self.waiting.insert(0, req)
-        self._admitted = []
+        self.admitted = []
         self._sent.clear()
         self._finished_ids |= set(out.finished_req_ids)
         self.step_count -= 1

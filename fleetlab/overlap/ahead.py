@@ -39,7 +39,7 @@ class Ahead:
     def take(cls, scheduler, sched: SchedulerOutput) -> Ahead:
         """Advance every request ``sched`` schedules as if the step had run, and open the KV
         manager's log of the next step (this one stays open until it is committed)."""
-        ahead = cls(admitted=list(scheduler._admitted))  # the scheduler's rollback reads them
+        ahead = cls(admitted=list(scheduler.admitted))  # what a rollback of this plan sends back
         for rid, n in sched.num_scheduled_tokens.items():
             req = scheduler.requests[rid]
             samples = req.num_computed_tokens + n >= req.num_tokens + req.num_placeholders

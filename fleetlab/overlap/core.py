@@ -150,8 +150,7 @@ class OverlapEngineCore(EngineCore):
         for s in reversed(steps):
             s.ahead.undo(self.scheduler)
             # Only admissions still running go back to the queue (one preempted since is there already).
-            self.scheduler._admitted = [r for r in s.ahead.admitted if r.status is RequestStatus.RUNNING]
-            self.scheduler.rollback(s.sched)
+            self.scheduler.rollback(s.sched, [r for r in s.ahead.admitted if r.status is RequestStatus.RUNNING])
         self.runner.reset()
 
     @staticmethod
