@@ -4,6 +4,7 @@ in the results file. Benchmarks are commands, not timed tests: nothing here chec
 
 import json
 import re
+import time
 
 import pytest
 
@@ -50,7 +51,9 @@ def test_quiet_shows_no_bar(name, tmp_path, capsys):
 def test_the_machine_record_holds_threads_and_load_at_both_ends(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with MachineRecord(with_paddle=False) as machine:
-        sum(i * i for i in range(200_000))  # some work of this process's own
+        start = time.process_time()
+        while time.process_time() - start < 0.1:  # work of this process's own: surely many clock ticks of
+            sum(i * i for i in range(10_000))     # CPU time, however loaded the machine (a fixed loop was not)
     m = machine.info
     assert m["omp_num_threads"] == "1" and m["cpu_count"] >= 1
     assert len(m["load_average"]) == len(m["load_average_end"]) == 3
