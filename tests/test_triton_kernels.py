@@ -684,16 +684,18 @@ GLUON_SHAPES = [(16, 8, 1, 128), (64, 4, 7, 128), (128, 8, 4, 128), (16, 16, 1, 
 
 
 @pytest.mark.skipif(not ON_HOPPER, reason="the Gluon prefill kernel is for sm_90 GPUs")
-@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+@pytest.mark.parametrize("ring", ["default", "deep"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", GLUON_SHAPES, ids=[f"bs{b}-kv{k}-g{g}-d{d}" for b, k, g, d in GLUON_SHAPES])
-def test_gluon_prefill_matches_dense_across_tile_edges(shape, dtype, overlap, monkeypatch):
-    """The Hopper plan takes the Gluon kernel (either loop); chunks at every offset from a K/V
-    tile edge and from a query tile edge, after contexts of 0 to 300 tokens, match dense."""
-    from fleetlab.attention import gluon_prefill as gp
+def test_gluon_prefill_matches_dense_across_tile_edges(shape, dtype, ring, monkeypatch):
+    """The Hopper plan takes the warp-specialised Gluon kernel; chunks at every offset from a K/V
+    tile edge and from a query tile edge, after contexts of 0 to 300 tokens, match dense, with
+    the default ring and with a deeper ring of smaller tiles (every buffer reused many times)."""
+    from fleetlab.attention import gluon_ws_prefill as gp
 
-    default = gp.kernel_config
-    monkeypatch.setattr(gp, "kernel_config", lambda head_dim: default(head_dim, overlap))
+    if ring == "deep":
+        deep = {"BLOCK_N": 64, "STAGES": 3}
+        monkeypatch.setattr(gp, "kernel_config", lambda head_dim: deep if head_dim <= 128 else deep | {"BLOCK_N": 32})
     monkeypatch.setenv("FLEETLAB_GLUON_PREFILL", "1")
     g = tk.LayerGeometry.of(*(lambda b: (b["query"], b["key_cache"], b["value_cache"]))(
         _batch_for(shape, dtype, [1], [0])))
@@ -705,7 +707,7 @@ def test_gluon_prefill_matches_dense_across_tile_edges(shape, dtype, overlap, mo
     plan = tk.plan_prefill(g, batch["block_tables"], batch["seq_lens_kv"], batch["cu_seqlens_q"],
                            num_tokens=batch["query"].shape[0], first_row=0, num_rows=len(query_lens),
                            max_query_len=max(query_lens))
-    assert [launch.config.get("kernel") for launch in plan.launches] == ["gluon"]
+    assert [launch.config.get("kernel") for launch in plan.launches] == ["gluon_ws"]
     out = plan.run(batch["query"], batch["key_cache"], batch["value_cache"], scale=scale, out=_poisoned_out(batch))
     _check("gluon_prefill", out, dense_reference(batch, scale=scale), dtype)
 

@@ -1301,31 +1301,29 @@ def _cuda_capability() -> tuple[int, int] | None:
 
 
 def _gluon_prefill_usable(g: LayerGeometry) -> bool:
-    """The Hopper Gluon kernel (gluon_prefill.py) for this layer: sm_90, causal, no window or
-    sinks, 16-bit, head_dim 64/128/256, when ``FLEETLAB_GLUON_PREFILL=1``. GLUON_DEFAULT: whether
+    """The Hopper Gluon kernel (gluon_ws_prefill.py) for this layer: sm_90, causal, no window or
+    sinks, 16-bit, head_dim 64/128/256, unless ``FLEETLAB_GLUON_PREFILL=0``. GLUON_DEFAULT: whether
     it is planned without the variable (on once the H200 run has measured it)."""
     if os.environ.get("FLEETLAB_GLUON_PREFILL", GLUON_DEFAULT) in ("", "0") or _cuda_capability() != (9, 0):
         return False
-    from fleetlab.attention import gluon_prefill  # imports Gluon: GPU only
+    from fleetlab.attention import gluon_ws_prefill  # imports Gluon: GPU only
 
-    return gluon_prefill.gluon_prefill_supported(g.head_dim, g.elem_bytes, g.window, g.sinks, (9, 0))
+    return gluon_ws_prefill.gluon_ws_prefill_supported(g.head_dim, g.group, g.elem_bytes, g.window, g.sinks, (9, 0))
 
 
 def _gluon_prefill_launch(g: LayerGeometry, block_tables, seq_lens_kv, cu_seqlens_q, *, first_row: int,
                           num_rows: int, max_query_len: int) -> Launch:
-    """The Gluon prefill launch (same grid order and arguments as ``_prefill_kernel``'s)."""
-    from fleetlab.attention import gluon_prefill as gp
+    """The warp-specialised Gluon prefill launch (same grid order and arguments as ``_prefill_kernel``'s)."""
+    from fleetlab.attention import gluon_ws_prefill as gp
 
-    kernel = gp._gluon_prefill_kernel
-    bm, knobs = max(gp.BLOCK_M, _next_pow2(g.group)), gp.kernel_config(g.head_dim)
-    grid = (math.ceil(int(max_query_len) / (bm // g.group)), g.num_kv_heads, int(num_rows))
+    kernel, knobs = gp._gluon_ws_prefill_kernel, gp.kernel_config(g.head_dim)
+    grid = (math.ceil(int(max_query_len) / (gp.BLOCK_M // g.group)), g.num_kv_heads, int(num_rows))
     args = _common_args(g, block_tables, seq_lens_kv) | {
-        "cu_seqlens_q_ptr": cu_seqlens_q, "first_row": int(first_row), "GROUP": g.group,
-        "BLOCK_M": bm} | knobs
+        "cu_seqlens_q_ptr": cu_seqlens_q, "first_row": int(first_row), "GROUP": g.group} | knobs
     args = {k: v for k, v in args.items() if k in kernel.arg_names}
-    config = {"kernel": "gluon", "block_m": bm, "block_n": knobs["BLOCK_N"], "overlap": knobs["OVERLAP"],
-              "num_warps": gp.NUM_WARPS}
-    return Launch("prefill", kernel, grid, args, {"num_warps": gp.NUM_WARPS}, _LAYER_TENSORS, config)
+    options = {"num_warps": gp.NUM_WARPS.value, "maxnreg": gp.MAXNREG}
+    config = {"kernel": "gluon_ws", "block_m": gp.BLOCK_M.value, **knobs, **options}
+    return Launch("prefill", kernel, grid, args, options, _LAYER_TENSORS, config)
 
 
 def _store_launch(g: LayerGeometry, slot_mapping, num_tokens: int) -> Launch:
