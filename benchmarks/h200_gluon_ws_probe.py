@@ -28,9 +28,10 @@ SHAPES = [(1, 8192, 0, 32, 8, 128, 16), (8, 2048, 0, 32, 8, 128, 16), (32, 512, 
           (8, 2048, 0, 32, 8, 128, 64), (8, 2048, 0, 32, 8, 128, 128), (1, 512, 8192, 32, 8, 128, 16),
           (1, 6144, 0, 28, 4, 128, 128), (4, 3072, 0, 32, 8, 128, 128), (16, 700, 0, 32, 8, 128, 128),
           (2, 4096, 0, 16, 16, 64, 128), (4, 2048, 0, 16, 4, 256, 128)]
-RINGS = {64: [{"BLOCK_N": 128, "STAGES": 4}, {"BLOCK_N": 64, "STAGES": 4}],
-         128: [{"BLOCK_N": 128, "STAGES": 2}, {"BLOCK_N": 128, "STAGES": 3}, {"BLOCK_N": 64, "STAGES": 4}],
-         256: [{"BLOCK_N": 64, "STAGES": 2}, {"BLOCK_N": 32, "STAGES": 4}]}
+RINGS = {64: [{"BLOCK_N": 128, "STAGES": 4, "Q_SLOTS": 2}],
+         128: [{"BLOCK_N": 128, "STAGES": 3, "Q_SLOTS": 1}, {"BLOCK_N": 64, "STAGES": 4, "Q_SLOTS": 2}],
+         256: [{"BLOCK_N": 32, "STAGES": 4, "Q_SLOTS": 1}]}
+RINGS = {d: [r | {"persistent": p} for r in rings for p in (True, False)] for d, rings in RINGS.items()}
 
 
 def run(shape):
@@ -39,7 +40,10 @@ def run(shape):
     inputs = bt.make_inputs(case.as_decode())
     times, outs = {}, {}
     default_cfg = ws.kernel_config
-    variants = [("portable", "0", None)] + [(f"ws{c['BLOCK_N']}x{c['STAGES']}", "1", c) for c in RINGS[d]]
+    regs = {k: v for k, v in default_cfg(d).items() if k.endswith("_REGS")}
+    variants = [("portable", "0", None)] + [
+        (f"ws{c['BLOCK_N']}x{c['STAGES']}q{c['Q_SLOTS']}{'p' if c['persistent'] else 'g'}", "1", regs | c)
+        for c in RINGS[d]]
     for name, env, cfg in variants:
         os.environ["FLEETLAB_GLUON_PREFILL"] = env
         ws.kernel_config = (lambda h, _c=cfg: _c) if cfg else default_cfg

@@ -690,12 +690,14 @@ GLUON_SHAPES = [(16, 8, 1, 128), (64, 4, 7, 128), (128, 8, 4, 128), (16, 16, 1, 
 def test_gluon_prefill_matches_dense_across_tile_edges(shape, dtype, ring, monkeypatch):
     """The Hopper plan takes the warp-specialised Gluon kernel; chunks at every offset from a K/V
     tile edge and from a query tile edge, after contexts of 0 to 300 tokens, match dense, with
-    the default ring and with a deeper ring of smaller tiles (every buffer reused many times)."""
+    the default ring and with a deeper ring of smaller tiles and two Q buffers (every buffer
+    reused many times, items of the persistent walk with and without keys)."""
     from fleetlab.attention import gluon_ws_prefill as gp
 
     if ring == "deep":
-        deep = {"BLOCK_N": 64, "STAGES": 3}
-        monkeypatch.setattr(gp, "kernel_config", lambda head_dim: deep if head_dim <= 128 else deep | {"BLOCK_N": 32})
+        default = gp.kernel_config
+        monkeypatch.setattr(gp, "kernel_config", lambda head_dim: default(head_dim) | {
+            "BLOCK_N": 64 if head_dim <= 128 else 32, "STAGES": 3, "Q_SLOTS": 2})
     monkeypatch.setenv("FLEETLAB_GLUON_PREFILL", "1")
     g = tk.LayerGeometry.of(*(lambda b: (b["query"], b["key_cache"], b["value_cache"]))(
         _batch_for(shape, dtype, [1], [0])))

@@ -1316,13 +1316,17 @@ def _gluon_prefill_launch(g: LayerGeometry, block_tables, seq_lens_kv, cu_seqlen
     """The warp-specialised Gluon prefill launch (same grid order and arguments as ``_prefill_kernel``'s)."""
     from fleetlab.attention import gluon_ws_prefill as gp
 
-    kernel, knobs = gp._gluon_ws_prefill_kernel, gp.kernel_config(g.head_dim)
-    grid = (math.ceil(int(max_query_len) / (gp.BLOCK_M // g.group)), g.num_kv_heads, int(num_rows))
+    kernel, knobs = gp._gluon_ws_prefill_kernel, dict(gp.kernel_config(g.head_dim))
+    num_q_tiles = math.ceil(int(max_query_len) / (gp.BLOCK_M.value // g.group))
+    num_items = num_q_tiles * g.num_kv_heads * int(num_rows)
+    # persistent: one CTA per multiprocessor walks its share of the items; else one CTA per item
+    grid = (min(num_items, _num_sms()) if knobs.pop("persistent") else num_items,)
     args = _common_args(g, block_tables, seq_lens_kv) | {
-        "cu_seqlens_q_ptr": cu_seqlens_q, "first_row": int(first_row), "GROUP": g.group} | knobs
+        "cu_seqlens_q_ptr": cu_seqlens_q, "first_row": int(first_row), "GROUP": g.group, "num_items": num_items,
+        "num_kv_heads": g.num_kv_heads, "num_q_tiles": num_q_tiles} | knobs
     args = {k: v for k, v in args.items() if k in kernel.arg_names}
     options = {"num_warps": gp.NUM_WARPS.value, "maxnreg": gp.MAXNREG}
-    config = {"kernel": "gluon_ws", "block_m": gp.BLOCK_M.value, **knobs, **options}
+    config = {"kernel": "gluon_ws", "block_m": gp.BLOCK_M.value, "grid": grid[0], **knobs, **options}
     return Launch("prefill", kernel, grid, args, options, _LAYER_TENSORS, config)
 
 
