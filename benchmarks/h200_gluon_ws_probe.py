@@ -40,13 +40,13 @@ def run(shape):
     inputs = bt.make_inputs(case.as_decode())
     times, outs = {}, {}
     default_cfg = ws.kernel_config
-    regs = {k: v for k, v in default_cfg(d).items() if k.endswith("_REGS")}
+    regs = {k: v for k, v in default_cfg(d, chunk).items() if k.endswith("_REGS")}
     variants = [("portable", "0", None)] + [
         (f"ws{c['BLOCK_N']}x{c['STAGES']}q{c['Q_SLOTS']}{'p' if c['persistent'] else 'g'}", "1", regs | c)
         for c in RINGS[d]]
     for name, env, cfg in variants:
         os.environ["FLEETLAB_GLUON_PREFILL"] = env
-        ws.kernel_config = (lambda h, _c=cfg: _c) if cfg else default_cfg
+        ws.kernel_config = (lambda h, n, _c=cfg: _c) if cfg else default_cfg
         out = torch.full_like(inputs["query"], float("nan"))
         try:
             fn, plan = bt._prefill_fn(tk, inputs, case, out)

@@ -696,7 +696,7 @@ def test_gluon_prefill_matches_dense_across_tile_edges(shape, dtype, ring, monke
 
     if ring == "deep":
         default = gp.kernel_config
-        monkeypatch.setattr(gp, "kernel_config", lambda head_dim: default(head_dim) | {
+        monkeypatch.setattr(gp, "kernel_config", lambda head_dim, max_query_len: default(head_dim, max_query_len) | {
             "BLOCK_N": 64 if head_dim <= 128 else 32, "STAGES": 3, "Q_SLOTS": 2})
     monkeypatch.setenv("FLEETLAB_GLUON_PREFILL", "1")
     g = tk.LayerGeometry.of(*(lambda b: (b["query"], b["key_cache"], b["value_cache"]))(
@@ -726,6 +726,25 @@ def test_gluon_prefill_is_not_planned_for_windows_sinks_or_forced_knobs(monkeypa
                              batch["cu_seqlens_q"], num_tokens=64, first_row=0, num_rows=1, max_query_len=64,
                              block_n=32)
     assert forced.launches[0].kernel is tk._prefill_kernel
+
+
+@pytest.mark.skipif(not ON_HOPPER, reason="the Gluon prefill kernel is for sm_90 GPUs")
+def test_gluon_prefill_plan_runs_tensors_off_a_16_byte_boundary_through_its_fallback(monkeypatch):
+    """The Gluon kernel copies 16 bytes at a time; a query one element off a 16-byte boundary
+    runs the plan's portable fallback, and still matches dense."""
+    monkeypatch.setenv("FLEETLAB_GLUON_PREFILL", "1")
+    batch = _batch_for((16, 2, 4, 128), torch.bfloat16, [100, 37], [0, 50], seed=5)
+    q = batch["query"]
+    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device=q.device)[1:].view(q.shape)
+    shifted.copy_(q)
+    assert shifted.data_ptr() % 16 != 0
+    g = tk.LayerGeometry.of(shifted, batch["key_cache"], batch["value_cache"])
+    plan = tk.plan_prefill(g, batch["block_tables"], batch["seq_lens_kv"], batch["cu_seqlens_q"], num_tokens=137,
+                           first_row=0, num_rows=2, max_query_len=100)
+    launch = plan.launches[0]
+    assert launch.config["kernel"] == "gluon_ws" and launch.fallback.kernel is tk._prefill_kernel
+    out = plan.run(shifted, batch["key_cache"], batch["value_cache"], scale=128 ** -0.5, out=_poisoned_out(batch))
+    _check("gluon_prefill_fallback", out, dense_reference(batch, scale=128 ** -0.5), torch.bfloat16)
 
 
 def test_plan_decode_splits_fills_the_gpu_and_covers_the_context():

@@ -45,13 +45,17 @@ FIRST, SECOND = gl.constexpr(0), gl.constexpr(1)  # the consumers' warpgroup ind
 MAXNREG = 168  # 12 warps x 32 x 168 fits the 64 Ki registers before setmaxnreg moves them
 
 
-def kernel_config(head_dim: int) -> dict:
+def kernel_config(head_dim: int, max_query_len: int) -> dict:
     """K/V tokens per tile, ring depth and Q buffers (they fit the 227 KiB of shared memory), and
     the registers of consumer 1 and of the producer (consumer 0 gets what they leave, the same
-    as consumer 1): the most the consumers can have without the producer spilling."""
+    as consumer 1): the most the consumers can have without the producer spilling. At head_dim
+    128, chunks of up to 1k tokens take tiles of 64 keys and two Q buffers (an item has few K/V
+    tiles, so the next item's Q and the diagonal tile's masked half matter); longer ones 128."""
     regs = {"CONSUMER_REGS": 232, "PRODUCER_REGS": 40} if head_dim == 256 else {
         "CONSUMER_REGS": 224, "PRODUCER_REGS": 56}
-    ring = {64: {"BLOCK_N": 128, "STAGES": 4, "Q_SLOTS": 2}, 128: {"BLOCK_N": 128, "STAGES": 3, "Q_SLOTS": 1},
+    short = max_query_len <= 1024
+    ring = {64: {"BLOCK_N": 128, "STAGES": 4, "Q_SLOTS": 2},
+            128: {"BLOCK_N": 64, "STAGES": 4, "Q_SLOTS": 2} if short else {"BLOCK_N": 128, "STAGES": 3, "Q_SLOTS": 1},
             256: {"BLOCK_N": 32, "STAGES": 4, "Q_SLOTS": 1}}[head_dim]
     return regs | ring | {"persistent": True}
 

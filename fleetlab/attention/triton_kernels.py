@@ -776,11 +776,11 @@ class Launch:
     assume alignment). Under the CPU interpreter every call goes through the JIT.
     """
 
-    __slots__ = ("name", "kernel", "grid", "options", "config", "_args", "_binds", "_scale_at", "_fast",
-                 "_launch")
+    __slots__ = ("name", "kernel", "grid", "options", "config", "fallback", "_args", "_binds", "_scale_at",
+                 "_fast", "_launch")
 
     def __init__(self, name: str, kernel, grid, args: dict, options: dict, layer: dict[str, int],
-                 config: dict | None = None):
+                 config: dict | None = None, fallback: Launch | None = None):
         names = kernel.arg_names
         unknown = set(args) - set(names)
         missing = [n for n in names if n not in args and n not in layer and n != "scale_log2"]
@@ -789,6 +789,7 @@ class Launch:
         self.name, self.kernel, self.options = name, kernel, options
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.config = config or {}
+        self.fallback = fallback  # launched instead when the tensors are not all 16-byte aligned
         self._args = [args.get(n) for n in names]
         self._binds = tuple((i, layer[n]) for i, n in enumerate(names) if n in layer)
         self._scale_at = names.index("scale_log2") if "scale_log2" in names else -1
@@ -797,6 +798,9 @@ class Launch:
 
     def __call__(self, tensors, ptrs, aligned: bool, scale_log2: float, stream) -> None:
         """Launch with this layer's ``tensors`` (and their addresses ``ptrs``) on ``stream``."""
+        if not aligned and self.fallback is not None:
+            self.fallback(tensors, ptrs, aligned, scale_log2, stream)
+            return
         if aligned and self._fast is not None:
             args = self._fast.copy()
             for i, j in self._binds:
@@ -1268,24 +1272,25 @@ def _prefill_launch(g: LayerGeometry, block_tables, seq_lens_kv, cu_seqlens_q, *
     """The prefill launch for rows ``[first_row, first_row + num_rows)`` (see ``prefill_attention``)."""
     group = g.group
     forced = (block_m, block_n, num_warps, num_stages, page_tiles, warp_specialize)
-    if all(v is None for v in forced) and _gluon_prefill_usable(g):
-        return _gluon_prefill_launch(g, block_tables, seq_lens_kv, cu_seqlens_q, first_row=first_row,
-                                     num_rows=num_rows, max_query_len=max_query_len)
     big_tiles = num_rows * g.num_kv_heads * math.ceil(max_query_len * group / 128)
     cfg = prefill_config(g.head_dim, group, g.elem_bytes, big_tiles, int(max_query_len), _num_sms(), g.block_size)
     cfg = PrefillConfig(*(c if v is None else type(c)(v) for c, v in zip(cfg, forced)))
     bm = max(cfg.block_m, _next_pow2(group))
     grid = (math.ceil(int(max_query_len) / (bm // group)), g.num_kv_heads, int(num_rows))
     page_tiles = cfg.page_tiles and g.block_size % cfg.block_n == 0 and not g.window
-    return Launch("prefill", _prefill_kernel, grid, _common_args(g, block_tables, seq_lens_kv) | {
+    portable = Launch("prefill", _prefill_kernel, grid, _common_args(g, block_tables, seq_lens_kv) | {
         "cu_seqlens_q_ptr": cu_seqlens_q, "first_row": int(first_row), "GROUP": group,
         "BLOCK_D": _next_pow2(g.head_dim), "BLOCK_M": bm, "BLOCK_N": cfg.block_n, "PAGE_TILES": page_tiles,
         "WARP_SPECIALIZE": cfg.warp_specialize,
     }, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}, _LAYER_TENSORS,
         cfg._asdict() | {"block_m": bm, "page_tiles": page_tiles})
+    if all(v is None for v in forced) and _gluon_prefill_usable(g):
+        return _gluon_prefill_launch(g, block_tables, seq_lens_kv, cu_seqlens_q, first_row=first_row,
+                                     num_rows=num_rows, max_query_len=max_query_len, fallback=portable)
+    return portable
 
 
-GLUON_DEFAULT = "0"
+GLUON_DEFAULT = "1"
 
 
 @functools.cache
@@ -1302,8 +1307,8 @@ def _cuda_capability() -> tuple[int, int] | None:
 
 def _gluon_prefill_usable(g: LayerGeometry) -> bool:
     """The Hopper Gluon kernel (gluon_ws_prefill.py) for this layer: sm_90, causal, no window or
-    sinks, 16-bit, head_dim 64/128/256, unless ``FLEETLAB_GLUON_PREFILL=0``. GLUON_DEFAULT: whether
-    it is planned without the variable (on once the H200 run has measured it)."""
+    sinks, 16-bit, head_dim 64/128/256, unless ``FLEETLAB_GLUON_PREFILL=0`` (then the portable
+    kernel; GLUON_DEFAULT: the setting without the variable)."""
     if os.environ.get("FLEETLAB_GLUON_PREFILL", GLUON_DEFAULT) in ("", "0") or _cuda_capability() != (9, 0):
         return False
     from fleetlab.attention import gluon_ws_prefill  # imports Gluon: GPU only
@@ -1312,11 +1317,12 @@ def _gluon_prefill_usable(g: LayerGeometry) -> bool:
 
 
 def _gluon_prefill_launch(g: LayerGeometry, block_tables, seq_lens_kv, cu_seqlens_q, *, first_row: int,
-                          num_rows: int, max_query_len: int) -> Launch:
-    """The warp-specialised Gluon prefill launch (same grid order and arguments as ``_prefill_kernel``'s)."""
+                          num_rows: int, max_query_len: int, fallback: Launch) -> Launch:
+    """The warp-specialised Gluon prefill launch; ``fallback`` (the portable kernel's) runs tensors
+    off a 16-byte boundary, which its 16-byte asynchronous copies cannot read."""
     from fleetlab.attention import gluon_ws_prefill as gp
 
-    kernel, knobs = gp._gluon_ws_prefill_kernel, dict(gp.kernel_config(g.head_dim))
+    kernel, knobs = gp._gluon_ws_prefill_kernel, dict(gp.kernel_config(g.head_dim, int(max_query_len)))
     num_q_tiles = math.ceil(int(max_query_len) / (gp.BLOCK_M.value // g.group))
     num_items = num_q_tiles * g.num_kv_heads * int(num_rows)
     # persistent: one CTA per multiprocessor walks its share of the items; else one CTA per item
@@ -1327,7 +1333,7 @@ def _gluon_prefill_launch(g: LayerGeometry, block_tables, seq_lens_kv, cu_seqlen
     args = {k: v for k, v in args.items() if k in kernel.arg_names}
     options = {"num_warps": gp.NUM_WARPS.value, "maxnreg": gp.MAXNREG}
     config = {"kernel": "gluon_ws", "block_m": gp.BLOCK_M.value, "grid": grid[0], **knobs, **options}
-    return Launch("prefill", kernel, grid, args, options, _LAYER_TENSORS, config)
+    return Launch("prefill", kernel, grid, args, options, _LAYER_TENSORS, config, fallback)
 
 
 def _store_launch(g: LayerGeometry, slot_mapping, num_tokens: int) -> Launch:

@@ -151,6 +151,7 @@ def load_kernels(path: str | None = None):
         return importlib.import_module("fleetlab.attention.triton_kernels")
     spec = importlib.util.spec_from_file_location("fleetlab_triton_kernels_before", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
 
