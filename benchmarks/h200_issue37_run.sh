@@ -18,3 +18,6 @@ timeout 45 ncu --clock-control none -k regex:_gluon_ws --launch-count 1 --sectio
     python3 gpu_stage/one_prefill.py > $OUT/ncu.txt 2>&1
 tail -60 $OUT/ncu.txt
 timeout 40 python3 benchmarks/h200_overlap_plan_probe.py --out $OUT/overlap_probe.json 2>&1 | tail -5
+grep -E "^FAILED|passed|failed" $OUT/suite.txt | tail -12
+# what comes back is at most 8 files: the suite's per-worker error files alone are 16, so one archive
+cd $OUT && tar czf h200_run.tgz --remove-files -- *
