@@ -124,3 +124,35 @@ def test_paged_occupancy_counts_shared_blocks_once():
 def test_agreement_measures_the_common_prefix():
     got = engine.agreement([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]])
     assert got == {"requests": 2, "identical_requests": 1, "matching_token_fraction": pytest.approx(4 / 6)}
+
+
+def test_tiny_overlapped_side_runs_the_overlapped_core_beside_the_synchronous_one():
+    """``bench engine --async-scheduling``: the third side is ``LLM(async_scheduling=True)``'s own core (not
+    the synchronous one under another name), every side reports positive figures, the ratios are the
+    figures' own, and the interpreter's switch interval is put back."""
+    import dataclasses
+    import sys
+
+    from fleetlab.bench.report import overlap_row
+
+    cfg, _, _ = engine._parse(["--tiny", "--async-scheduling", "--repeats", "2"])
+    assert cfg.async_scheduling and cfg.repeats == 2
+    vocab = engine.MODEL_SIZES["tiny"]["vocab_size"]
+    wl = mixed_workload(cfg.num_requests, cfg.prompt_len, cfg.output_len, vocab, seed=cfg.seed)
+    switch = sys.getswitchinterval()
+    tp, _ = engine.bench_throughput(dataclasses.replace(cfg, sizes=("tiny",)), wl)
+    assert sys.getswitchinterval() == switch
+    (m,) = tp["models"]
+    sync, over = m["fleetlab"], m["fleetlab_overlap"]
+    assert sync["core"] == "EngineCore" and over["core"] == "OverlapEngineCore"
+    for side in (m["paddleformers"], sync, over):
+        assert side["tokens_per_s"] > 0 and len(side["seconds"]) == 2
+    for side in (sync, over):
+        assert side["num_steps"] > 0 and len(side["ttft_ms"]) == 2 and side["best_ttft_ms"] > 0
+    assert m["overlap_speedup"] == pytest.approx(over["tokens_per_s"] / m["paddleformers"]["tokens_per_s"])
+    # Greedy on the same model: the overlapped loop gives the same tokens as generate.
+    assert m["overlap_agreement"]["identical_requests"] == wl.num_requests
+    paired = m["paired"]
+    assert paired["overlap_over_sync"] == pytest.approx([s / o for s, o in zip(sync["seconds"], over["seconds"])])
+    assert paired["overlap_speedup_median"] == pytest.approx(np.median(paired["overlap_speedup"]))
+    assert f"{m['overlap_speedup']:.2f}x" in overlap_row(m, tp["paddleformers_batch_size"])

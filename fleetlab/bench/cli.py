@@ -1,7 +1,8 @@
 """``python -m fleetlab bench [NAME] [options]``: benchmarks are commands, not tests.
 
 Names: ``all`` (default: the engine benchmark), ``engine`` (fleetlab vs PaddleFormers
-generate, KV memory, prefix caching, step-time breakdown), ``reorder`` (condense +
+generate, KV memory, prefix caching, step-time breakdown; ``--async-scheduling`` adds the
+overlapped engine as a third throughput side), ``reorder`` (condense +
 decode-first reorder cost), ``attention`` (the tiled paged attention against the naive one,
 one layer), ``triton`` (Triton paged-attention kernels: decode, multi-token decode, prefill;
 needs a GPU with torch and triton), ``serve`` (an OpenAI-compatible server under Poisson

@@ -10,7 +10,11 @@ Every figure is measured in one run, on one machine, with the same models and re
    static batch decodes until its longest request is done; the extra tokens are waste).
    The greedy tokens of both sides are compared request by request (``agreement``).
    fleetlab's timed run records a ``StepTrace`` per step (figure 2 reads them): that cost
-   counts against it.
+   counts against it. ``--async-scheduling`` adds a third side, fleetlab overlapped
+   (``LLM(async_scheduling=True)``, which cannot record traces: only its wall time, CPU time,
+   steps, time to the first token and tokens are read), taking turns with the other two; each
+   round's ratios are also taken pair by pair (``paired``), the sides of a pair run one right
+   after the other.
 2. **kv_memory** -- the share of allocated KV memory that holds real tokens, summed over
    the steps of the run: fleetlab's paged cache (blocks in use) against the padded
    contiguous cache of the static batches (``B x (longest prompt + steps so far)``) and
@@ -44,7 +48,13 @@ JSON schema (``schema_version`` 1; times in seconds unless the key says ``_ms``)
                          tokens_per_s (from best_s), generated_tokens (incl. static-batch waste),
                          num_batches, batch_size},
          fleetlab: {seconds, cpu_seconds, best_s, best_cpu_s, output_tokens, tokens_per_s,
-                    num_steps, num_preemptions},
+                    num_steps, num_preemptions, core (the engine core's class name),
+                    ttft_ms (lists, one per repeat: median arrival to first token), best_ttft_ms},
+         fleetlab_overlap (only with --async-scheduling): {...the same keys as fleetlab},
+         overlap_speedup, overlap_cpu_time_speedup, overlap_agreement (only with --async-scheduling):
+             as speedup, cpu_time_speedup and agreement, for the overlapped side,
+         paired (only with --async-scheduling): {speedup, overlap_speedup, overlap_over_sync: lists of
+             tokens/s ratios, one per repeat, each from the same round; *_median: their medians},
          speedup: fleetlab tokens_per_s / paddleformers tokens_per_s (wall clock),
          cpu_time_speedup: paddleformers best_cpu_s / fleetlab best_cpu_s (process CPU time:
                            steadier than wall clock when other work shares the machine),
@@ -134,6 +144,10 @@ class BenchConfig:
     breakdown_batches: tuple[int, ...] = (4, 64)
     breakdown_prompt_len: tuple[int, int] = (64, 128)
     breakdown_output_len: int = 48
+    # throughput only: a third side, fleetlab with async_scheduling=True, and the interpreter's thread
+    # switch interval while it runs (as ``bench overlap`` measures it; 0: Python's default)
+    async_scheduling: bool = False
+    switch_interval: float = 0.0002
     out: str = str(DEFAULT_OUT)
 
 
@@ -189,10 +203,11 @@ def run_paddleformers(model, workload: Workload, batch_size: int) -> dict:
 
 
 def make_llm(model, cfg: BenchConfig, max_model_len: int, **overrides):
-    """A fleetlab ``LLM`` on ``model`` with the benchmark's engine settings."""
+    """A fleetlab ``LLM`` on ``model`` with the benchmark's engine settings (traces recorded, except
+    with ``async_scheduling=True``, which refuses them)."""
     engine = {"block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
               "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_model_len": max_model_len,
-              "record_traces": True, "seed": cfg.seed}
+              "record_traces": not overrides.get("async_scheduling", False), "seed": cfg.seed}
     engine.update(overrides)
     # A pool that holds every row at full length, as the figures were measured (the engine's default
     # pool preempts under load: here that would measure memory pressure, not the engine).
@@ -201,18 +216,26 @@ def make_llm(model, cfg: BenchConfig, max_model_len: int, **overrides):
 
 
 def run_fleetlab(model, workload: Workload, cfg: BenchConfig, **overrides) -> dict:
-    """``LLM.generate`` on the workload (greedy, ``ignore_eos``); the model is unpatched after."""
+    """``LLM.generate`` on the workload (greedy, ``ignore_eos``); the model is unpatched after.
+
+    ``async_scheduling=True`` runs the overlapped core, under ``cfg.switch_interval`` (restored after).
+    ``ttft_s``: the median over requests of arrival to first token (all arrive at once)."""
     llm = make_llm(model, cfg, workload.max_seq_len + 1, **overrides)
+    switch = sys.getswitchinterval()
     try:
+        if llm.config.async_scheduling and cfg.switch_interval > 0:
+            sys.setswitchinterval(cfg.switch_interval)  # how soon the host and the model thread hand over the GIL
         params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload.output_lens]
         start, cpu_start = time.perf_counter(), time.process_time()
         outs = llm.generate(prompt_token_ids=workload.prompts, sampling_params=params, use_tqdm=False)
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         stats = llm.stats()
     finally:
-        llm.handle.unpatch()
+        sys.setswitchinterval(switch)
+        llm.close()  # the overlapped core's model thread stops, then the model is unpatched
+    ttft = float(np.median([o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs]))
     return {"seconds": seconds, "cpu_seconds": cpu_seconds, "tokens": [list(o.token_ids) for o in outs],
-            "traces": llm.traces,
+            "traces": llm.traces, "core": type(llm.core).__name__, "ttft_s": ttft,
             "stats": stats, "block_size": llm.pool.block_size}
 
 
@@ -289,7 +312,8 @@ def bench_throughput(cfg: BenchConfig, workload: Workload, quiet: bool = True) -
     models, kv_memory = [], None
     for size in cfg.sizes:
         model = build_model(size, workload.max_seq_len + 1, seed=cfg.seed)
-        with section(f"throughput, {size} model", 1 + 2 * cfg.repeats, quiet=quiet) as bar:
+        sides = 3 if cfg.async_scheduling else 2
+        with section(f"throughput, {size} model", 1 + sides * cfg.repeats, quiet=quiet) as bar:
             entry, fl = _measure_size(model, size, cfg, workload, bar)
         models.append(entry)
         logger.info("throughput %s: paddleformers %.0f tok/s, fleetlab %.0f tok/s (x%.2f)", size,
@@ -303,29 +327,57 @@ def bench_throughput(cfg: BenchConfig, workload: Workload, quiet: bool = True) -
 
 
 def _measure_size(model, size: str, cfg: BenchConfig, workload: Workload, bar=None) -> tuple[dict, dict]:
-    """Both sides on one model, ``cfg.repeats`` times each, alternating which goes first
-    (on a shared machine the load drifts; the best run of each side counts). ``bar``: a
-    progress bar advanced once per run (the warm-up counts as one)."""
+    """Both sides (three with ``cfg.async_scheduling``) on one model, ``cfg.repeats`` times each,
+    alternating the order (A B C, C B A, ...: on a shared machine the load drifts; the best run of
+    each side counts, and ``paired`` compares each round's runs). ``bar``: a progress bar advanced
+    once per run (the warm-up counts as one). Returns the entry and the synchronous side's last run."""
     run_step(bar, "warm-up", lambda: _warm_up(model, workload, cfg))
-    pf_runs, fl_runs = [], []
+    runs: dict[str, list[dict]] = {"pf": [], "fl": [], "ov": []}
     for i in range(cfg.repeats):
         sides = [(f"PaddleFormers generate {i + 1}/{cfg.repeats}",
-                  lambda: pf_runs.append(run_paddleformers(model, workload, cfg.pf_batch_size))),
-                 (f"fleetlab LLM {i + 1}/{cfg.repeats}", lambda: fl_runs.append(run_fleetlab(model, workload, cfg)))]
+                  lambda: runs["pf"].append(run_paddleformers(model, workload, cfg.pf_batch_size))),
+                 (f"fleetlab LLM {i + 1}/{cfg.repeats}", lambda: runs["fl"].append(run_fleetlab(model, workload, cfg)))]
+        if cfg.async_scheduling:
+            sides.append((f"fleetlab overlapped {i + 1}/{cfg.repeats}",
+                          lambda: runs["ov"].append(run_fleetlab(model, workload, cfg, async_scheduling=True))))
         for what, run_side in sides if i % 2 == 0 else sides[::-1]:
             run_step(bar, what, run_side)
-    pf, fl = pf_runs[-1], fl_runs[-1]
+    pf, fl = runs["pf"][-1], runs["fl"][-1]
     entry = {
         "size": size, "num_params": num_params(model), "config": dict(MODEL_SIZES[size]),
-        "paddleformers": {**_timing(pf_runs, workload), "generated_tokens": pf["generated_tokens"],
+        "paddleformers": {**_timing(runs["pf"], workload), "generated_tokens": pf["generated_tokens"],
                           "num_batches": pf["num_batches"], "batch_size": pf["batch_size"]},
-        "fleetlab": {**_timing(fl_runs, workload), "num_steps": len(fl["traces"]),
-                     "num_preemptions": fl["stats"]["num_preemptions"]},
+        "fleetlab": _fleetlab_side(runs["fl"], workload),
         "agreement": agreement(pf["tokens"], fl["tokens"]),
     }
     entry["speedup"] = entry["fleetlab"]["tokens_per_s"] / entry["paddleformers"]["tokens_per_s"]
     entry["cpu_time_speedup"] = entry["paddleformers"]["best_cpu_s"] / entry["fleetlab"]["best_cpu_s"]
+    if cfg.async_scheduling:
+        entry.update(_overlap_side(runs, workload, entry["paddleformers"]))
     return entry, fl
+
+
+def _fleetlab_side(runs: list[dict], workload: Workload) -> dict:
+    """One fleetlab side's figures over its runs: timing, steps, preemptions, its core, TTFT."""
+    last = runs[-1]
+    ttft = [1e3 * r["ttft_s"] for r in runs]
+    return {**_timing(runs, workload), "num_steps": last["stats"]["num_steps"],
+            "num_preemptions": last["stats"]["num_preemptions"], "core": last["core"],
+            "ttft_ms": ttft, "best_ttft_ms": min(ttft)}
+
+
+def _overlap_side(runs: dict[str, list[dict]], workload: Workload, pf: dict) -> dict:
+    """The overlapped side's entry keys: its figures, its ratios to PaddleFormers (best runs, and
+    round by round against the runs taken beside it)."""
+    side = _fleetlab_side(runs["ov"], workload)
+    tok_s = {k: [workload.num_output_tokens / r["seconds"] for r in rs] for k, rs in runs.items()}
+    paired = {"speedup": [f / p for f, p in zip(tok_s["fl"], tok_s["pf"])],
+              "overlap_speedup": [o / p for o, p in zip(tok_s["ov"], tok_s["pf"])],
+              "overlap_over_sync": [o / f for o, f in zip(tok_s["ov"], tok_s["fl"])]}
+    paired.update({f"{k}_median": float(np.median(v)) for k, v in list(paired.items())})
+    return {"fleetlab_overlap": side, "overlap_speedup": side["tokens_per_s"] / pf["tokens_per_s"],
+            "overlap_cpu_time_speedup": pf["best_cpu_s"] / side["best_cpu_s"],
+            "overlap_agreement": agreement(runs["pf"][-1]["tokens"], runs["ov"][-1]["tokens"]), "paired": paired}
 
 
 def _timing(runs: list[dict], workload: Workload) -> dict:
@@ -341,6 +393,8 @@ def _warm_up(model, workload: Workload, cfg: BenchConfig) -> None:
     small = Workload("warm-up", [p[:8] for p in workload.prompts[:2]], [2, 2])
     run_paddleformers(model, small, 2)
     run_fleetlab(model, small, cfg)
+    if cfg.async_scheduling:
+        run_fleetlab(model, small, cfg, async_scheduling=True)
 
 
 def _kv_memory(size: str, model, workload: Workload, cfg: BenchConfig, fl: dict) -> dict:
@@ -465,11 +519,16 @@ def _parse(argv) -> tuple[BenchConfig, str, bool]:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--repeats", type=int, help="timed runs per side; the best counts")
     p.add_argument("--seed", type=int)
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="throughput: also measure fleetlab with async_scheduling=True (overlap), taking turns")
+    p.add_argument("--switch-interval", type=float,
+                   help="seconds: thread switch interval while the overlapped side runs (default 0.0002; 0: Python's)")
     add_quiet(p)
     args = p.parse_args(argv)
     preset = "tiny" if args.tiny else "full"
     cfg = dataclasses.replace(PRESETS[preset])
-    for name in ("out", "num_requests", "pf_batch_size", "max_num_seqs", "max_num_batched_tokens", "repeats", "seed"):
+    for name in ("out", "num_requests", "pf_batch_size", "max_num_seqs", "max_num_batched_tokens", "repeats", "seed",
+                 "switch_interval"):
         value = getattr(args, name)
         if value is not None:
             setattr(cfg, name, value)
@@ -482,6 +541,7 @@ def _parse(argv) -> tuple[BenchConfig, str, bool]:
         cfg.prompt_len = tuple(args.prompt_len)
     if args.output_len:
         cfg.output_len = tuple(args.output_len)
+    cfg.async_scheduling = args.async_scheduling
     return cfg, preset, args.quiet
 
 

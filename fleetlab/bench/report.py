@@ -32,6 +32,8 @@ def headline_table(result: dict) -> str:
             f"| {e['paddleformers']['tokens_per_s']:.0f} (static batches of {tp['paddleformers_batch_size']}) "
             f"| {e['fleetlab']['tokens_per_s']:.0f} | **{e['speedup']:.2f}x** (CPU time {e['cpu_time_speedup']:.2f}x; "
             f"greedy tokens identical {a['identical_requests']}/{a['requests']}) |")
+        if "fleetlab_overlap" in e:  # bench engine --async-scheduling
+            lines.append(overlap_row(e, tp["paddleformers_batch_size"]))
     lines.append(f"| allocated KV memory holding real tokens | {100 * kv['padded']['token_fill']:.0f}% "
                  f"(padded batches) | {100 * kv['paged']['token_fill']:.0f}% (paged, block {kv['block_size']}) "
                  f"| reserving max length: {100 * kv['reserved']['token_fill']:.0f}% |")
@@ -44,6 +46,16 @@ def headline_table(result: dict) -> str:
                      f"{ms['forward']:.1f} ms / {ms['total'] - ms['forward']:.2f} ms "
                      f"| overhead {100 * b['overhead_share']:.1f}% |")
     return "\n".join(lines)
+
+
+def overlap_row(e: dict, pf_batch: int) -> str:
+    """The table row of one model's overlapped side (``LLM(async_scheduling=True)``)."""
+    ov, a, paired = e["fleetlab_overlap"], e["overlap_agreement"], e["paired"]
+    return (f"| same requests, fleetlab overlapped (`async_scheduling=True`) "
+            f"| {e['paddleformers']['tokens_per_s']:.0f} (static batches of {pf_batch}) | {ov['tokens_per_s']:.0f} "
+            f"| **{e['overlap_speedup']:.2f}x** (CPU time {e['overlap_cpu_time_speedup']:.2f}x; round by round "
+            f"{paired['overlap_speedup_median']:.2f}x, synchronous {paired['speedup_median']:.2f}x; "
+            f"greedy tokens identical {a['identical_requests']}/{a['requests']}) |")
 
 
 def write_plots(result: dict, out: Path) -> list[str]:
@@ -59,18 +71,27 @@ def write_plots(result: dict, out: Path) -> list[str]:
 
 
 def _plot_throughput(ax, result: dict) -> None:
-    """Output tokens/s of both sides per model size, the speedup written over fleetlab's bar."""
+    """Output tokens/s of each side per model size (the overlapped one too, where measured), the
+    speedup written over fleetlab's bars."""
     tp = result["throughput"]["models"]
     x = np.arange(len(tp))
-    pf = [e["paddleformers"]["tokens_per_s"] for e in tp]
-    fl = [e["fleetlab"]["tokens_per_s"] for e in tp]
     pf_batch = result["throughput"]["paddleformers_batch_size"]
-    ax.bar(x - 0.2, pf, 0.4, label=f"PaddleFormers generate (batches of {pf_batch})")
-    ax.bar(x + 0.2, fl, 0.4, label="fleetlab LLM (continuous batching)")
-    for i, e in enumerate(tp):
-        ax.text(i + 0.2, fl[i], f"{e['speedup']:.2f}x", ha="center", va="bottom")
+    sides = [("paddleformers", None, f"PaddleFormers generate (batches of {pf_batch})"),
+             ("fleetlab", "speedup", "fleetlab LLM (continuous batching)")]
+    if all("fleetlab_overlap" in e for e in tp):
+        sides.append(("fleetlab_overlap", "overlap_speedup", "fleetlab LLM, async_scheduling=True"))
+    width = 0.8 / len(sides)
+    tallest = 0.0
+    for j, (key, ratio, label) in enumerate(sides):
+        vals = [e[key]["tokens_per_s"] for e in tp]
+        offset = (j - (len(sides) - 1) / 2) * width
+        ax.bar(x + offset, vals, width, label=label)
+        for i, e in enumerate(tp):
+            if ratio:
+                ax.text(i + offset, vals[i], f"{e[ratio]:.2f}x", ha="center", va="bottom", fontsize=8)
+        tallest = max(tallest, *vals)
     ax.set_xticks(x, [f"{e['size']} ({e['num_params'] / 1e6:.1f}M params)" for e in tp])
-    ax.set_ylim(0, 1.35 * max(pf + fl))
+    ax.set_ylim(0, 1.35 * tallest)
     ax.set_ylabel("output tokens / s")
     ax.set_title("Throughput on a mixed workload")
     ax.legend(fontsize=7, loc="upper left")
