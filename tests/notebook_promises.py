@@ -496,6 +496,22 @@ assert shares["forward"] > 0.5, shares
 assert 15 <= len(loop.lines) <= 25 and "_online_softmax(" in loop.lines[-1] and "for n0 in range" in str(loop)
 assert "_kv_tile_offsets(" in str(loop) and fold.name == "_online_softmax" and len(fold.lines) <= 10
 assert (_Path(fleetlab.__file__).resolve().parents[1] / loop.path).is_file()
+# Section 4, Hopper prefill: "0.92x" on 1 x 8k, "1.5x" after 8k cached, "0.70-0.71x" on 8 x 2k and 32 x 512, other
+# layouts "0.84-0.92x at head dim 64 and 128, 0.74x at head dim 256", before "0.58-0.61x"; the loop read from the file
+assert "warpgroup_mma(q_smem" in str(viz.source_excerpt("_attend", "fleetlab.attention.gluon_ws_prefill"))
+if prefill_rows:
+    _pf = {(r["rows"], r["chunk"], r["context"], r["num_heads"], r["head_dim"]): r for r in prefill_rows}
+    assert {r["config"]["kernel"] for r in prefill_rows} == {"gluon_ws"}
+    assert round(_pf[1, 8192, 0, 32, 128]["ratio_vs_sdpa_best"], 2) == 0.92
+    assert round(_pf[1, 512, 8192, 32, 128]["ratio_vs_sdpa_best"], 1) == 1.5
+    assert all(0.695 <= _pf[k]["ratio_vs_sdpa_best"] < 0.715 for k in ((8, 2048, 0, 32, 128), (32, 512, 0, 32, 128)))
+    _other = [r["ratio_vs_sdpa_best"] for r in prefill_rows if r["chunk"] in (6144, 3072, 700, 4096)]
+    assert 0.835 <= min(_other) and max(_other) < 0.925, _other
+    assert round(_pf[4, 2048, 0, 16, 256]["ratio_vs_sdpa_best"], 2) == 0.74
+    _causal = [r for r in prefill_rows if r["context"] == 0 and r["chunk"] in (8192, 2048, 512)
+               and r["num_heads"] == 32]
+    _before = [r["sdpa_best_ms"] / r["before_ms"] for r in _causal]
+    assert 0.575 <= min(_before) and max(_before) < 0.615, _before
 # Section 5: "One read per step ... and between five and ten uploads"; a plain decode step uploads five
 assert counts and all(reads == 1 for reads, _ in counts) and all(5 <= u <= 10 for _, u in counts), counts
 assert (1, 5) in counts, counts
