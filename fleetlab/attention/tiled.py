@@ -200,8 +200,8 @@ def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: i
 
     ``kv_token_elements`` is ``Hkv * D``, the size of one token's keys.
     """
-    query_lens = metadata.query_lens_host.astype(np.int64)
-    seq_lens = metadata.seq_lens_kv_host.astype(np.int64)
+    cu = metadata.cu_seqlens_q_host.astype(np.int64)
+    query_lens, seq_lens = np.diff(cu), metadata.seq_lens_kv_host.astype(np.int64)
     tiles = []
     for rows in (np.flatnonzero(query_lens == 1), np.flatnonzero(query_lens > 1)):
         if len(rows) == 0:
@@ -216,33 +216,29 @@ def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: i
                               limits.kv_elements // (kv_token_elements * max_kv)))
         for r0 in range(0, len(rows), row_step):
             for q0 in range(0, max_q, q_step):
-                tile = _make_tile(metadata, rows[r0:r0 + row_step], q0, q_step, sliding_window)
+                tile = _make_tile(cu, query_lens, seq_lens, metadata.block_size, rows[r0:r0 + row_step], q0,
+                                  q_step, sliding_window)
                 if tile is not None:
                     tiles.append(tile)
     return tiles
 
 
-def _make_tile(metadata, rows, q0, q_len, sliding_window) -> _Tile | None:
-    """Plan query slots ``[q0, q0 + q_len)`` of each row in ``rows`` (None if all are padding)."""
-    cu = metadata.cu_seqlens_q_host.astype(np.int64)
-    query_lens = np.diff(cu)[rows]
-    seq_lens = metadata.seq_lens_kv_host.astype(np.int64)[rows]
-    keep = query_lens > q0
-    rows, query_lens, seq_lens = rows[keep], query_lens[keep], seq_lens[keep]
+def _make_tile(cu, query_lens, seq_lens, bs, rows, q0, q_len, sliding_window) -> _Tile | None:
+    """Plan query slots ``[q0, q0 + q_len)`` of each row in ``rows`` (None if all are padding);
+    ``cu``, ``query_lens``, ``seq_lens``: the step's int64 host arrays; ``bs``: the block size."""
+    rows = rows[query_lens[rows] > q0]
     if len(rows) == 0:
         return None
+    query_lens, seq_lens = query_lens[rows], seq_lens[rows]
     q_len = int(min(q_len, query_lens.max() - q0))
     slot = q0 + np.arange(q_len)[None, :]
     valid = slot < query_lens[:, None]
     slot = np.minimum(slot, query_lens[:, None] - 1)  # padding repeats the row's last real query
     tokens = cu[rows][:, None] + slot
     qpos = (seq_lens - query_lens)[:, None] + slot
-    bs = metadata.block_size
     end_block = (qpos.max(axis=1) + bs) // bs  # one past the block holding the last visible key
-    if sliding_window is None:
-        first_block = np.zeros_like(end_block)
-    else:
-        first_block = np.maximum(qpos.min(axis=1) - sliding_window + 1, 0) // bs
+    first_block = (np.zeros_like(end_block) if sliding_window is None
+                   else np.maximum(qpos.min(axis=1) - sliding_window + 1, 0) // bs)
     return _Tile(rows, tokens, valid, qpos, first_block, int((end_block - first_block).max()))
 
 

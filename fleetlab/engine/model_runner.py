@@ -253,9 +253,7 @@ class ModelRunner:
         parts = [chunk_embeds(side[row], int(md.cu_seqlens_q_host[row]), int(c[row]), int(q[row]))
                  for row in np.flatnonzero(np.not_equal(side, None)).tolist()]
         parts = [p for p in parts if len(p[0])]
-        if not parts:
-            return None
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])) if parts else None
 
     def forward(self, inputs: StepInputs) -> paddle.Tensor:
         """Logits ``[P, vocab]`` (float32) at the scored positions; the K/V of every token is written."""

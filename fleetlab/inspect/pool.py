@@ -52,15 +52,11 @@ class BlockInfo:
     lru_position: int | None
 
 
-def free_order(pool) -> list[int]:
-    """Free block ids in the order the pool would hand them out."""
-    kept = pool.prefix_cache.eviction_order(pool._kept) if pool._kept else []
-    return list(pool._free) + kept
-
-
 def pool_snapshot(pool) -> list[BlockInfo]:
     """Per-block state of a :class:`~fleetlab.BlockPool`, in block id order."""
-    position = {block_id: i for i, block_id in enumerate(free_order(pool))}
+    # The order free blocks are handed out: the free queue, then what the prefix cache would evict.
+    free_order = [*pool._free, *(pool.prefix_cache.eviction_order(pool._kept) if pool._kept else [])]
+    position = {block_id: i for i, block_id in enumerate(free_order)}
     return [BlockInfo(b, pool.ref_count(b), pool.is_cached(b), b in position, position.get(b))
             for b in range(pool.num_blocks)]
 
