@@ -270,10 +270,9 @@ def engine_config(**kwargs) -> EngineConfig:
         cfg.prefix_cache, cfg.enable_prefix_caching = None, False
     for name, registry in (("backend", ATTENTION_BACKENDS), ("scheduling_policy", POLICIES),
                            ("prefix_cache", PREFIX_CACHES)):
-        if getattr(cfg, name) is None:
-            continue
         try:  # a registry refuses with a FieldTypeError: a TypeError and a ValueError at once
-            registry.resolve(getattr(cfg, name))
+            if getattr(cfg, name) is not None:
+                registry.resolve(getattr(cfg, name))
         except TypeError as exc:
             raise FieldTypeError(f"{where} {name}={getattr(cfg, name)!r:.60}: {exc}") from None
     if cfg.kv_transfer_config is not None:
@@ -372,11 +371,12 @@ class InputProcessor:
     Args:
       tokenizer: anything with ``encode(text)`` returning a list of int token ids or a
         mapping with ``"input_ids"`` (or None: token ids only).
-      vocab_size, max_model_len, eos_token_id, hidden_size: the model's.
-      block_size, num_blocks: the pool's (a request the whole pool could not hold is refused).
-      sizes: the InputBatch's (``max_stop_ids``: stop ids a row keeps); batch_fields: its field registry
-        (``extra`` values must name its fields); processors: the sampler's logits processors
-        (each fills its own fields from a request's sampling params).
+      handle: the patched model (its ``vocab_size``, ``eos_token_id``, ``hidden_size``).
+      batch: the engine's InputBatch (its ``sizes``: ``max_model_len``, ``max_stop_ids`` stop ids a
+        row keeps; its ``fields``: ``extra`` values must name them).
+      pool: the block pool (a request the whole pool could not hold is refused).
+      processors: the sampler's logits processors (each fills its own fields from a request's
+        sampling params).
       num_lookahead_tokens: extra slots a running request may hold (speculative drafts).
       seed: draws the seed of requests that set none.
       structured_outputs: the engine's ``StructuredOutputsProcessor`` (the LLM always has one);
@@ -384,20 +384,20 @@ class InputProcessor:
         starts its compile.
     """
 
-    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, eos_token_id, hidden_size: int,
-                 block_size: int, num_blocks: int, sizes: Mapping[str, int], batch_fields, processors=(),
-                 num_lookahead_tokens: int = 0, seed: int = 0, structured_outputs):
-        self.structured_outputs = structured_outputs
-        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
-        self.eos_token_id, self.hidden_size = eos_token_id, hidden_size
-        self.block_size, self.num_blocks, self.sizes = block_size, num_blocks, sizes
-        self.batch_fields, self.processors, self.num_lookahead_tokens = batch_fields, processors, num_lookahead_tokens
+    def __init__(self, tokenizer, handle, batch, pool, *, processors=(), num_lookahead_tokens: int = 0, seed: int = 0,
+                 structured_outputs):
+        self.tokenizer, self.structured_outputs = tokenizer, structured_outputs
+        self.vocab_size, self.hidden_size = handle.vocab_size, handle.hidden_size
+        self.eos_token_id = handle.eos_token_id
+        self.sizes, self.batch_fields, self.max_model_len = batch.sizes, batch.fields, batch.sizes["max_model_len"]
+        self.block_size, self.num_blocks = pool.block_size, pool.num_blocks
+        self.processors, self.num_lookahead_tokens = processors, num_lookahead_tokens
         self._ids, self._arrivals = itertools.count(), itertools.count()
         # The batch fields ``extra`` may set: the user's (``batch_fields``, their own logits processors'), not
         # the engine's nor its built-in processors' (penalties, grammars).
         owned = set(DEFAULT_FIELDS.names()) | {f.name for p in processors for f in p.fields
                                                if type(p).__module__.startswith("fleetlab.")}
-        self.user_fields = frozenset(n for n in batch_fields.names() if n not in owned)
+        self.user_fields = frozenset(n for n in batch.fields.names() if n not in owned)
         self._rng = np.random.default_rng(seed)
 
     def process(self, prompt, sampling_params, prompt_token_ids, request_id, live_ids, priority=0,
@@ -659,11 +659,10 @@ def check_drafts(proposer, drafts, req_ids, vocab_size: int) -> dict[str, list[i
         if rid not in live:
             raise ValueError(f"{name}: propose returned drafts for request {rid!r:.60}, which is not in the batch")
         ids = token_ids_field(f"{name}: request {rid!r}:", "drafts", ids)
-        if len(ids) > k:
-            raise ValueError(f"{name}: request {rid!r}: {len(ids)} drafts, more than num_speculative_tokens={k}")
         bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{name}: request {rid!r}: draft ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        refuse([(len(ids) > k, f"{len(ids)} drafts, more than num_speculative_tokens={k}"),
+                (bad, f"draft ids {bad[:5]} outside the vocabulary [0, {vocab_size})")],
+               prefix=f"{name}: request {rid!r}: ")
         out[rid] = ids
     return out
 

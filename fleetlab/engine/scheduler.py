@@ -188,7 +188,7 @@ class Scheduler:
                           (num_external + n, self._lookahead(req, n + num_hit_tokens + num_external)))
             if self.kv.allocate_slots(req, new, ahead, hits, max_num_tokens=self.max_model_len) is None:
                 break
-            if self.kv.enable_prefix_caching:  # counted once per admission, not once per retry
+            if self.kv.prefix_cache is not None:  # counted once per admission, not once per retry
                 self.kv.record_lookup(req, num_hit_tokens)
             req.num_computed_tokens = num_hit_tokens + num_external
             arrival = self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id),

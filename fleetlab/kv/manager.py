@@ -73,10 +73,6 @@ class KVCacheManager:
         self._step_logs: list[_StepLog] = [_StepLog()]  # open steps, oldest first; the last one plans now
 
     # ------------------------------------------------------------------ queries
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self.prefix_cache is not None
-
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)
