@@ -87,9 +87,9 @@ class LLM:
         self.config = cfg = engine_config(**config)
         self.tokenizer = tokenizer
         self.spec_config = check_speculative_config(cfg.speculative_config) if cfg.speculative_config else None
-        self.tensor_parallel = None  # this rank's TensorParallelState; every rank runs the scheduler
-        if cfg.tensor_parallel_size > 1:
-            self.tensor_parallel = TensorParallelState.prepare(model, cfg.tensor_parallel_size)
+        # This rank's TensorParallelState (every rank runs the scheduler), None on one device.
+        self.tensor_parallel = (TensorParallelState.prepare(model, cfg.tensor_parallel_size)
+                                if cfg.tensor_parallel_size > 1 else None)
         self.hooks = StepHooks()  # where observers see the steps
         self.observers = self.hooks.observers  # anything with on_step(scheduler_output, runner_output, outputs)
         self._owns_handle = not isinstance(model, PatchHandle)

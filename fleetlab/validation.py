@@ -197,9 +197,7 @@ MAX_LOGIT_BIAS = 100.0
 def _num_sequences(where: str, sp, temperature: float) -> tuple[int, int]:
     """``(n, best_of)`` checked: ``1 <= n <= best_of <= MAX_NUM_SEQUENCES`` (best_of None: n)."""
     n = int_field(where, "n", sp.n, 1, MAX_NUM_SEQUENCES)
-    if sp.best_of is None:
-        return n, n
-    best_of = int_field(where, "best_of", sp.best_of, 1, MAX_NUM_SEQUENCES)
+    best_of = n if sp.best_of is None else int_field(where, "best_of", sp.best_of, 1, MAX_NUM_SEQUENCES)
     refuse([(best_of < n, f"must be >= n={n} (it generates best_of and returns the n best)"),
             (best_of > n and temperature == 0, f"> n={n} needs sampling (temperature > 0): greedy sequences are "
              "identical, there is nothing to choose from")], prefix=f"{where} best_of={best_of} ")

@@ -106,7 +106,8 @@ def paged_attention(query: paddle.Tensor, key_cache: paddle.Tensor, value_cache:
 
 @dataclass(slots=True)
 class _TileIndex:
-    """A tile's device-side indices and mask, the same for every layer of a step.
+    """A tile's device-side indices and mask, the same for every layer of a step (``visible``'s
+    shape gives the tile's ``B``, ``Q`` and padded key length ``L``).
 
     query_index: int64 ``[B * Q]`` packed token of each query slot; kv_index: int64 rows of
     the cache (seen as ``[num_blocks * block_size * Hkv, D]``; whole blocks when ``Hkv == 1``)
@@ -116,8 +117,6 @@ class _TileIndex:
     is real.
     """
 
-    tile: _Tile
-    seq_len: int
     query_index: paddle.Tensor
     kv_index: paddle.Tensor
     visible: paddle.Tensor
@@ -188,8 +187,8 @@ def _index_tile(tile, parts, packer, table, block_size, num_kv_heads, sliding_wi
     blocks = paddle.gather(table, dev["cells"]).clip(min=0)
     seq_len = tile.num_blocks * block_size
     kv_index = _kv_row_index(blocks, len(tile.rows), block_size, num_kv_heads)
-    visible = _visible(tile, dev["key_start"], dev["qpos"], seq_len, sliding_window)
-    return _TileIndex(tile, seq_len, dev["tokens"], kv_index, visible, dev["live"], dev["valid"])
+    visible = _visible(dev["key_start"], dev["qpos"], seq_len, sliding_window)
+    return _TileIndex(dev["tokens"], kv_index, visible, dev["live"], dev["valid"])
 
 
 def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: int,
@@ -244,11 +243,10 @@ def _make_tile(cu, query_lens, seq_lens, bs, rows, q0, q_len, sliding_window) ->
 
 def _attend_tile(q32, key_cache, value_cache, index: _TileIndex, sink_logits):
     """Compute one tile; returns ``[num valid query slots, Hq, D]`` float32 in row-major slot order."""
-    num_rows, q_len = index.tile.tokens.shape
+    num_rows, _, q_len, _, seq_len = index.visible.shape
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_heads = q32.shape[1]
     group = num_heads // num_kv_heads
-    seq_len = index.seq_len
 
     # Queries [B, Q, Hq, D] -> [B, Hkv, Q*G, D]: each KV head's G query heads share one matmul.
     q = paddle.gather(q32, index.query_index)
@@ -304,7 +302,7 @@ def _gather_kv(cache, kv_index, num_rows, seq_len):
     return x.astype("float32").reshape([num_rows, num_kv_heads, seq_len, head_dim])
 
 
-def _visible(tile, key_start, query_pos, seq_len, sliding_window):
+def _visible(key_start, query_pos, seq_len, sliding_window):
     """Boolean mask ``[B, 1, Q, 1, L]``: which gathered keys each query may attend to.
 
     ``key_start [B, 1]``: position of each row's first gathered key; ``query_pos [B, Q]``.
@@ -312,12 +310,12 @@ def _visible(tile, key_start, query_pos, seq_len, sliding_window):
     at ``p`` iff ``j <= p`` (and ``j > p - w`` with a window). Every real query sees at
     least itself, so no softmax row is all -inf.
     """
+    num_rows, q_len = query_pos.shape
     key_pos = (paddle.arange(seq_len, dtype="int64").unsqueeze(0) + key_start).unsqueeze(1)  # [B, 1, L]
     query_pos = query_pos.unsqueeze(2)  # [B, Q, 1]
     visible = key_pos <= query_pos
     if sliding_window is not None:
         visible = paddle.logical_and(visible, key_pos > query_pos - sliding_window)
-    num_rows, q_len = tile.qpos.shape
     return visible.reshape([num_rows, 1, q_len, 1, seq_len])
 
 

@@ -83,11 +83,10 @@ def check_pool(pool) -> None:
 def check_kv_manager(kv, live_request_ids) -> None:
     """Raise RuntimeError unless exactly the live requests hold blocks in a
     :class:`~fleetlab.kv.manager.KVCacheManager` and its pool's reference counts equal the holders."""
-    live = set(live_request_ids)
-    if set(kv._blocks) - live:
-        raise RuntimeError(f"finished requests still hold blocks: {sorted(set(kv._blocks) - live)}")
+    stale = sorted(set(kv._blocks) - set(live_request_ids))
     counts = Counter(b for blocks in kv._blocks.values() for b in blocks)
     wrong = [b for b in range(kv.pool.num_blocks) if kv.pool.ref_count(b) != counts[b]]
-    refuse([(wrong, lambda: f"block {wrong[0]}: reference count {kv.pool.ref_count(wrong[0])}, held by "
+    refuse([(stale, f"finished requests still hold blocks: {stale}"),
+            (wrong, lambda: f"block {wrong[0]}: reference count {kv.pool.ref_count(wrong[0])}, held by "
                             f"{counts[wrong[0]]} request(s)")], RuntimeError)
     check_pool(kv.pool)
