@@ -307,10 +307,8 @@ class ModelRunner:
         # Only positions short of min_tokens ban anything; find them in one vector op, not a loop.
         for p in np.flatnonzero(draw_index < b.min_tokens[rows]).tolist():
             row = rows[p]
-            ids = [int(t) for t in b.stop_token_ids[row] if t >= 0]
-            if not b.ignore_eos[row] and b.eos_token_id[row] >= 0:
-                ids.append(int(b.eos_token_id[row]))
-            banned[p] = ids
+            eos = [int(b.eos_token_id[row])] if not b.ignore_eos[row] and b.eos_token_id[row] >= 0 else []
+            banned[p] = [int(t) for t in b.stop_token_ids[row] if t >= 0] + eos
         st = SamplingTensors(
             greedy=b.temperature[rows] == 0, temperature=b.dev("temperature"), top_k=b.dev("top_k"),
             top_p=b.dev("top_p"), seeds=b.seed[rows], draw_index=draw_index, banned=banned,
