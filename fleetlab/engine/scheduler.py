@@ -301,7 +301,8 @@ class Scheduler:
         """Why the request ends at its last token: ``"stop"`` (a stop token or EOS, once ``min_tokens`` are out),
         ``"length"`` (``max_tokens`` or the model's length), or None."""
         sp, token, n_out = req.sampling_params, req.output_token_ids[-1], len(req.output_token_ids)
-        if n_out >= sp.min_tokens and (token in sp.stop_token_ids or (not sp.ignore_eos and token == req.eos_token_id)):
+        at_stop = token in sp.stop_token_ids or (not sp.ignore_eos and token == req.eos_token_id)  # EOS unless ignored
+        if n_out >= sp.min_tokens and at_stop:
             return "stop"
         if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
