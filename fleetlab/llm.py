@@ -87,9 +87,9 @@ class LLM:
         self.config = cfg = engine_config(**config)
         self.tokenizer = tokenizer
         self.spec_config = check_speculative_config(cfg.speculative_config) if cfg.speculative_config else None
-        self.tensor_parallel = None  # this rank's TensorParallelState; every rank runs the scheduler
-        if cfg.tensor_parallel_size > 1:
-            self.tensor_parallel = TensorParallelState.prepare(model, cfg.tensor_parallel_size)
+        # This rank's TensorParallelState (every rank runs the scheduler), None on one device.
+        self.tensor_parallel = (TensorParallelState.prepare(model, cfg.tensor_parallel_size)
+                                if cfg.tensor_parallel_size > 1 else None)
         self.hooks = StepHooks()  # where observers see the steps
         self.observers = self.hooks.observers  # anything with on_step(scheduler_output, runner_output, outputs)
         self._owns_handle = not isinstance(model, PatchHandle)
@@ -135,7 +135,7 @@ class LLM:
                                   proposer=self.proposer, hooks=self.hooks, kv_connector=self.kv_connector)
         if self.tensor_parallel is not None:
             self.runner = self.tensor_parallel.wrap_runner(self.runner)
-        self._build_edges(cfg, batch, num_blocks, processors, lookahead)
+        self._build_edges(cfg, batch, processors, lookahead)
 
     def _build_batch(self, cfg, k: int, batch_fields: list, processors: list) -> tuple[list, InputBatch]:
         """The sampler's processors and the persistent batch, with every processor's fields."""
@@ -162,14 +162,11 @@ class LLM:
         self._closables.append(proposer)
         return proposer
 
-    def _build_edges(self, cfg, batch: InputBatch, num_blocks: int, processors: list, lookahead: int) -> None:
+    def _build_edges(self, cfg, batch: InputBatch, processors: list, lookahead: int) -> None:
         """The checks in front of the core, the core's step, the output side and the observers."""
-        self.processor = InputProcessor(
-            self.tokenizer, vocab_size=self.handle.vocab_size, max_model_len=self.max_model_len,
-            eos_token_id=self.handle.eos_token_id, hidden_size=self.handle.hidden_size, block_size=cfg.block_size,
-            num_blocks=num_blocks, sizes=batch.sizes, batch_fields=batch.fields, processors=processors,
-            num_lookahead_tokens=lookahead, seed=cfg.seed,
-            structured_outputs=RefusedStructuredOutputs() if cfg.async_scheduling else self.structured_outputs)
+        grammars = RefusedStructuredOutputs() if cfg.async_scheduling else self.structured_outputs
+        self.processor = InputProcessor(self.tokenizer, self.handle, batch, self.pool, processors=processors,
+                                        num_lookahead_tokens=lookahead, seed=cfg.seed, structured_outputs=grammars)
         self.core = (OverlapEngineCore if cfg.async_scheduling else EngineCore)(self.scheduler, self.runner, self.hooks)
         if cfg.async_scheduling:
             self._closables.insert(0, self.core)  # its model thread stops before anything it reads is closed

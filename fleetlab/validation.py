@@ -93,6 +93,11 @@ def float_field(where: str, name: str, value, low: float, high: float, *, low_op
     return number
 
 
+def optional(check, where: str, name: str, value, *args, **kwargs):
+    """None (the setting is unset) as it is; any other value checked by ``check(where, name, value, ...)``."""
+    return None if value is None else check(where, name, value, *args, **kwargs)
+
+
 def bool_field(where: str, name: str, value) -> bool:
     """``value`` (``True``/``False`` or a numpy bool) as a Python bool; nothing else is truthy here."""
     value = _scalar(value)
@@ -162,17 +167,18 @@ def check_sampling_params(sp, request_id: str = "?"):
     flags = {name: bool_field(where, name, getattr(sp, name)) for name in ("ignore_eos", "include_stop_str_in_output")}
     return replace(sp, max_tokens=max_tokens, temperature=temperature, top_k=max(top_k, 0), top_p=top_p,
                    # child i of a request draws with seed + i
-                   seed=None if sp.seed is None else int_field(where, "seed", sp.seed, 0, INT64_MAX - (best_of - 1)),
+                   seed=optional(int_field, where, "seed", sp.seed, 0, INT64_MAX - (best_of - 1)),
                    stop_token_ids=tuple(stop), stop=stop_strings_field(where, sp.stop), **flags,
                    min_tokens=int_field(where, "min_tokens", sp.min_tokens, 0, max_tokens), n=n,
                    best_of=None if sp.best_of is None else best_of,
                    **{name: float_field(where, name, getattr(sp, name), low, high, low_open=low_open)
                       for name, (low, high, low_open) in PENALTY_BOUNDS.items()},
-                   logit_bias=_logit_bias(where, sp.logit_bias),
-                   **{name: _num_logprobs(where, name, getattr(sp, name)) for name in ("logprobs", "prompt_logprobs")},
-                   structured_outputs=_structured_outputs(where, request_id, sp.structured_outputs,
-                                                          flags["ignore_eos"]),
-                   extra_args=_extra_args(where, sp.extra_args))
+                   logit_bias=optional(_logit_bias, where, "logit_bias", sp.logit_bias),
+                   **{name: optional(int_field, where, name, getattr(sp, name), -1, MAX_LOGPROBS)  # -1: the vocabulary
+                      for name in ("logprobs", "prompt_logprobs")},
+                   structured_outputs=optional(_structured_outputs, where, "structured_outputs",
+                                               sp.structured_outputs, request_id, flags["ignore_eos"]),
+                   extra_args=optional(_extra_args, where, "extra_args", sp.extra_args))
 
 
 PENALTY_BOUNDS = {"presence_penalty": (-2.0, 2.0, False), "frequency_penalty": (-2.0, 2.0, False),
@@ -191,55 +197,42 @@ MAX_LOGIT_BIAS = 100.0
 def _num_sequences(where: str, sp, temperature: float) -> tuple[int, int]:
     """``(n, best_of)`` checked: ``1 <= n <= best_of <= MAX_NUM_SEQUENCES`` (best_of None: n)."""
     n = int_field(where, "n", sp.n, 1, MAX_NUM_SEQUENCES)
-    if sp.best_of is None:
-        return n, n
-    best_of = int_field(where, "best_of", sp.best_of, 1, MAX_NUM_SEQUENCES)
+    best_of = n if sp.best_of is None else int_field(where, "best_of", sp.best_of, 1, MAX_NUM_SEQUENCES)
     refuse([(best_of < n, f"must be >= n={n} (it generates best_of and returns the n best)"),
             (best_of > n and temperature == 0, f"> n={n} needs sampling (temperature > 0): greedy sequences are "
              "identical, there is nothing to choose from")], prefix=f"{where} best_of={best_of} ")
     return n, best_of
 
 
-def _num_logprobs(where: str, name: str, value) -> int | None:
-    """None, or an int in ``[-1, MAX_LOGPROBS]`` (-1: the whole vocabulary, bounded by the caller)."""
-    return None if value is None else int_field(where, name, value, -1, MAX_LOGPROBS)
-
-
-def _logit_bias(where: str, bias) -> dict[int, float] | None:
+def _logit_bias(where: str, name: str, bias) -> dict[int, float] | None:
     """``{token id: bias}`` with int keys >= 0 (numeric strings, as JSON sends them, count as ints)
-    and finite biases clamped to ``[-100, 100]``; None or ``{}``: None."""
-    if bias is None:
-        return None
+    and finite biases clamped to ``[-100, 100]``; ``{}``: None."""
     if not isinstance(bias, Mapping):
-        raise _type_error(where, "logit_bias", bias, "a dict {token id: bias}")
+        raise _type_error(where, name, bias, "a dict {token id: bias}")
     out = {}
     for key, value in bias.items():
         # "²" and "١" pass str.isdigit(); JSON's numeric keys are ASCII digits only
         token = int(key) if isinstance(key, str) and key.strip().isascii() and key.strip().isdigit() else key
-        token = int_field(where, f"logit_bias key {key!r}", token, 0)
-        value = float_field(where, f"logit_bias[{key!r}]", value, -FLOAT32_MAX, FLOAT32_MAX)
+        token = int_field(where, f"{name} key {key!r}", token, 0)
+        value = float_field(where, f"{name}[{key!r}]", value, -FLOAT32_MAX, FLOAT32_MAX)
         out[token] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value))
     return out or None
 
 
-def _extra_args(where: str, value) -> dict | None:
-    """None, or a copy of a mapping with str keys (free-form: its values are checked where used)."""
-    if value is None:
-        return None
+def _extra_args(where: str, name: str, value) -> dict:
+    """A copy of a mapping with str keys (free-form: its values are checked where used)."""
     if not isinstance(value, Mapping):
-        raise _type_error(where, "extra_args", value, "a dict {name: value}")
+        raise _type_error(where, name, value, "a dict {name: value}")
     bad = [k for k in value if not isinstance(k, str)]
     if bad:
-        raise FieldTypeError(f"{where} extra_args key {short(bad[0])} must be a str")
+        raise FieldTypeError(f"{where} {name} key {short(bad[0])} must be a str")
     return dict(value)
 
 
-def _structured_outputs(where: str, request_id: str, value, ignore_eos: bool):
-    """``structured_outputs`` checked (None stays None): its own fields, and what it cannot go with."""
-    if value is None:
-        return None
+def _structured_outputs(where: str, name: str, value, request_id: str, ignore_eos: bool):
+    """``structured_outputs`` checked: its own fields, and what it cannot go with."""
     if ignore_eos:
-        raise ValueError(f"{where} ignore_eos=True cannot go with structured_outputs: a complete output ends with "
+        raise ValueError(f"{where} ignore_eos=True cannot go with {name}: a complete output ends with "
                          "EOS, and the grammar allows nothing else after it")
     return StructuredOutputsParams.coerce(value, request_id).validate(request_id)
 
@@ -256,17 +249,14 @@ def engine_config(**kwargs) -> EngineConfig:
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
         setattr(cfg, name, int_field(where, name, getattr(cfg, name), 1, INT32_MAX))
     for name, high in (("num_blocks", INT32_MAX), ("max_model_len", INT32_MAX), ("kv_cache_memory_bytes", INT64_MAX),
-                       ("memory_budget_bytes", INT64_MAX)):
-        if getattr(cfg, name) is not None:
-            setattr(cfg, name, int_field(where, name, getattr(cfg, name), 1, high))
+                       ("memory_budget_bytes", INT64_MAX)):  # None: sized by the engine
+        setattr(cfg, name, optional(int_field, where, name, getattr(cfg, name), 1, high))
     cfg.seed = int_field(where, "seed", cfg.seed, 0, INT64_MAX)
     for name in ("enable_prefix_caching", "enable_chunked_prefill", "record_traces", "async_scheduling"):
         setattr(cfg, name, bool_field(where, name, getattr(cfg, name)))
-    if cfg.reorder is not None:
-        cfg.reorder = bool_field(where, "reorder", cfg.reorder)  # None: the backend decides
-    if cfg.memory_utilization is not None:
-        cfg.memory_utilization = float_field(where, "memory_utilization", cfg.memory_utilization, 0.0, 1.0,
-                                             low_open=True)
+    cfg.reorder = optional(bool_field, where, "reorder", cfg.reorder)  # None: the backend decides
+    cfg.memory_utilization = optional(float_field, where, "memory_utilization", cfg.memory_utilization, 0.0, 1.0,
+                                      low_open=True)
     sized = [name for name in ("num_blocks", "kv_cache_memory_bytes") if getattr(cfg, name) is not None]
     refuse([(cfg.memory_utilization is not None and sized,
              f"memory_utilization sizes the pool, and so does {(sized or [''])[0]}: give one"),
@@ -278,10 +268,9 @@ def engine_config(**kwargs) -> EngineConfig:
         cfg.prefix_cache, cfg.enable_prefix_caching = None, False
     for name, registry in (("backend", ATTENTION_BACKENDS), ("scheduling_policy", POLICIES),
                            ("prefix_cache", PREFIX_CACHES)):
-        if getattr(cfg, name) is None:
-            continue
         try:  # a registry refuses with a FieldTypeError: a TypeError and a ValueError at once
-            registry.resolve(getattr(cfg, name))
+            if getattr(cfg, name) is not None:
+                registry.resolve(getattr(cfg, name))
         except TypeError as exc:
             raise FieldTypeError(f"{where} {name}={getattr(cfg, name)!r:.60}: {exc}") from None
     if cfg.kv_transfer_config is not None:
@@ -380,11 +369,12 @@ class InputProcessor:
     Args:
       tokenizer: anything with ``encode(text)`` returning a list of int token ids or a
         mapping with ``"input_ids"`` (or None: token ids only).
-      vocab_size, max_model_len, eos_token_id, hidden_size: the model's.
-      block_size, num_blocks: the pool's (a request the whole pool could not hold is refused).
-      sizes: the InputBatch's (``max_stop_ids``: stop ids a row keeps); batch_fields: its field registry
-        (``extra`` values must name its fields); processors: the sampler's logits processors
-        (each fills its own fields from a request's sampling params).
+      handle: the patched model (its ``vocab_size``, ``eos_token_id``, ``hidden_size``).
+      batch: the engine's InputBatch (its ``sizes``: ``max_model_len``, ``max_stop_ids`` stop ids a
+        row keeps; its ``fields``: ``extra`` values must name them).
+      pool: the block pool (a request the whole pool could not hold is refused).
+      processors: the sampler's logits processors (each fills its own fields from a request's
+        sampling params).
       num_lookahead_tokens: extra slots a running request may hold (speculative drafts).
       seed: draws the seed of requests that set none.
       structured_outputs: the engine's ``StructuredOutputsProcessor`` (the LLM always has one);
@@ -392,20 +382,20 @@ class InputProcessor:
         starts its compile.
     """
 
-    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, eos_token_id, hidden_size: int,
-                 block_size: int, num_blocks: int, sizes: Mapping[str, int], batch_fields, processors=(),
-                 num_lookahead_tokens: int = 0, seed: int = 0, structured_outputs):
-        self.structured_outputs = structured_outputs
-        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
-        self.eos_token_id, self.hidden_size = eos_token_id, hidden_size
-        self.block_size, self.num_blocks, self.sizes = block_size, num_blocks, sizes
-        self.batch_fields, self.processors, self.num_lookahead_tokens = batch_fields, processors, num_lookahead_tokens
+    def __init__(self, tokenizer, handle, batch, pool, *, processors=(), num_lookahead_tokens: int = 0, seed: int = 0,
+                 structured_outputs):
+        self.tokenizer, self.structured_outputs = tokenizer, structured_outputs
+        self.vocab_size, self.hidden_size = handle.vocab_size, handle.hidden_size
+        self.eos_token_id = handle.eos_token_id
+        self.sizes, self.batch_fields, self.max_model_len = batch.sizes, batch.fields, batch.sizes["max_model_len"]
+        self.block_size, self.num_blocks = pool.block_size, pool.num_blocks
+        self.processors, self.num_lookahead_tokens = processors, num_lookahead_tokens
         self._ids, self._arrivals = itertools.count(), itertools.count()
         # The batch fields ``extra`` may set: the user's (``batch_fields``, their own logits processors'), not
         # the engine's nor its built-in processors' (penalties, grammars).
         owned = set(DEFAULT_FIELDS.names()) | {f.name for p in processors for f in p.fields
                                                if type(p).__module__.startswith("fleetlab.")}
-        self.user_fields = frozenset(n for n in batch_fields.names() if n not in owned)
+        self.user_fields = frozenset(n for n in batch.fields.names() if n not in owned)
         self._rng = np.random.default_rng(seed)
 
     def process(self, prompt, sampling_params, prompt_token_ids, request_id, live_ids, priority=0,
@@ -500,19 +490,18 @@ class InputProcessor:
                 (need > self.num_blocks, f"needs {need} KV blocks but the pool has only {self.num_blocks} "
                  "(num_blocks is too small for even this one request)"),
                 (bad_bias, f"sampling field logit_bias has token ids {bad_bias} {vocab}")], prefix=f"request {rid!r}: ")
-        lp = {name: self._bound_logprobs(rid, name, getattr(sp, name)) for name in ("logprobs", "prompt_logprobs")}
+        lp = {name: optional(self._bound_logprobs, f"request {rid!r}: sampling field", name, getattr(sp, name))
+              for name in ("logprobs", "prompt_logprobs")}
         return replace(sp, max_tokens=max_tokens, min_tokens=min(sp.min_tokens, max_tokens),
                        top_k=min(sp.top_k, self.vocab_size), **lp)
 
-    def _bound_logprobs(self, rid, name: str, value: int | None) -> int | None:
+    def _bound_logprobs(self, where: str, name: str, value: int) -> int:
         """-1 as the vocabulary size, which must stay within ``MAX_LOGPROBS``."""
-        if value is None:
-            return None
         num = self.vocab_size if value == -1 else value
         refuse([(num > self.vocab_size, f"more log-probabilities per token than the vocabulary's {self.vocab_size} "
                  "tokens"), (num > MAX_LOGPROBS, f"{num} log-probabilities per token, more than the {MAX_LOGPROBS} "
                             "allowed (vLLM's default max_logprobs)")],
-               prefix=f"request {rid!r}: sampling field {name}={value} asks for ")
+               prefix=f"{where} {name}={value} asks for ")
         return num
 
     def _extra(self, rid, extra, prompt_embeds, num_prompt_tokens: int, extra_args=None) -> dict:
@@ -668,11 +657,10 @@ def check_drafts(proposer, drafts, req_ids, vocab_size: int) -> dict[str, list[i
         if rid not in live:
             raise ValueError(f"{name}: propose returned drafts for request {rid!r:.60}, which is not in the batch")
         ids = token_ids_field(f"{name}: request {rid!r}:", "drafts", ids)
-        if len(ids) > k:
-            raise ValueError(f"{name}: request {rid!r}: {len(ids)} drafts, more than num_speculative_tokens={k}")
         bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{name}: request {rid!r}: draft ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        refuse([(len(ids) > k, f"{len(ids)} drafts, more than num_speculative_tokens={k}"),
+                (bad, f"draft ids {bad[:5]} outside the vocabulary [0, {vocab_size})")],
+               prefix=f"{name}: request {rid!r}: ")
         out[rid] = ids
     return out
 

@@ -75,7 +75,7 @@ def test_budget_running_first_and_chunked_prefill():
     s.add_request(request("b", range(30, 44), order=1))  # 14 tokens: chunked
     so, _ = step(s)
     assert so.num_scheduled_tokens == {"a": 6, "b": 4} and so.total_num_scheduled_tokens == 10
-    assert [n.req_id for n in so.scheduled_new_reqs] == ["a", "b"] and len(so.scheduled_cached_reqs) == 0
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["a", "b"] and so.scheduled_cached_reqs.req_ids == []
     so, _ = step(s)
     # a decodes first (running, in admission order), b continues its prompt within the budget
     assert list(so.num_scheduled_tokens.items()) == [("a", 1), ("b", 9)]

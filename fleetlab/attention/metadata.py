@@ -113,7 +113,8 @@ class AttentionMetadata:
         positions = num_computed[row_of_token] + (np.arange(cu[-1]) - cu[:-1][row_of_token])
         slot_mapping = _slots(tables, row_of_token, positions, int(block_size))
         seq_lens = (num_computed + query_lens).astype(np.int32)
-        num_decodes = num_leading_decodes(query_lens, decode_threshold)
+        is_decode = is_decode_row(query_lens, decode_threshold)  # the leading run of decodes (all, once reordered)
+        num_decodes = int(np.argmin(is_decode)) if not is_decode.all() else len(is_decode)
         return cls(*upload_packed(positions, slot_mapping, cu, seq_lens),
                    block_tables=upload(tables) if block_tables_device is None else block_tables_device,
                    block_size=int(block_size), num_decodes=num_decodes, num_decode_tokens=int(cu[num_decodes]),
@@ -127,12 +128,6 @@ def is_decode_row(query_lens, decode_threshold: int = 1) -> np.ndarray:
     (one, or ``k + 1`` when verifying ``k`` drafts); more is a prefill (chunk)."""
     query_lens = np.asarray(query_lens)
     return (query_lens >= 1) & (query_lens <= decode_threshold)
-
-
-def num_leading_decodes(query_lens, decode_threshold: int = 1) -> int:
-    """How many rows lead with decodes (after a decode-first reorder: every decode row)."""
-    is_decode = is_decode_row(query_lens, decode_threshold)
-    return int(np.argmin(is_decode)) if not is_decode.all() else len(is_decode)
 
 
 def _slots(tables: np.ndarray, row_of_token: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:

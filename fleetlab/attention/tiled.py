@@ -106,7 +106,8 @@ def paged_attention(query: paddle.Tensor, key_cache: paddle.Tensor, value_cache:
 
 @dataclass(slots=True)
 class _TileIndex:
-    """A tile's device-side indices and mask, the same for every layer of a step.
+    """A tile's device-side indices and mask, the same for every layer of a step (``visible``'s
+    shape gives the tile's ``B``, ``Q`` and padded key length ``L``).
 
     query_index: int64 ``[B * Q]`` packed token of each query slot; kv_index: int64 rows of
     the cache (seen as ``[num_blocks * block_size * Hkv, D]``; whole blocks when ``Hkv == 1``)
@@ -116,8 +117,6 @@ class _TileIndex:
     is real.
     """
 
-    tile: _Tile
-    seq_len: int
     query_index: paddle.Tensor
     kv_index: paddle.Tensor
     visible: paddle.Tensor
@@ -188,8 +187,8 @@ def _index_tile(tile, parts, packer, table, block_size, num_kv_heads, sliding_wi
     blocks = paddle.gather(table, dev["cells"]).clip(min=0)
     seq_len = tile.num_blocks * block_size
     kv_index = _kv_row_index(blocks, len(tile.rows), block_size, num_kv_heads)
-    visible = _visible(tile, dev["key_start"], dev["qpos"], seq_len, sliding_window)
-    return _TileIndex(tile, seq_len, dev["tokens"], kv_index, visible, dev["live"], dev["valid"])
+    visible = _visible(dev["key_start"], dev["qpos"], seq_len, sliding_window)
+    return _TileIndex(dev["tokens"], kv_index, visible, dev["live"], dev["valid"])
 
 
 def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: int,
@@ -200,8 +199,8 @@ def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: i
 
     ``kv_token_elements`` is ``Hkv * D``, the size of one token's keys.
     """
-    query_lens = metadata.query_lens_host.astype(np.int64)
-    seq_lens = metadata.seq_lens_kv_host.astype(np.int64)
+    cu = metadata.cu_seqlens_q_host.astype(np.int64)
+    query_lens, seq_lens = np.diff(cu), metadata.seq_lens_kv_host.astype(np.int64)
     tiles = []
     for rows in (np.flatnonzero(query_lens == 1), np.flatnonzero(query_lens > 1)):
         if len(rows) == 0:
@@ -216,43 +215,38 @@ def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: i
                               limits.kv_elements // (kv_token_elements * max_kv)))
         for r0 in range(0, len(rows), row_step):
             for q0 in range(0, max_q, q_step):
-                tile = _make_tile(metadata, rows[r0:r0 + row_step], q0, q_step, sliding_window)
+                tile = _make_tile(cu, query_lens, seq_lens, metadata.block_size, rows[r0:r0 + row_step], q0,
+                                  q_step, sliding_window)
                 if tile is not None:
                     tiles.append(tile)
     return tiles
 
 
-def _make_tile(metadata, rows, q0, q_len, sliding_window) -> _Tile | None:
-    """Plan query slots ``[q0, q0 + q_len)`` of each row in ``rows`` (None if all are padding)."""
-    cu = metadata.cu_seqlens_q_host.astype(np.int64)
-    query_lens = np.diff(cu)[rows]
-    seq_lens = metadata.seq_lens_kv_host.astype(np.int64)[rows]
-    keep = query_lens > q0
-    rows, query_lens, seq_lens = rows[keep], query_lens[keep], seq_lens[keep]
+def _make_tile(cu, query_lens, seq_lens, bs, rows, q0, q_len, sliding_window) -> _Tile | None:
+    """Plan query slots ``[q0, q0 + q_len)`` of each row in ``rows`` (None if all are padding);
+    ``cu``, ``query_lens``, ``seq_lens``: the step's int64 host arrays; ``bs``: the block size."""
+    rows = rows[query_lens[rows] > q0]
     if len(rows) == 0:
         return None
+    query_lens, seq_lens = query_lens[rows], seq_lens[rows]
     q_len = int(min(q_len, query_lens.max() - q0))
     slot = q0 + np.arange(q_len)[None, :]
     valid = slot < query_lens[:, None]
     slot = np.minimum(slot, query_lens[:, None] - 1)  # padding repeats the row's last real query
     tokens = cu[rows][:, None] + slot
     qpos = (seq_lens - query_lens)[:, None] + slot
-    bs = metadata.block_size
     end_block = (qpos.max(axis=1) + bs) // bs  # one past the block holding the last visible key
-    if sliding_window is None:
-        first_block = np.zeros_like(end_block)
-    else:
-        first_block = np.maximum(qpos.min(axis=1) - sliding_window + 1, 0) // bs
+    first_block = (np.zeros_like(end_block) if sliding_window is None
+                   else np.maximum(qpos.min(axis=1) - sliding_window + 1, 0) // bs)
     return _Tile(rows, tokens, valid, qpos, first_block, int((end_block - first_block).max()))
 
 
 def _attend_tile(q32, key_cache, value_cache, index: _TileIndex, sink_logits):
     """Compute one tile; returns ``[num valid query slots, Hq, D]`` float32 in row-major slot order."""
-    num_rows, q_len = index.tile.tokens.shape
+    num_rows, _, q_len, _, seq_len = index.visible.shape
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_heads = q32.shape[1]
     group = num_heads // num_kv_heads
-    seq_len = index.seq_len
 
     # Queries [B, Q, Hq, D] -> [B, Hkv, Q*G, D]: each KV head's G query heads share one matmul.
     q = paddle.gather(q32, index.query_index)
@@ -308,7 +302,7 @@ def _gather_kv(cache, kv_index, num_rows, seq_len):
     return x.astype("float32").reshape([num_rows, num_kv_heads, seq_len, head_dim])
 
 
-def _visible(tile, key_start, query_pos, seq_len, sliding_window):
+def _visible(key_start, query_pos, seq_len, sliding_window):
     """Boolean mask ``[B, 1, Q, 1, L]``: which gathered keys each query may attend to.
 
     ``key_start [B, 1]``: position of each row's first gathered key; ``query_pos [B, Q]``.
@@ -316,12 +310,12 @@ def _visible(tile, key_start, query_pos, seq_len, sliding_window):
     at ``p`` iff ``j <= p`` (and ``j > p - w`` with a window). Every real query sees at
     least itself, so no softmax row is all -inf.
     """
+    num_rows, q_len = query_pos.shape
     key_pos = (paddle.arange(seq_len, dtype="int64").unsqueeze(0) + key_start).unsqueeze(1)  # [B, 1, L]
     query_pos = query_pos.unsqueeze(2)  # [B, Q, 1]
     visible = key_pos <= query_pos
     if sliding_window is not None:
         visible = paddle.logical_and(visible, key_pos > query_pos - sliding_window)
-    num_rows, q_len = tile.qpos.shape
     return visible.reshape([num_rows, 1, q_len, 1, seq_len])
 
 

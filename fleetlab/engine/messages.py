@@ -68,9 +68,6 @@ class CachedRequestData:
         self.num_blocks.append(num_blocks)
         self.num_computed_tokens.append(num_computed)
 
-    def __len__(self) -> int:
-        return len(self.req_ids)
-
 
 @dataclass(slots=True)
 class SchedulerOutput:

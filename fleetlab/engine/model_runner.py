@@ -253,9 +253,7 @@ class ModelRunner:
         parts = [chunk_embeds(side[row], int(md.cu_seqlens_q_host[row]), int(c[row]), int(q[row]))
                  for row in np.flatnonzero(np.not_equal(side, None)).tolist()]
         parts = [p for p in parts if len(p[0])]
-        if not parts:
-            return None
-        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        return (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])) if parts else None
 
     def forward(self, inputs: StepInputs) -> paddle.Tensor:
         """Logits ``[P, vocab]`` (float32) at the scored positions; the K/V of every token is written."""
@@ -309,10 +307,8 @@ class ModelRunner:
         # Only positions short of min_tokens ban anything; find them in one vector op, not a loop.
         for p in np.flatnonzero(draw_index < b.min_tokens[rows]).tolist():
             row = rows[p]
-            ids = [int(t) for t in b.stop_token_ids[row] if t >= 0]
-            if not b.ignore_eos[row] and b.eos_token_id[row] >= 0:
-                ids.append(int(b.eos_token_id[row]))
-            banned[p] = ids
+            eos = [int(b.eos_token_id[row])] if not b.ignore_eos[row] and b.eos_token_id[row] >= 0 else []
+            banned[p] = [int(t) for t in b.stop_token_ids[row] if t >= 0] + eos
         st = SamplingTensors(
             greedy=b.temperature[rows] == 0, temperature=b.dev("temperature"), top_k=b.dev("top_k"),
             top_p=b.dev("top_p"), seeds=b.seed[rows], draw_index=draw_index, banned=banned,

@@ -188,7 +188,7 @@ class Scheduler:
                           (num_external + n, self._lookahead(req, n + num_hit_tokens + num_external)))
             if self.kv.allocate_slots(req, new, ahead, hits, max_num_tokens=self.max_model_len) is None:
                 break
-            if self.kv.enable_prefix_caching:  # counted once per admission, not once per retry
+            if self.kv.prefix_cache is not None:  # counted once per admission, not once per retry
                 self.kv.record_lookup(req, num_hit_tokens)
             req.num_computed_tokens = num_hit_tokens + num_external
             arrival = self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id),
@@ -215,15 +215,11 @@ class Scheduler:
                 out.scheduled_cached_reqs.add(rid, new_tokens, blocks[num_blocks:], len(blocks),
                                               req.num_computed_tokens)
             else:
-                out.scheduled_new_reqs.append(self._new_request_data(req, blocks))
+                out.scheduled_new_reqs.append(NewRequestData(
+                    rid, list(req.prompt_token_ids), list(req.output_token_ids), req.sampling_params, req.seed,
+                    req.eos_token_id, blocks, req.num_computed_tokens, req.extra))
             sent[rid] = (req.num_tokens, len(blocks))
         self._sent = sent  # the runner drops every row this step does not schedule
-
-    @staticmethod
-    def _new_request_data(req: Request, blocks: list[int]) -> NewRequestData:
-        return NewRequestData(req.request_id, list(req.prompt_token_ids), list(req.output_token_ids),
-                              req.sampling_params, req.seed, req.eos_token_id, blocks, req.num_computed_tokens,
-                              req.extra)
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         logger.debug("step %d: preempting %s", self.step_count, req.request_id)
@@ -296,21 +292,18 @@ class Scheduler:
             self.num_generated_tokens += 1
             req.output_token_ids.append(token)
             req.token_times.append(now)
-            reason = self._stop_reason(req)
-            if reason:
+            if reason := self._stop_reason(req):
                 self._finish(req, reason, now)
                 return tokens[: i + 1]
         return tokens
 
     def _stop_reason(self, req: Request) -> str | None:
-        sp = req.sampling_params
-        token = req.output_token_ids[-1]
-        n_out = len(req.output_token_ids)
-        if n_out >= sp.min_tokens:
-            if token in sp.stop_token_ids:
-                return "stop"
-            if not sp.ignore_eos and req.eos_token_id is not None and token == req.eos_token_id:
-                return "stop"
+        """Why the request ends at its last token: ``"stop"`` (a stop token or EOS, once ``min_tokens`` are out),
+        ``"length"`` (``max_tokens`` or the model's length), or None."""
+        sp, token, n_out = req.sampling_params, req.output_token_ids[-1], len(req.output_token_ids)
+        at_stop = token in sp.stop_token_ids or (not sp.ignore_eos and token == req.eos_token_id)  # EOS unless ignored
+        if n_out >= sp.min_tokens and at_stop:
+            return "stop"
         if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
             return "length"
         return None

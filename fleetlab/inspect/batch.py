@@ -55,13 +55,11 @@ def check_batch(batch) -> None:
     derived = {req_ids[r]: r for r in range(batch.max_num_seqs) if req_ids[r] is not None}
     empty = np.flatnonzero(np.equal(req_ids, None))
     dirty = [f.name for f in batch.fields if len(empty) and not _all_fill(batch.buffer(f.name)[empty], f.fill)]
-    problems = [
-        (derived != dict(batch.req_id_to_row), f"req_id_to_row {dict(batch.req_id_to_row)} != rows' req_id {derived}"),
-        (derived and max(derived.values()) + 1 != batch.num_rows,
-         f"num_rows={batch.num_rows} but last live row is {max(derived.values(), default=None)}"),
-        (dirty, f"fields {dirty} hold data in an empty row"),
-    ]
-    refuse(problems, RuntimeError)
+    mapped = dict(batch.req_id_to_row)
+    refuse([(derived != mapped, f"req_id_to_row {mapped} != rows' req_id {derived}"),
+            (derived and max(derived.values()) + 1 != batch.num_rows,
+             f"num_rows={batch.num_rows} but last live row is {max(derived.values(), default=None)}"),
+            (dirty, f"fields {dirty} hold data in an empty row")], RuntimeError)
 
 
 def _all_fill(rows: np.ndarray, fill) -> bool:

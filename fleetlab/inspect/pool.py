@@ -52,15 +52,11 @@ class BlockInfo:
     lru_position: int | None
 
 
-def free_order(pool) -> list[int]:
-    """Free block ids in the order the pool would hand them out."""
-    kept = pool.prefix_cache.eviction_order(pool._kept) if pool._kept else []
-    return list(pool._free) + kept
-
-
 def pool_snapshot(pool) -> list[BlockInfo]:
     """Per-block state of a :class:`~fleetlab.BlockPool`, in block id order."""
-    position = {block_id: i for i, block_id in enumerate(free_order(pool))}
+    # The order free blocks are handed out: the free queue, then what the prefix cache would evict.
+    free_order = [*pool._free, *(pool.prefix_cache.eviction_order(pool._kept) if pool._kept else [])]
+    position = {block_id: i for i, block_id in enumerate(free_order)}
     return [BlockInfo(b, pool.ref_count(b), pool.is_cached(b), b in position, position.get(b))
             for b in range(pool.num_blocks)]
 
@@ -87,11 +83,10 @@ def check_pool(pool) -> None:
 def check_kv_manager(kv, live_request_ids) -> None:
     """Raise RuntimeError unless exactly the live requests hold blocks in a
     :class:`~fleetlab.kv.manager.KVCacheManager` and its pool's reference counts equal the holders."""
-    live = set(live_request_ids)
-    if set(kv._blocks) - live:
-        raise RuntimeError(f"finished requests still hold blocks: {sorted(set(kv._blocks) - live)}")
+    stale = sorted(set(kv._blocks) - set(live_request_ids))
     counts = Counter(b for blocks in kv._blocks.values() for b in blocks)
     wrong = [b for b in range(kv.pool.num_blocks) if kv.pool.ref_count(b) != counts[b]]
-    refuse([(wrong, lambda: f"block {wrong[0]}: reference count {kv.pool.ref_count(wrong[0])}, held by "
+    refuse([(stale, f"finished requests still hold blocks: {stale}"),
+            (wrong, lambda: f"block {wrong[0]}: reference count {kv.pool.ref_count(wrong[0])}, held by "
                             f"{counts[wrong[0]]} request(s)")], RuntimeError)
     check_pool(kv.pool)

@@ -35,12 +35,6 @@ class KVCacheBlocks:
 
     block_ids: tuple[int, ...] = ()
 
-    def __len__(self) -> int:
-        return len(self.block_ids)
-
-    def get_block_ids(self) -> list[int]:
-        return list(self.block_ids)
-
 
 @dataclass(slots=True)
 class _Registration:
@@ -79,10 +73,6 @@ class KVCacheManager:
         self._step_logs: list[_StepLog] = [_StepLog()]  # open steps, oldest first; the last one plans now
 
     # ------------------------------------------------------------------ queries
-    @property
-    def enable_prefix_caching(self) -> bool:
-        return self.prefix_cache is not None
-
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens (ceil division)."""
         return -(-num_tokens // self.block_size)
@@ -130,7 +120,7 @@ class KVCacheManager:
         proposals there); ``max_num_tokens`` caps the slots (the model's length). Returns None,
         changing nothing, when the pool cannot supply the blocks.
         """
-        hits = new_computed_blocks.block_ids if new_computed_blocks else ()
+        hits = new_computed_blocks.block_ids if new_computed_blocks is not None else ()
         rid = request.request_id
         held = self._blocks.get(rid, [])
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
@@ -190,11 +180,9 @@ class KVCacheManager:
         drafts rolled ``num_computed_tokens`` back); returns how many were freed."""
         blocks = self._blocks.get(request.request_id, [])
         keep = self.blocks_needed(num_tokens)
-        if len(blocks) <= keep:
-            return 0
         tail = blocks[keep:]
         del blocks[keep:]
-        self.pool.free(tail)
+        self.pool.free(tail)  # (none when it holds no more than it keeps)
         return len(tail)
 
     # ------------------------------------------------------------------ step transactions
