@@ -195,9 +195,10 @@ class ModelRunner:
         rows = np.fromiter((b.req_id_to_row[r] for r in scheduled), np.int64, len(scheduled))
         short = (b.num_computed_tokens[rows] + np.fromiter(scheduled.values(), np.int64, len(scheduled))
                  - b.num_tokens[rows] - b.num_spec_tokens[rows])
-        for row, k in zip(rows[short > 0].tolist(), short[short > 0].tolist()):
-            b.append(np.array([row]), [[0] * k])  # 0: any valid id (a wasted slot's forward reads it)
-            self.placeholders[b.req_ids[row]] = k
+        rows, short = rows[short > 0], short[short > 0].tolist()
+        if short:  # one append for every such row; 0: any valid id (a wasted slot's forward reads it)
+            b.append(rows, [[0] * k for k in short])
+            self.placeholders.update(zip([b.req_ids[row] for row in rows.tolist()], short))
 
     def _retract_placeholders(self) -> None:
         """Take the placeholders off the rows again: the message carries the tokens they stood for."""
