@@ -22,8 +22,10 @@ through shared memory and mbarriers:
   drift apart on their own, one's softmax beside the other's products.
 
 The producer never computes and the consumers never load, so the consumers get the registers
-(``setmaxnreg``: 240 each, the producer the rest). Shapes: ``query [tokens, heads, head_dim]``,
-caches ``[blocks, block_size, kv_heads, head_dim]`` (contiguous head_dim), ``out`` like ``query``.
+(``setmaxnreg``: 224 each and 56 for the producer, 232 and 40 at head_dim 256; ``kernel_config``).
+Shapes: ``query [tokens, heads, head_dim]``, caches ``[blocks, block_size, kv_heads, head_dim]``
+(contiguous head_dim), ``out`` like ``query``; every tensor 16-byte aligned (the plan's launch
+falls back to the portable kernel otherwise).
 """
 from __future__ import annotations
 
