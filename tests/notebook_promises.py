@@ -934,6 +934,8 @@ assert max(_stars["arrive:pair"]) < max(_stars["arrive:one engine"])  # "sooner 
 '''
 
 PROMISES["14_overlap_scheduling"] = '''
+# "the Triton backend's per-step plan ... was 81% hidden" on the H200
+assert round(probe["plan_hidden"], 2) == 0.81 and step["overlapped"] < step["inline"]
 # Section 2: "same tokens in both loops"; the forward on the host in one, on the model thread in the other
 assert tokens["synchronous"] == tokens["overlapped"]
 assert threads == {"synchronous": ["MainThread"], "overlapped": ["fleetlab-model_0"]}
