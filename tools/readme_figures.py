@@ -379,7 +379,6 @@ def kv_block(r: dict | None) -> str:
     return f"{intro}\n\n" + "\n".join(table) + f"\n\n{after}"
 
 
-# name -> (results file, renderer); the renderer gets the parsed file, or None if there is none
 def overlap_block(r: dict | None) -> str:
     title = "Overlap scheduling against the synchronous loop"
     cmd = "python -m fleetlab bench overlap"
@@ -457,6 +456,7 @@ def engine_overlap_block(r: dict | None) -> str:
     return f"{intro}\n\n" + "\n".join(table) + f"\n\n{after}"
 
 
+# name -> (results file, renderer); the renderer gets the parsed file, or None if there is none
 BLOCKS = {
     "engine": (RESULTS / "bench.json", engine_block),
     "step-host": (RESULTS / "step_host_time.json", step_host_block),

@@ -96,6 +96,7 @@ from paddleformers.utils.log import logger as pf_logger
 
 from fleetlab import LLM, SamplingParams
 from fleetlab.bench.machine import MachineRecord, describe
+from fleetlab.bench.overlap import switch_interval
 from fleetlab.bench.progress import add_quiet, bars_and_logs, run_step, section
 from fleetlab.bench.report import STEP_KEYS, headline_table, write_plots
 from fleetlab.bench.workloads import Workload, mixed_workload, padded_batches, shared_prefix_workload
@@ -221,17 +222,14 @@ def run_fleetlab(model, workload: Workload, cfg: BenchConfig, **overrides) -> di
     ``async_scheduling=True`` runs the overlapped core, under ``cfg.switch_interval`` (restored after).
     ``ttft_s``: the median over requests of arrival to first token (all arrive at once)."""
     llm = make_llm(model, cfg, workload.max_seq_len + 1, **overrides)
-    switch = sys.getswitchinterval()
     try:
-        if llm.config.async_scheduling and cfg.switch_interval > 0:
-            sys.setswitchinterval(cfg.switch_interval)  # how soon the host and the model thread hand over the GIL
-        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload.output_lens]
-        start, cpu_start = time.perf_counter(), time.process_time()
-        outs = llm.generate(prompt_token_ids=workload.prompts, sampling_params=params, use_tqdm=False)
-        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+        with switch_interval(cfg.switch_interval if llm.config.async_scheduling else 0):
+            params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+            start, cpu_start = time.perf_counter(), time.process_time()
+            outs = llm.generate(prompt_token_ids=workload.prompts, sampling_params=params, use_tqdm=False)
+            seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         stats = llm.stats()
     finally:
-        sys.setswitchinterval(switch)
         llm.close()  # the overlapped core's model thread stops, then the model is unpatched
     ttft = float(np.median([o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs]))
     return {"seconds": seconds, "cpu_seconds": cpu_seconds, "tokens": [list(o.token_ids) for o in outs],

@@ -27,6 +27,7 @@ the GIL waits for the one holding it); 0 keeps Python's default (0.005 s).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import statistics
@@ -110,36 +111,47 @@ def summarize(rounds: dict[str, list[dict]]) -> dict:
                                                     for o, s in zip(rounds["overlap"], rounds["sync"]))}
 
 
+@contextlib.contextmanager
+def switch_interval(seconds: float):
+    """Python's thread switch interval set to ``seconds`` for the block (how soon a thread that
+    wants the GIL gets it from the one holding it: when the host and the model thread hand
+    over), then restored, also on an error; 0 keeps the default."""
+    before = sys.getswitchinterval()
+    if seconds > 0:
+        sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     from fleetlab import LLM, SamplingParams
     from fleetlab.models import load_tiny
 
-    before = sys.getswitchinterval()
-    if args.switch_interval > 0:
-        sys.setswitchinterval(args.switch_interval)
-    model, _ = load_tiny()
-    sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-    config = dict(block_size=16, max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.prompt_len[1],
-                  num_blocks=args.batch * (-(-(args.prompt_len[1] + args.output_len) // 16) + 1))
-    engines = {mode: LLM(model, async_scheduling=mode == "overlap", **config) for mode in ("sync", "overlap")}
-    rng, vocab = np.random.default_rng(args.seed), engines["sync"].handle.vocab_size
-    prompts = [rng.integers(3, vocab, size=int(rng.integers(*args.prompt_len))).tolist() for _ in range(args.batch)]
-    timelines = {mode: Timeline() for mode in engines}
-    for mode, llm in engines.items():
-        llm.hooks.attach(timelines[mode])
-        one_round(llm, timelines[mode], prompts[: max(8, args.batch // 4)], sp)  # warm-up
-    rounds: dict[str, list[dict]] = {mode: [] for mode in engines}
-    started = time.perf_counter()
-    with MachineRecord() as machine, section("overlap", 2 * args.rounds, quiet=args.quiet) as bar:
-        for i in range(args.rounds):
-            for mode in (("sync", "overlap") if i % 2 == 0 else ("overlap", "sync")):
-                bar.set_postfix_str(mode)
-                rounds[mode].append(one_round(engines[mode], timelines[mode], prompts, sp))
-                bar.update()
-    for llm in engines.values():
-        llm.close()
-    sys.setswitchinterval(before)
+    with switch_interval(args.switch_interval):
+        model, _ = load_tiny()
+        sp = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
+        config = dict(block_size=16, max_num_seqs=args.batch, max_num_batched_tokens=args.batch * args.prompt_len[1],
+                      num_blocks=args.batch * (-(-(args.prompt_len[1] + args.output_len) // 16) + 1))
+        engines = {mode: LLM(model, async_scheduling=mode == "overlap", **config) for mode in ("sync", "overlap")}
+        rng, vocab = np.random.default_rng(args.seed), engines["sync"].handle.vocab_size
+        prompts = [rng.integers(3, vocab, size=int(rng.integers(*args.prompt_len))).tolist() for _ in range(args.batch)]
+        timelines = {mode: Timeline() for mode in engines}
+        for mode, llm in engines.items():
+            llm.hooks.attach(timelines[mode])
+            one_round(llm, timelines[mode], prompts[: max(8, args.batch // 4)], sp)  # warm-up
+        rounds: dict[str, list[dict]] = {mode: [] for mode in engines}
+        started = time.perf_counter()
+        with MachineRecord() as machine, section("overlap", 2 * args.rounds, quiet=args.quiet) as bar:
+            for i in range(args.rounds):
+                for mode in (("sync", "overlap") if i % 2 == 0 else ("overlap", "sync")):
+                    bar.set_postfix_str(mode)
+                    rounds[mode].append(one_round(engines[mode], timelines[mode], prompts, sp))
+                    bar.update()
+        for llm in engines.values():
+            llm.close()
     result = {"schema_version": 1, "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "command": "python -m fleetlab bench overlap " + " ".join(argv or sys.argv[2:]),
               "elapsed_s": time.perf_counter() - started, "machine": machine.info,

@@ -195,10 +195,10 @@ class ModelRunner:
         rows = np.fromiter((b.req_id_to_row[r] for r in scheduled), np.int64, len(scheduled))
         short = (b.num_computed_tokens[rows] + np.fromiter(scheduled.values(), np.int64, len(scheduled))
                  - b.num_tokens[rows] - b.num_spec_tokens[rows])
-        rows, short = rows[short > 0], short[short > 0].tolist()
-        if short:  # one append for every such row; 0: any valid id (a wasted slot's forward reads it)
-            b.append(rows, [[0] * k for k in short])
-            self.placeholders.update(zip([b.req_ids[row] for row in rows.tolist()], short))
+        rows, counts = rows[short > 0], short[short > 0].tolist()
+        if counts:  # one append for every such row; 0: any valid id (a wasted slot's forward reads it)
+            b.append(rows, [[0] * k for k in counts])
+            self.placeholders.update(zip([b.req_ids[row] for row in rows.tolist()], counts))
 
     def _retract_placeholders(self) -> None:
         """Take the placeholders off the rows again: the message carries the tokens they stood for."""
