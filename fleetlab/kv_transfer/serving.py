@@ -117,7 +117,7 @@ def main(argv=None) -> int:
 
     from fleetlab.distributed.launch import CCACHE_WARNING, QUIET_ENV, NoticeFilter, _Reader, launch_command
     from fleetlab.kv_transfer.proxy import JobWatch, build_proxy
-    from fleetlab.serving.cli import bind
+    from fleetlab.serving.listen import bind
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):

@@ -28,9 +28,9 @@ import argparse
 import json
 import logging
 import signal
-import socket
 import sys
 
+from fleetlab.serving.listen import bind, uvicorn_server
 from fleetlab.serving.loader import MODEL_IMPLS
 
 logger = logging.getLogger(__name__)
@@ -135,33 +135,6 @@ def make_engine(args):
     model, tokenizer = load_model(args.model, args.model_impl)
     llm = LLM(model, tokenizer, **engine_config(args))
     return AsyncLLM(llm, max_queue_len=args.max_queue_len), args.served_model_name or args.model
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (``port`` 0: any free one)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def uvicorn_server(app, verbose: bool = False, shutdown_timeout: float = 0.0):
-    """A :class:`~fleetlab.serving.shutdown.DrainingServer` for ``app``: warnings only unless
-    ``verbose`` (then uvicorn's INFO lines and one access line per request)."""
-    import uvicorn
-
-    from fleetlab.serving.shutdown import DrainingServer
-
-    config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
-                            timeout_graceful_shutdown=3, lifespan="on")
-    return DrainingServer(config, app.state.serving, shutdown_timeout)
 
 
 def main(argv=None) -> int:

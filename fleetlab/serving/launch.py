@@ -53,7 +53,7 @@ class ServerThread(_Server):
                  shutdown_engine: bool = True, verbose: bool = False, timeout: float = 30.0,
                  api_key: str | None = None, shutdown_timeout: float = 0.0, cors: dict | None = None):
         from fleetlab.serving.app import build_app
-        from fleetlab.serving.cli import bind, uvicorn_server
+        from fleetlab.serving.listen import bind, uvicorn_server
 
         self.engine, self.shutdown_engine = engine, shutdown_engine
         self.app = build_app(engine, model_name, api_key=api_key, cors=cors)
