@@ -407,8 +407,7 @@ class InputProcessor:
         ids = self._tokenize(rid, prompt, prompt_token_ids)
         sp = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sp, SamplingParams):
-            raise FieldTypeError(f"request {rid!r}: sampling_params must be a fleetlab.SamplingParams, "
-                                 f"not {type(sp).__name__}")
+            raise _type_error(f"request {rid!r}:", "sampling_params", sp, "a fleetlab.SamplingParams")
         sp = self._bound(rid, ids, check_sampling_params(sp, rid))
         if sp.stop and self.tokenizer is None:
             raise ValueError(f"request {rid!r}: sampling field stop: stop strings need a tokenizer; the LLM has none")
@@ -594,14 +593,13 @@ def generate_items(prompts, prompt_token_ids, sampling_params, extra=None) -> li
         raise ValueError("generate: give exactly one of prompts and prompt_token_ids")
     if prompts is not None:
         if not isinstance(prompts, str) and not is_sequence(prompts):
-            raise FieldTypeError(f"generate: prompts={prompts!r:.60} must be a str or a list of str, "
-                                 f"not {type(prompts).__name__}")
+            raise _type_error("generate:", "prompts", prompts, "a str or a list of str")
         items = [(p, None) for p in ([prompts] if isinstance(prompts, str) else list(prompts))]
     else:
         seqs = prompt_token_ids
         if not is_sequence(seqs):
-            raise FieldTypeError(f"generate: prompt_token_ids={seqs!r:.60} must be a list of token-id lists "
-                                 f"(or one list of token ids), not {type(seqs).__name__}")
+            raise _type_error("generate:", "prompt_token_ids", seqs,
+                              "a list of token-id lists (or one list of token ids)")
         # One flat prompt ([5, 17, 3]) or a list of prompts: a first entry that is not itself a
         # sequence means one prompt (the InputProcessor refuses floats, strings, bools in it).
         items = [(None, s) for s in ([seqs] if len(seqs) and not is_sequence(seqs[0]) else seqs)]

@@ -126,7 +126,6 @@ class AttentionMetadata:
 def is_decode_row(query_lens, decode_threshold: int = 1) -> np.ndarray:
     """The one definition of a decode row: it runs ``1..decode_threshold`` query tokens this step
     (one, or ``k + 1`` when verifying ``k`` drafts); more is a prefill (chunk)."""
-    query_lens = np.asarray(query_lens)
     return (query_lens >= 1) & (query_lens <= decode_threshold)
 
 
