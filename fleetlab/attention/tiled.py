@@ -62,9 +62,11 @@ class _Tile(NamedTuple):
     tokens: ``[B * Q]`` packed token index of each query slot (a valid token for padding too);
     cells: ``[B * L / block_size]`` block-table cells read (``row * width + column``);
     key_start: ``[B, 1]`` position of each row's first key read; qpos: ``[B, Q]`` logical
-    position of each query; live: bool ``[B, 1, L, 1]``, keys inside the row's context;
-    valid: the real query slots (indices into ``tokens``), None when every slot is real.
+    position of each query; live: bool ``[B, 1, L, 1]``, keys inside the row's context (the
+    rest are stale slots or padding, whatever they hold); valid: the real query slots (indices
+    into ``tokens``), None when every slot is real.
     """
+
 
     tokens: np.ndarray
     cells: np.ndarray
@@ -99,31 +101,11 @@ def paged_attention(query: paddle.Tensor, key_cache: paddle.Tensor, value_cache:
     q32 = query.astype("float32") * scale
     group = num_heads // num_kv_heads
     sink_logits = None if sinks is None else sinks.astype("float32").reshape([1, num_kv_heads, 1, group, 1])
-    outs = [_attend_tile(q32, key_cache, value_cache, tile, sink_logits) for tile in tiles]
+    outs = [_attend_tile(q32, key_cache, value_cache, *plan, sink_logits) for plan in tiles]
     out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
     if order is not None:
         out = paddle.gather(out, order)  # put the tiles' tokens back in packed order
     return out.astype(query.dtype)
-
-
-@dataclass(slots=True)
-class _TileIndex:
-    """A tile's device-side indices and mask, the same for every layer of a step (``visible``'s
-    shape gives the tile's ``B``, ``Q`` and padded key length ``L``).
-
-    query_index: int64 ``[B * Q]`` packed token of each query slot; kv_index: int64 rows of
-    the cache (seen as ``[num_blocks * block_size * Hkv, D]``; whole blocks when ``Hkv == 1``)
-    that gather into ``[B, Hkv, L, D]``; visible: bool ``[B, 1, Q, 1, L]``; live: bool
-    ``[B, 1, L, 1]``, gathered keys inside the row's context (the rest are stale slots or
-    padding, whatever they hold); valid_index: int64 real query slots, None when every slot
-    is real.
-    """
-
-    query_index: paddle.Tensor
-    kv_index: paddle.Tensor
-    visible: paddle.Tensor
-    live: paddle.Tensor
-    valid_index: paddle.Tensor | None
 
 
 @dataclass(slots=True)
@@ -136,10 +118,10 @@ class TiledMetadata(AttentionMetadata):
 
 
 def _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, place) -> tuple:
-    """The plan for this step and layer shape: ``(tiles, order)``, every tile's ``_TileIndex``
-    and the gather that restores packed order (None: already in order). Memoized in a
-    ``TiledMetadata``; planned afresh for plain ``AttentionMetadata``. However many tiles, its
-    host arrays go to the device in two copies (one per dtype)."""
+    """The plan for this step and layer shape: ``(tiles, order)``, every tile's plan (see
+    :func:`_index_tile`) and the gather that restores packed order (None: already in order).
+    Memoized in a ``TiledMetadata``; planned afresh for plain ``AttentionMetadata``. However many
+    tiles, its host arrays go to the device in two copies (one per dtype)."""
     limits = tile_limits()
     key = (num_heads, num_kv_heads, head_dim, sliding_window, limits, str(place))
     plans = metadata.plans if isinstance(metadata, TiledMetadata) else {}
@@ -157,12 +139,16 @@ def _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, plac
     return plans[key]
 
 
-def _index_tile(tile: _Tile, table, block_size, num_kv_heads, sliding_window) -> _TileIndex:
-    """A tile's device-side plan, from its uploaded arrays (``tile`` holds tensors here)."""
+def _index_tile(tile: _Tile, table, block_size, num_kv_heads, sliding_window) -> tuple:
+    """A tile's device-side plan ``(tile, kv_index, visible)``, the same for every layer of a step,
+    from its uploaded arrays (``tile`` holds tensors here). kv_index: int64 rows of the cache (seen
+    as ``[num_blocks * block_size * Hkv, D]``; whole blocks when ``Hkv == 1``) that gather into
+    ``[B, Hkv, L, D]``; visible: bool ``[B, 1, Q, 1, L]`` (its shape gives the tile's ``B``, ``Q``
+    and padded key length ``L``)."""
     blocks = paddle.gather(table, tile.cells).clip(min=0)
     kv_index = _kv_row_index(blocks, tile.qpos.shape[0], block_size, num_kv_heads)
     visible = _visible(tile.key_start, tile.qpos, tile.live.shape[2], sliding_window)
-    return _TileIndex(tile.tokens, kv_index, visible, tile.live, tile.valid)
+    return tile, kv_index, visible
 
 
 def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: int,
@@ -222,27 +208,28 @@ def _make_tile(cu, query_lens, seq_lens, bs, width, rows, q0, q_len, sliding_win
                  None if valid.all() else np.flatnonzero(valid))
 
 
-def _attend_tile(q32, key_cache, value_cache, index: _TileIndex, sink_logits):
-    """Compute one tile; returns ``[num valid query slots, Hq, D]`` float32 in row-major slot order."""
-    num_rows, _, q_len, _, seq_len = index.visible.shape
+def _attend_tile(q32, key_cache, value_cache, tile: _Tile, kv_index, visible, sink_logits):
+    """Compute one tile (its plan from :func:`_index_tile`); returns ``[num valid query slots, Hq, D]``
+    float32 in row-major slot order."""
+    num_rows, _, q_len, _, seq_len = visible.shape
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_heads = q32.shape[1]
     group = num_heads // num_kv_heads
 
     # Queries [B, Q, Hq, D] -> [B, Hkv, Q*G, D]: each KV head's G query heads share one matmul.
-    q = paddle.gather(q32, index.query_index)
+    q = paddle.gather(q32, tile.tokens)
     q = q.reshape([num_rows, q_len, num_kv_heads, group, head_dim]).transpose([0, 2, 1, 3, 4])
     q = q.reshape([num_rows, num_kv_heads, q_len * group, head_dim])
-    k = _gather_kv(key_cache, index.kv_index, num_rows, seq_len)
+    k = _gather_kv(key_cache, kv_index, num_rows, seq_len)
     # Masked keys get weight 0, but 0 x NaN is NaN: a stale slot of a reused block (or block 0,
     # read for a -1 table entry) may hold anything, so values outside the context become 0.
     # Their scores are replaced by -inf below, whatever the keys hold.
-    v = _gather_kv(value_cache, index.kv_index, num_rows, seq_len)
-    v = paddle.where(index.live, v, paddle.zeros([], "float32"))
+    v = _gather_kv(value_cache, kv_index, num_rows, seq_len)
+    v = paddle.where(tile.live, v, paddle.zeros([], "float32"))
 
     scores = paddle.matmul(q, k, transpose_y=True)  # [B, Hkv, Q*G, L]
     scores = scores.reshape([num_rows, num_kv_heads, q_len, group, seq_len])
-    scores = paddle.where(index.visible, scores, paddle.full([], float("-inf"), "float32"))
+    scores = paddle.where(visible, scores, paddle.full([], float("-inf"), "float32"))
     scores = scores.reshape([num_rows, num_kv_heads, q_len * group, seq_len])
     out = paddle.matmul(paddle.nn.functional.softmax(scores, axis=-1), v)  # [B, Hkv, Q*G, D]
     if sink_logits is not None:
@@ -254,8 +241,8 @@ def _attend_tile(q32, key_cache, value_cache, index: _TileIndex, sink_logits):
     out = out.reshape([num_rows, num_kv_heads, q_len, group, head_dim])
     out = out.transpose([0, 2, 1, 3, 4])  # [B, Q, Hkv, G, D]
     out = out.reshape([num_rows * q_len, num_heads, head_dim])
-    if index.valid_index is not None:
-        out = paddle.gather(out, index.valid_index)
+    if tile.valid is not None:
+        out = paddle.gather(out, tile.valid)
     return out
 
 
