@@ -67,7 +67,6 @@ class _Tile(NamedTuple):
     into ``tokens``), None when every slot is real.
     """
 
-
     tokens: np.ndarray
     cells: np.ndarray
     key_start: np.ndarray
