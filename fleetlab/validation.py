@@ -593,7 +593,7 @@ def generate_items(prompts, prompt_token_ids, sampling_params, extra=None) -> li
         seqs = prompt_token_ids
         if not is_sequence(seqs):
             raise type_error("generate:", "prompt_token_ids", seqs,
-                              "a list of token-id lists (or one list of token ids)")
+                             "a list of token-id lists (or one list of token ids)")
         # One flat prompt ([5, 17, 3]) or a list of prompts: a first entry that is not itself a
         # sequence means one prompt (the InputProcessor refuses floats, strings, bools in it).
         items = [(None, s) for s in ([seqs] if len(seqs) and not is_sequence(seqs[0]) else seqs)]

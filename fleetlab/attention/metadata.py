@@ -90,7 +90,7 @@ class AttentionMetadata:
             ``num_decodes`` counts the leading run of such rows.
           block_tables_device: the same block tables already on the device (the InputBatch's
             mirror); uploaded from ``block_tables`` when None.
-          batch: the ``InputBatch`` the rows are (:meth:`from_batch`), or None.
+          batch: the ``InputBatch`` whose rows these are (:meth:`from_batch` passes it), or None.
         Device tensors go to Paddle's current device (the four arrays in one copy per dtype).
         """
         query_lens = np.asarray(query_lens, dtype=np.int64)
