@@ -15,6 +15,11 @@ def short(value, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def type_error(where: str, name: str, value, rule: str) -> FieldTypeError:
+    """The refusal of a value of the wrong kind: the field, the value as sent, its type."""
+    return FieldTypeError(f"{where} {name}={short(value)} must be {rule}, not {type(value).__name__}")
+
+
 def refuse(checks, error: type = ValueError, prefix: str = "") -> None:
     """Raise ``error(prefix + why)`` for the first ``(is it broken, why)`` of ``checks`` that is
     broken: a piece's checks read as one table, each condition beside what it says. ``why`` may

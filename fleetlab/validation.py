@@ -29,7 +29,7 @@ from fleetlab.engine.config import EngineConfig
 from fleetlab.engine.policies import POLICIES
 from fleetlab.engine.request import Request
 from fleetlab.engine.sampling_params import SamplingParams
-from fleetlab.errors import FieldTypeError, refuse, short
+from fleetlab.errors import FieldTypeError, refuse, short, type_error
 from fleetlab.prefix_cache import PREFIX_CACHES
 from fleetlab.spec_decode.config import SpeculativeConfig
 from fleetlab.spec_decode.proposer import PROPOSERS
@@ -50,11 +50,6 @@ def _scalar(value):
     return value[()] if isinstance(value, np.ndarray) and value.ndim == 0 else value
 
 
-def _type_error(where: str, name: str, value, rule: str) -> FieldTypeError:
-    """The refusal of a value of the wrong kind: the field, the value as sent, its type."""
-    return FieldTypeError(f"{where} {name}={short(value)} must be {rule}, not {type(value).__name__}")
-
-
 def _interval(low, high, low_open: bool = False) -> str:
     def num(x):
         return f"{x:g}" if isinstance(x, float) else str(x)
@@ -73,7 +68,7 @@ def int_field(where: str, name: str, value, low: int | None = None, high: int | 
     try:
         number = operator.index(value)
     except TypeError:
-        raise _type_error(where, name, value, rule) from None
+        raise type_error(where, name, value, rule) from None
     if (low is not None and number < low) or (high is not None and number > high):
         raise ValueError(f"{where} {name}={number} must be {rule}")
     return int(number)
@@ -86,7 +81,7 @@ def float_field(where: str, name: str, value, low: float, high: float, *, low_op
     value = _scalar(value)
     rule = "a number" + _interval(low, high, low_open) + note
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise _type_error(where, name, value, rule)
+        raise type_error(where, name, value, rule)
     number = float(value)
     if not (low < number if low_open else low <= number) or not number <= high:  # NaN fails both
         raise ValueError(f"{where} {name}={value!r} must be {rule}")
@@ -102,7 +97,7 @@ def bool_field(where: str, name: str, value) -> bool:
     """``value`` (``True``/``False`` or a numpy bool) as a Python bool; nothing else is truthy here."""
     value = _scalar(value)
     if not isinstance(value, (bool, np.bool_)):
-        raise _type_error(where, name, value, "True or False")
+        raise type_error(where, name, value, "True or False")
     return bool(value)
 
 
@@ -134,7 +129,7 @@ def token_ids_field(where: str, name: str, value, hint: str = "") -> list[int]:
         raise FieldTypeError(f"{where} {name} must be a flat sequence of int token ids; got a numpy array "
                              f"of shape {value.shape} and dtype {value.dtype}{hint}")
     if not is_sequence(value):
-        raise _type_error(where, name, value, "a sequence of int token ids (e.g. [5, 17])")
+        raise type_error(where, name, value, "a sequence of int token ids (e.g. [5, 17])")
     ids = []
     for i, t in enumerate(value):
         if type(t) is not int:  # the common case stays fast
@@ -208,7 +203,7 @@ def _logit_bias(where: str, name: str, bias) -> dict[int, float] | None:
     """``{token id: bias}`` with int keys >= 0 (numeric strings, as JSON sends them, count as ints)
     and finite biases clamped to ``[-100, 100]``; ``{}``: None."""
     if not isinstance(bias, Mapping):
-        raise _type_error(where, name, bias, "a dict {token id: bias}")
+        raise type_error(where, name, bias, "a dict {token id: bias}")
     out = {}
     for key, value in bias.items():
         # "²" and "١" pass str.isdigit(); JSON's numeric keys are ASCII digits only
@@ -222,7 +217,7 @@ def _logit_bias(where: str, name: str, bias) -> dict[int, float] | None:
 def _extra_args(where: str, name: str, value) -> dict:
     """A copy of a mapping with str keys (free-form: its values are checked where used)."""
     if not isinstance(value, Mapping):
-        raise _type_error(where, name, value, "a dict {name: value}")
+        raise type_error(where, name, value, "a dict {name: value}")
     bad = [k for k in value if not isinstance(k, str)]
     if bad:
         raise FieldTypeError(f"{where} {name} key {short(bad[0])} must be a str")
@@ -407,8 +402,7 @@ class InputProcessor:
         ids = self._tokenize(rid, prompt, prompt_token_ids)
         sp = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(sp, SamplingParams):
-            raise FieldTypeError(f"request {rid!r}: sampling_params must be a fleetlab.SamplingParams, "
-                                 f"not {type(sp).__name__}")
+            raise type_error(f"request {rid!r}:", "sampling_params", sp, "a fleetlab.SamplingParams")
         sp = self._bound(rid, ids, check_sampling_params(sp, rid))
         if sp.stop and self.tokenizer is None:
             raise ValueError(f"request {rid!r}: sampling field stop: stop strings need a tokenizer; the LLM has none")
@@ -465,8 +459,7 @@ class InputProcessor:
 
     def _encode(self, where: str, prompt) -> list[int]:
         if not isinstance(prompt, str):
-            raise FieldTypeError(f"{where} prompt={prompt!r:.60} must be a str (text to tokenize), not "
-                                 f"{type(prompt).__name__}; token ids go in prompt_token_ids")
+            raise type_error(where, "prompt", prompt, "a str (text to tokenize; token ids go in prompt_token_ids)")
         if self.tokenizer is None:
             raise ValueError(f"{where} prompt is text but the LLM has no tokenizer")
         out, name = self.tokenizer.encode(prompt), "tokenizer.encode(prompt)"
@@ -512,7 +505,7 @@ class InputProcessor:
         processors' are set from the sampling params, within their bounds."""
         where = f"request {rid!r}: extra"
         if extra is not None and not isinstance(extra, Mapping):
-            raise _type_error(f"request {rid!r}:", "extra", extra, "a dict {field name: value}")
+            raise type_error(f"request {rid!r}:", "extra", extra, "a dict {field name: value}")
         values = {k: v for k, v in (extra_args or {}).items() if k in self.user_fields}
         values.update(extra or {})
         out = {}
@@ -594,14 +587,13 @@ def generate_items(prompts, prompt_token_ids, sampling_params, extra=None) -> li
         raise ValueError("generate: give exactly one of prompts and prompt_token_ids")
     if prompts is not None:
         if not isinstance(prompts, str) and not is_sequence(prompts):
-            raise FieldTypeError(f"generate: prompts={prompts!r:.60} must be a str or a list of str, "
-                                 f"not {type(prompts).__name__}")
+            raise type_error("generate:", "prompts", prompts, "a str or a list of str")
         items = [(p, None) for p in ([prompts] if isinstance(prompts, str) else list(prompts))]
     else:
         seqs = prompt_token_ids
         if not is_sequence(seqs):
-            raise FieldTypeError(f"generate: prompt_token_ids={seqs!r:.60} must be a list of token-id lists "
-                                 f"(or one list of token ids), not {type(seqs).__name__}")
+            raise type_error("generate:", "prompt_token_ids", seqs,
+                             "a list of token-id lists (or one list of token ids)")
         # One flat prompt ([5, 17, 3]) or a list of prompts: a first entry that is not itself a
         # sequence means one prompt (the InputProcessor refuses floats, strings, bools in it).
         items = [(None, s) for s in ([seqs] if len(seqs) and not is_sequence(seqs[0]) else seqs)]

@@ -117,13 +117,13 @@ class SplitBackend(AttentionBackend):
     @staticmethod
     def plan(md):
         """Decode rows' cache slots [nd, L] and visible keys [nd, 1, L]; the prefill rows' metadata."""
-        nd, q_lens, seq_lens = md.num_decodes, md.query_lens_host, md.seq_lens_kv_host
+        nd, q_lens, seq_lens = md.num_decodes, np.diff(md.cu_seqlens_q_host), md.seq_lens_kv_host
         tables = md.block_tables.numpy()  # host copy, once per step
         pos = np.arange(int(seq_lens[:nd].max(initial=1)))
         slots = tables[:nd, pos // md.block_size] * md.block_size + pos % md.block_size
         visible = pos[None, :] < seq_lens[:nd, None]
         prefill = None
-        if nd < md.num_reqs:
+        if nd < len(seq_lens):
             prefill = fleetlab.AttentionMetadata.build(q_lens[nd:], seq_lens[nd:] - q_lens[nd:], tables[nd:],
                                                        md.block_size)
         return nd, paddle.to_tensor(np.where(visible, slots, 0)), paddle.to_tensor(visible[:, None]), prefill
@@ -147,7 +147,7 @@ class SplitBackend(AttentionBackend):
 
 
 fleetlab.register_attention_backend("split", SplitBackend)  # by name, as LLM(backend="split") asks for it
-print("attention backends:", fleetlab.attention.backend.list_attention_backends())
+print("attention backends:", fleetlab.attention.backend.ATTENTION_BACKENDS.names())
 
 # %% [markdown]
 # ## 3. Check it against the tiled backend

@@ -219,7 +219,7 @@ viz.show_source(fleetlab.AttentionMetadata.build, start="row_of_token =", stop="
 inputs = llm.runner.prepare_inputs()
 md = inputs.metadata
 packed_ids = inputs.input_ids.numpy()[0]
-row_of_token = np.repeat(np.arange(md.num_reqs), md.query_lens_host)
+row_of_token = md.token_rows_host  # each packed token's batch row
 print(f"{'token':>6} {'row':>4} {'request':>8} {'position':>9} {'slot':>5}")
 for tid, row, pos, slot in zip(packed_ids, row_of_token, md.positions.numpy(), md.slot_mapping.numpy()):
     print(f"{tokenizer.decode([int(tid)]) or '<bos>':>6} {row:>4} {rows[row].req_id:>8} {pos:>9} {slot:>5}")

@@ -92,5 +92,4 @@ ATTENTION_BACKENDS = Registry("attention backend", AttentionBackend, {
 })
 register_attention_backend = ATTENTION_BACKENDS.register
 get_attention_backend = ATTENTION_BACKENDS.get
-list_attention_backends = ATTENTION_BACKENDS.names
 make_attention_backend = ATTENTION_BACKENDS.make

@@ -59,16 +59,8 @@ class AttentionMetadata:
         return cls(**{f.name: getattr(self, f.name) for f in fields(AttentionMetadata)}, **extra)
 
     @property
-    def num_reqs(self) -> int:
-        return int(self.seq_lens_kv_host.shape[0])
-
-    @property
     def num_tokens(self) -> int:
         return int(self.cu_seqlens_q_host[-1])
-
-    @property
-    def query_lens_host(self) -> np.ndarray:
-        return np.diff(self.cu_seqlens_q_host)
 
     @classmethod
     def from_batch(cls, batch, block_size: int, decode_threshold: int = 1) -> AttentionMetadata:
@@ -78,14 +70,13 @@ class AttentionMetadata:
         tables from the device mirror of ``block_table``."""
         n = batch.num_reqs
         width = max(1, int(batch.num_blocks[:n].max(initial=0)))
-        md = cls.build(batch.num_scheduled_tokens[:n], batch.num_computed_tokens[:n], batch.block_table[:n, :width],
-                       block_size, decode_threshold, block_tables_device=batch.dev("block_table")[:, :width])
-        md.batch = batch
-        return md
+        return cls.build(batch.num_scheduled_tokens[:n], batch.num_computed_tokens[:n], batch.block_table[:n, :width],
+                         block_size, decode_threshold, block_tables_device=batch.dev("block_table")[:, :width],
+                         batch=batch)
 
     @classmethod
     def build(cls, query_lens, num_computed_tokens, block_tables, block_size: int, decode_threshold: int = 1,
-              block_tables_device=None) -> AttentionMetadata:
+              block_tables_device=None, batch=None) -> AttentionMetadata:
         """Build the metadata from host arrays.
 
         Args:
@@ -99,6 +90,7 @@ class AttentionMetadata:
             ``num_decodes`` counts the leading run of such rows.
           block_tables_device: the same block tables already on the device (the InputBatch's
             mirror); uploaded from ``block_tables`` when None.
+          batch: the ``InputBatch`` whose rows these are (:meth:`from_batch` passes it), or None.
         Device tensors go to Paddle's current device (the four arrays in one copy per dtype).
         """
         query_lens = np.asarray(query_lens, dtype=np.int64)
@@ -120,13 +112,12 @@ class AttentionMetadata:
                    block_size=int(block_size), num_decodes=num_decodes, num_decode_tokens=int(cu[num_decodes]),
                    max_query_len=int(query_lens.max(initial=0)), max_seq_len=int(seq_lens.max(initial=0)),
                    cu_seqlens_q_host=cu, seq_lens_kv_host=seq_lens, positions_host=positions,
-                   token_rows_host=row_of_token)
+                   token_rows_host=row_of_token, batch=batch)
 
 
 def is_decode_row(query_lens, decode_threshold: int = 1) -> np.ndarray:
     """The one definition of a decode row: it runs ``1..decode_threshold`` query tokens this step
     (one, or ``k + 1`` when verifying ``k`` drafts); more is a prefill (chunk)."""
-    query_lens = np.asarray(query_lens)
     return (query_lens >= 1) & (query_lens <= decode_threshold)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import paddle
@@ -54,22 +55,24 @@ def tile_limits() -> TileLimits:
     return CPU_TILE_LIMITS if current_device_kind() == "cpu" else GPU_TILE_LIMITS
 
 
-@dataclass(slots=True)
-class _Tile:
-    """Host plan of one batched piece of work: ``B`` rows, ``Q`` query slots each.
+class _Tile(NamedTuple):
+    """Host plan of one batched piece of work, as it goes to the device: ``B`` rows, ``Q`` query
+    slots and ``L`` keys (whole blocks) each; int64 arrays but ``live``.
 
-    rows: ``[B]`` batch rows; tokens: ``[B, Q]`` packed token index of each query slot
-    (a valid token for padding too); valid: ``[B, Q]`` real query slots; qpos: ``[B, Q]``
-    logical position of each query; first_block: ``[B]`` first block-table column read;
-    num_blocks: columns read per row (the tile's padded key length is ``num_blocks * block_size``).
+    tokens: ``[B * Q]`` packed token index of each query slot (a valid token for padding too);
+    cells: ``[B * L / block_size]`` block-table cells read (``row * width + column``);
+    key_start: ``[B, 1]`` position of each row's first key read; qpos: ``[B, Q]`` logical
+    position of each query; live: bool ``[B, 1, L, 1]``, keys inside the row's context (the
+    rest are stale slots or padding, whatever they hold); valid: the real query slots (indices
+    into ``tokens``), None when every slot is real.
     """
 
-    rows: np.ndarray
     tokens: np.ndarray
-    valid: np.ndarray
+    cells: np.ndarray
+    key_start: np.ndarray
     qpos: np.ndarray
-    first_block: np.ndarray
-    num_blocks: int
+    live: np.ndarray
+    valid: np.ndarray | None
 
 
 def paged_attention(query: paddle.Tensor, key_cache: paddle.Tensor, value_cache: paddle.Tensor,
@@ -93,43 +96,15 @@ def paged_attention(query: paddle.Tensor, key_cache: paddle.Tensor, value_cache:
     if num_tokens == 0:
         return paddle.zeros_like(query)
     num_kv_heads = key_cache.shape[2]
-    plan = _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, query.place)
+    tiles, order = _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, query.place)
     q32 = query.astype("float32") * scale
     group = num_heads // num_kv_heads
     sink_logits = None if sinks is None else sinks.astype("float32").reshape([1, num_kv_heads, 1, group, 1])
-    outs = [_attend_tile(q32, key_cache, value_cache, tile, sink_logits) for tile in plan.tiles]
+    outs = [_attend_tile(q32, key_cache, value_cache, *plan, sink_logits) for plan in tiles]
     out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
-    if plan.order is not None:
-        out = paddle.gather(out, plan.order)  # put the tiles' tokens back in packed order
+    if order is not None:
+        out = paddle.gather(out, order)  # put the tiles' tokens back in packed order
     return out.astype(query.dtype)
-
-
-@dataclass(slots=True)
-class _TileIndex:
-    """A tile's device-side indices and mask, the same for every layer of a step (``visible``'s
-    shape gives the tile's ``B``, ``Q`` and padded key length ``L``).
-
-    query_index: int64 ``[B * Q]`` packed token of each query slot; kv_index: int64 rows of
-    the cache (seen as ``[num_blocks * block_size * Hkv, D]``; whole blocks when ``Hkv == 1``)
-    that gather into ``[B, Hkv, L, D]``; visible: bool ``[B, 1, Q, 1, L]``; live: bool
-    ``[B, 1, L, 1]``, gathered keys inside the row's context (the rest are stale slots or
-    padding, whatever they hold); valid_index: int64 real query slots, None when every slot
-    is real.
-    """
-
-    query_index: paddle.Tensor
-    kv_index: paddle.Tensor
-    visible: paddle.Tensor
-    live: paddle.Tensor
-    valid_index: paddle.Tensor | None
-
-
-@dataclass(slots=True)
-class _StepPlan:
-    """Every tile of a step, and the gather that restores packed order (None: already in order)."""
-
-    tiles: list[_TileIndex]
-    order: paddle.Tensor | None
 
 
 @dataclass(slots=True)
@@ -141,54 +116,38 @@ class TiledMetadata(AttentionMetadata):
     plans: dict = field(default_factory=dict)
 
 
-def _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, place) -> _StepPlan:
-    """The plan for this step and layer shape (memoized in a ``TiledMetadata``; planned
-    afresh for plain ``AttentionMetadata``). However many tiles, its host arrays go to the
-    device in two copies (one per dtype)."""
+def _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, place) -> tuple:
+    """The plan for this step and layer shape: ``(tiles, order)``, every tile's plan (see
+    :func:`_index_tile`) and the gather that restores packed order (None: already in order).
+    Memoized in a ``TiledMetadata``; planned afresh for plain ``AttentionMetadata``. However many
+    tiles, its host arrays go to the device in two copies (one per dtype)."""
     limits = tile_limits()
     key = (num_heads, num_kv_heads, head_dim, sliding_window, limits, str(place))
     plans = metadata.plans if isinstance(metadata, TiledMetadata) else {}
     if key not in plans:
         tiles = plan_tiles(metadata, num_heads, num_kv_heads * head_dim, sliding_window, limits)
         packer = Packer()
-        staged = [_stage_tile(t, metadata, packer) for t in tiles]
-        dest = np.concatenate([t.tokens[t.valid] for t in tiles])
+        staged = [[None if a is None else packer.add(a) for a in t] for t in tiles]
+        dest = np.concatenate([t.tokens if t.valid is None else t.tokens[t.valid] for t in tiles])
         order = None if np.array_equal(dest, np.arange(len(dest))) else packer.add(np.argsort(dest))
         packer.upload()
         table = metadata.block_tables.astype("int64").flatten()
-        indexed = [_index_tile(t, parts, packer, table, metadata.block_size, num_kv_heads, sliding_window)
-                   for t, parts in zip(tiles, staged)]
-        plans[key] = _StepPlan(indexed, None if order is None else packer.get(order))
+        indexed = [_index_tile(_Tile(*[None if h is None else packer.get(h) for h in handles]), table,
+                               metadata.block_size, num_kv_heads, sliding_window) for handles in staged]
+        plans[key] = indexed, None if order is None else packer.get(order)
     return plans[key]
 
 
-def _stage_tile(tile, metadata, packer: Packer) -> dict:
-    """A tile's host arrays, handed to the packer: query slots, block-table cells, key starts,
-    query positions, which keys are inside each row's context, real query slots."""
-    bs = metadata.block_size
-    width = metadata.block_tables.shape[1]
-    seq_len = tile.num_blocks * bs
-    cols = np.minimum(tile.first_block[:, None] + np.arange(tile.num_blocks)[None, :], width - 1)
-    key_pos = tile.first_block[:, None] * bs + np.arange(seq_len)[None, :]
-    live = (key_pos <= tile.qpos.max(axis=1, keepdims=True)).reshape(len(tile.rows), 1, seq_len, 1)
-    return {
-        "tokens": packer.add(tile.tokens.reshape(-1).astype(np.int64)),
-        "cells": packer.add((tile.rows[:, None] * width + cols).reshape(-1).astype(np.int64)),
-        "key_start": packer.add((tile.first_block[:, None] * bs).astype(np.int64)),
-        "qpos": packer.add(tile.qpos.astype(np.int64)),
-        "live": packer.add(live),
-        "valid": None if tile.valid.all() else packer.add(np.flatnonzero(tile.valid.reshape(-1)).astype(np.int64)),
-    }
-
-
-def _index_tile(tile, parts, packer, table, block_size, num_kv_heads, sliding_window) -> _TileIndex:
-    """A tile's device-side plan, from the views of its uploaded host arrays."""
-    dev = {name: None if handle is None else packer.get(handle) for name, handle in parts.items()}
-    blocks = paddle.gather(table, dev["cells"]).clip(min=0)
-    seq_len = tile.num_blocks * block_size
-    kv_index = _kv_row_index(blocks, len(tile.rows), block_size, num_kv_heads)
-    visible = _visible(dev["key_start"], dev["qpos"], seq_len, sliding_window)
-    return _TileIndex(dev["tokens"], kv_index, visible, dev["live"], dev["valid"])
+def _index_tile(tile: _Tile, table, block_size, num_kv_heads, sliding_window) -> tuple:
+    """A tile's device-side plan ``(tile, kv_index, visible)``, the same for every layer of a step,
+    from its uploaded arrays (``tile`` holds tensors here). kv_index: int64 rows of the cache (seen
+    as ``[num_blocks * block_size * Hkv, D]``; whole blocks when ``Hkv == 1``) that gather into
+    ``[B, Hkv, L, D]``; visible: bool ``[B, 1, Q, 1, L]`` (its shape gives the tile's ``B``, ``Q``
+    and padded key length ``L``)."""
+    blocks = paddle.gather(table, tile.cells).clip(min=0)
+    kv_index = _kv_row_index(blocks, tile.qpos.shape[0], block_size, num_kv_heads)
+    visible = _visible(tile.key_start, tile.qpos, tile.live.shape[2], sliding_window)
+    return tile, kv_index, visible
 
 
 def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: int,
@@ -201,6 +160,7 @@ def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: i
     """
     cu = metadata.cu_seqlens_q_host.astype(np.int64)
     query_lens, seq_lens = np.diff(cu), metadata.seq_lens_kv_host.astype(np.int64)
+    width = metadata.block_tables.shape[1]
     tiles = []
     for rows in (np.flatnonzero(query_lens == 1), np.flatnonzero(query_lens > 1)):
         if len(rows) == 0:
@@ -215,53 +175,60 @@ def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: i
                               limits.kv_elements // (kv_token_elements * max_kv)))
         for r0 in range(0, len(rows), row_step):
             for q0 in range(0, max_q, q_step):
-                tile = _make_tile(cu, query_lens, seq_lens, metadata.block_size, rows[r0:r0 + row_step], q0,
-                                  q_step, sliding_window)
+                tile = _make_tile(cu, query_lens, seq_lens, metadata.block_size, width, rows[r0:r0 + row_step],
+                                  q0, q_step, sliding_window)
                 if tile is not None:
                     tiles.append(tile)
     return tiles
 
 
-def _make_tile(cu, query_lens, seq_lens, bs, rows, q0, q_len, sliding_window) -> _Tile | None:
+def _make_tile(cu, query_lens, seq_lens, bs, width, rows, q0, q_len, sliding_window) -> _Tile | None:
     """Plan query slots ``[q0, q0 + q_len)`` of each row in ``rows`` (None if all are padding);
-    ``cu``, ``query_lens``, ``seq_lens``: the step's int64 host arrays; ``bs``: the block size."""
+    ``cu``, ``query_lens``, ``seq_lens``: the step's int64 host arrays; ``bs``: the block size;
+    ``width``: the block tables' columns."""
     rows = rows[query_lens[rows] > q0]
     if len(rows) == 0:
         return None
     query_lens, seq_lens = query_lens[rows], seq_lens[rows]
     q_len = int(min(q_len, query_lens.max() - q0))
     slot = q0 + np.arange(q_len)[None, :]
-    valid = slot < query_lens[:, None]
+    valid = (slot < query_lens[:, None]).reshape(-1)
     slot = np.minimum(slot, query_lens[:, None] - 1)  # padding repeats the row's last real query
     tokens = cu[rows][:, None] + slot
     qpos = (seq_lens - query_lens)[:, None] + slot
     end_block = (qpos.max(axis=1) + bs) // bs  # one past the block holding the last visible key
     first_block = (np.zeros_like(end_block) if sliding_window is None
                    else np.maximum(qpos.min(axis=1) - sliding_window + 1, 0) // bs)
-    return _Tile(rows, tokens, valid, qpos, first_block, int((end_block - first_block).max()))
+    cols = first_block[:, None] + np.arange((end_block - first_block).max())  # [B, N] block-table columns read
+    key_pos = first_block[:, None] * bs + np.arange(cols.shape[1] * bs)  # [B, L]
+    live = key_pos <= qpos.max(axis=1, keepdims=True)
+    cells = rows[:, None] * width + np.minimum(cols, width - 1)
+    return _Tile(tokens.reshape(-1), cells.reshape(-1), key_pos[:, :1], qpos, live[:, None, :, None],
+                 None if valid.all() else np.flatnonzero(valid))
 
 
-def _attend_tile(q32, key_cache, value_cache, index: _TileIndex, sink_logits):
-    """Compute one tile; returns ``[num valid query slots, Hq, D]`` float32 in row-major slot order."""
-    num_rows, _, q_len, _, seq_len = index.visible.shape
+def _attend_tile(q32, key_cache, value_cache, tile: _Tile, kv_index, visible, sink_logits):
+    """Compute one tile (its plan from :func:`_index_tile`); returns ``[num valid query slots, Hq, D]``
+    float32 in row-major slot order."""
+    num_rows, _, q_len, _, seq_len = visible.shape
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_heads = q32.shape[1]
     group = num_heads // num_kv_heads
 
     # Queries [B, Q, Hq, D] -> [B, Hkv, Q*G, D]: each KV head's G query heads share one matmul.
-    q = paddle.gather(q32, index.query_index)
+    q = paddle.gather(q32, tile.tokens)
     q = q.reshape([num_rows, q_len, num_kv_heads, group, head_dim]).transpose([0, 2, 1, 3, 4])
     q = q.reshape([num_rows, num_kv_heads, q_len * group, head_dim])
-    k = _gather_kv(key_cache, index.kv_index, num_rows, seq_len)
+    k = _gather_kv(key_cache, kv_index, num_rows, seq_len)
     # Masked keys get weight 0, but 0 x NaN is NaN: a stale slot of a reused block (or block 0,
     # read for a -1 table entry) may hold anything, so values outside the context become 0.
     # Their scores are replaced by -inf below, whatever the keys hold.
-    v = _gather_kv(value_cache, index.kv_index, num_rows, seq_len)
-    v = paddle.where(index.live, v, paddle.zeros([], "float32"))
+    v = _gather_kv(value_cache, kv_index, num_rows, seq_len)
+    v = paddle.where(tile.live, v, paddle.zeros([], "float32"))
 
     scores = paddle.matmul(q, k, transpose_y=True)  # [B, Hkv, Q*G, L]
     scores = scores.reshape([num_rows, num_kv_heads, q_len, group, seq_len])
-    scores = paddle.where(index.visible, scores, paddle.full([], float("-inf"), "float32"))
+    scores = paddle.where(visible, scores, paddle.full([], float("-inf"), "float32"))
     scores = scores.reshape([num_rows, num_kv_heads, q_len * group, seq_len])
     out = paddle.matmul(paddle.nn.functional.softmax(scores, axis=-1), v)  # [B, Hkv, Q*G, D]
     if sink_logits is not None:
@@ -273,8 +240,8 @@ def _attend_tile(q32, key_cache, value_cache, index: _TileIndex, sink_logits):
     out = out.reshape([num_rows, num_kv_heads, q_len, group, head_dim])
     out = out.transpose([0, 2, 1, 3, 4])  # [B, Q, Hkv, G, D]
     out = out.reshape([num_rows * q_len, num_heads, head_dim])
-    if index.valid_index is not None:
-        out = paddle.gather(out, index.valid_index)
+    if tile.valid is not None:
+        out = paddle.gather(out, tile.valid)
     return out
 
 

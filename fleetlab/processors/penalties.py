@@ -32,7 +32,6 @@ from fleetlab.engine.logits_processor import LogitsProcessor
 
 NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 """Each penalty's setting that changes nothing (a row whose settings are all these is left alone)."""
-_NEUTRAL = np.array(list(NEUTRAL.values()), np.float32)
 
 
 class PenaltiesProcessor(LogitsProcessor):
@@ -57,11 +56,9 @@ class PenaltiesProcessor(LogitsProcessor):
         return values
 
     def __call__(self, logits: paddle.Tensor, st) -> paddle.Tensor:
-        if st.batch is None or st.pos_row is None:
-            return logits
         settings = np.stack([st.batch.np(name)[st.pos_row] for name in NEUTRAL], axis=1)  # [P, 3], each row's
         biased = np.not_equal(st.batch.np("logit_bias")[st.pos_row], None)
-        active = np.flatnonzero((settings != _NEUTRAL).any(axis=1) | biased)
+        active = np.flatnonzero(np.not_equal(settings, list(NEUTRAL.values())).any(axis=1) | biased)
         if len(active) == 0:
             return logits
         ints, widths, floats = self._host_arrays(st, active, settings[active], logits.shape[-1])
