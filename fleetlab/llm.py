@@ -19,7 +19,6 @@ bias and penalties are a logits processor the engine always installs
 from __future__ import annotations
 
 import concurrent.futures
-import time
 import weakref
 from collections import ChainMap
 from collections.abc import Sequence
@@ -37,7 +36,6 @@ from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.sampler import Sampler
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
-from fleetlab.inspect.batch import batch_snapshot
 from fleetlab.inspect.recorder import StepRecorder, StepTrace
 from fleetlab.inspect.spec_stats import SpecDecodingStats
 from fleetlab.inspect.stats import engine_stats
@@ -257,13 +255,10 @@ class LLM:
         request's id stops all its sequences); their blocks are freed at once. Returns their
         final outputs (``finish_reason="abort"``); ids that are unknown or already finished
         are ignored."""
-        now = time.perf_counter()
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         parents = self.output_processor.parents
         ids = [cid for rid in ids for cid in (parents[rid].child_ids if rid in parents else [rid])]
         aborted = self.scheduler.abort(ids)
-        for req in aborted:
-            req.finish_time = now
         return self.output_processor.process([RequestOutput.from_request(req, []) for req in aborted])[0]
 
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = True,
@@ -312,11 +307,6 @@ class LLM:
     def traces(self) -> list[StepTrace]:
         """A ``StepTrace`` of every step so far (``record_traces=True``; else empty)."""
         return self.recorder.traces if self.recorder is not None else []
-
-    def batch_snapshot(self) -> list:
-        """The model runner's persistent batch, one ``RowRecord`` per row, as the last step left
-        it (rows of requests that finished in it leave at the next step)."""
-        return batch_snapshot(self.runner.batch, self.runner.decode_threshold)
 
     def block_tables(self) -> dict[str, list[int]]:
         """``{request id: block ids}`` of every running request (for drawing the pool)."""

@@ -90,7 +90,3 @@ class Request:
     def is_ready(self) -> bool:
         """Whatever it waits on is done: the scheduler may admit it."""
         return self.waiting_on is None or self.waiting_on.done()
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
