@@ -59,7 +59,6 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

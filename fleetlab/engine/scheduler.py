@@ -83,8 +83,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
-        """Queue a new request (validated by the engine) at the back of the waiting list."""
-        request.status = RequestStatus.WAITING
+        """Queue a new request (validated by the engine; ``WAITING``, as built) at the back of the
+        waiting list."""
         request.enqueue_step = self.step_count
         self.waiting.append(request)
         self.requests[request.request_id] = request
@@ -292,7 +292,6 @@ class Scheduler:
         for i, token in enumerate(tokens):
             self.num_generated_tokens += 1
             req.output_token_ids.append(token)
-            req.token_times.append(now)
             if reason := self._stop_reason(req):
                 self._finish(req, reason, now)
                 return tokens[: i + 1]
