@@ -117,8 +117,13 @@ class LLM:
         # A verify row carries k + 1 query tokens: still a decode for the reorder and the kernels.
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         decode_threshold = max(backend_cls.reorder_threshold, k + 1)
-        self.proposer = self._build_proposer(cfg, num_blocks, decode_threshold) if self.spec_config else None
-        lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
+        self.proposer, lookahead = None, 0
+        if self.spec_config:  # speculative decoding: the proposer, with what it needs to know of the engine
+            ctx = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
+                                  self.handle.vocab_size, decode_threshold)
+            self.proposer = PROPOSERS.make(self.spec_config.method, self.spec_config, ctx, **self.spec_config.options)
+            self._closables.append(self.proposer)
+            lookahead = self.proposer.num_lookahead_tokens
         self.kv_connector = make_kv_connector(cfg.kv_transfer_config, self.kv_cache)  # the null one by default
         self._closables.append(self.kv_connector)
         self.scheduler = Scheduler(
@@ -152,13 +157,6 @@ class LLM:
             fields.register(field, owner=owner)
         return processors, InputBatch(max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                                       max_blocks_per_seq=-(-self.max_model_len // cfg.block_size), fields=fields)
-
-    def _build_proposer(self, cfg, num_blocks: int, decode_threshold: int):
-        context = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
-                                  self.handle.vocab_size, decode_threshold)
-        proposer = PROPOSERS.make(self.spec_config.method, self.spec_config, context, **self.spec_config.options)
-        self._closables.append(proposer)
-        return proposer
 
     def _build_edges(self, cfg, batch: InputBatch, processors: list, lookahead: int) -> None:
         """The checks in front of the core, the core's step, the output side and the observers."""

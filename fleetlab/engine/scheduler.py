@@ -160,16 +160,18 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._schedule(req, n, out)
-                budget -= n
+                budget -= self._schedule(req, n, out)
                 i += 1
         return budget
 
-    def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
+    def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> int:
+        """Put ``n`` of the request's tokens in the plan (the last ones past its known tokens are
+        drafts to verify); returns ``n``, what the step's budget gives up."""
         out.num_scheduled_tokens[req.request_id] = n
         num_drafts = req.num_computed_tokens + n - req.num_tokens
         if num_drafts > 0:
             out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_drafts]
+        return n
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:  # held ones count
@@ -201,8 +203,7 @@ class Scheduler:
             self.running.append(req)
             self.admitted.append(req)
             if not wait:
-                self._schedule(req, n, out)
-                budget -= n
+                budget -= self._schedule(req, n, out)
 
     def _fill_request_data(self, out: SchedulerOutput) -> None:
         """Full data for requests the runner lacks; the diff for those it holds."""
