@@ -19,7 +19,6 @@ bias and penalties are a logits processor the engine always installs
 from __future__ import annotations
 
 import concurrent.futures
-import time
 import weakref
 from collections import ChainMap
 from collections.abc import Sequence
@@ -37,7 +36,6 @@ from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.sampler import Sampler
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.engine.scheduler import Scheduler
-from fleetlab.inspect.batch import batch_snapshot
 from fleetlab.inspect.recorder import StepRecorder, StepTrace
 from fleetlab.inspect.spec_stats import SpecDecodingStats
 from fleetlab.inspect.stats import engine_stats
@@ -119,8 +117,13 @@ class LLM:
         # A verify row carries k + 1 query tokens: still a decode for the reorder and the kernels.
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         decode_threshold = max(backend_cls.reorder_threshold, k + 1)
-        self.proposer = self._build_proposer(cfg, num_blocks, decode_threshold) if self.spec_config else None
-        lookahead = self.proposer.num_lookahead_tokens if self.proposer else 0
+        self.proposer, lookahead = None, 0
+        if self.spec_config:  # speculative decoding: the proposer, with what it needs to know of the engine
+            ctx = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
+                                  self.handle.vocab_size, decode_threshold)
+            self.proposer = PROPOSERS.make(self.spec_config.method, self.spec_config, ctx, **self.spec_config.options)
+            self._closables.append(self.proposer)
+            lookahead = self.proposer.num_lookahead_tokens
         self.kv_connector = make_kv_connector(cfg.kv_transfer_config, self.kv_cache)  # the null one by default
         self._closables.append(self.kv_connector)
         self.scheduler = Scheduler(
@@ -154,13 +157,6 @@ class LLM:
             fields.register(field, owner=owner)
         return processors, InputBatch(max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                                       max_blocks_per_seq=-(-self.max_model_len // cfg.block_size), fields=fields)
-
-    def _build_proposer(self, cfg, num_blocks: int, decode_threshold: int):
-        context = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
-                                  self.handle.vocab_size, decode_threshold)
-        proposer = PROPOSERS.make(self.spec_config.method, self.spec_config, context, **self.spec_config.options)
-        self._closables.append(proposer)
-        return proposer
 
     def _build_edges(self, cfg, batch: InputBatch, processors: list, lookahead: int) -> None:
         """The checks in front of the core, the core's step, the output side and the observers."""
@@ -257,13 +253,10 @@ class LLM:
         request's id stops all its sequences); their blocks are freed at once. Returns their
         final outputs (``finish_reason="abort"``); ids that are unknown or already finished
         are ignored."""
-        now = time.perf_counter()
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         parents = self.output_processor.parents
         ids = [cid for rid in ids for cid in (parents[rid].child_ids if rid in parents else [rid])]
         aborted = self.scheduler.abort(ids)
-        for req in aborted:
-            req.finish_time = now
         return self.output_processor.process([RequestOutput.from_request(req, []) for req in aborted])[0]
 
     def generate(self, prompts=None, sampling_params=None, prompt_token_ids=None, use_tqdm: bool = True,
@@ -312,11 +305,6 @@ class LLM:
     def traces(self) -> list[StepTrace]:
         """A ``StepTrace`` of every step so far (``record_traces=True``; else empty)."""
         return self.recorder.traces if self.recorder is not None else []
-
-    def batch_snapshot(self) -> list:
-        """The model runner's persistent batch, one ``RowRecord`` per row, as the last step left
-        it (rows of requests that finished in it leave at the next step)."""
-        return batch_snapshot(self.runner.batch, self.runner.decode_threshold)
 
     def block_tables(self) -> dict[str, list[int]]:
         """``{request id: block ids}`` of every running request (for drawing the pool)."""

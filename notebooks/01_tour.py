@@ -20,6 +20,7 @@ import numpy as np
 
 import fleetlab
 from fleetlab import viz
+from fleetlab.inspect.batch import batch_snapshot
 
 # %% [markdown]
 # ## 1. The model on its own
@@ -174,10 +175,10 @@ pool_figure
 # from the next step's message (the `SchedulerOutput`, which carries only what changed).
 # Each row ends with `(computed/total in KV cache)`: of the request's tokens so far, how
 # many have their K/V in the cache (notebook 04 opens these rows). Next step both decode.
-# The rows survive from step to step.
+# The rows survive from step to step (`batch_snapshot` reads them from the model runner).
 
 # %%
-batch_rows = llm.batch_snapshot()
+batch_rows = batch_snapshot(llm.runner.batch, llm.runner.decode_threshold)
 viz.draw_batch(batch_rows)
 
 # %%

@@ -209,9 +209,9 @@ def test_request_finished_delays_the_free(fleet_model, prompts_and_want):
     llm.add_request(prompt_token_ids=prompts[1], sampling_params=SamplingParams(max_tokens=8, ignore_eos=True))
     while "a" not in llm.scheduler._held:
         llm.step()
-    assert llm.scheduler.kv.num_held_blocks("a") > 0  # retired, its blocks kept
+    assert len(llm.scheduler.kv.get_block_ids("a")) > 0  # retired, its blocks kept
     llm.step()
-    assert "a" not in llm.scheduler._held and llm.scheduler.kv.num_held_blocks("a") == 0
+    assert "a" not in llm.scheduler._held and len(llm.scheduler.kv.get_block_ids("a")) == 0
     while llm.has_unfinished_requests():
         llm.step()
     llm.close()
@@ -408,11 +408,11 @@ def test_a_request_waits_for_its_kv_outside_the_batch(fleet_model, tmp_path):
             outs.update({o.request_id: o for o in llm.step()})
             assert "long" not in llm.observers[-1].steps[-1]  # held out of every step
             if not preempt:
-                assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and llm.scheduler.kv.num_held_blocks("long")
+                assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS and llm.scheduler.kv.get_block_ids("long")
                 assert llm.scheduler.kv.get_computed_blocks(req)[1] == 0  # none of its blocks in the prefix cache
         assert len(outs["short"].token_ids) == 5  # the short request decoded meanwhile
         if preempt:  # the short one grew into the long one's blocks: it was the victim, mid-arrival
-            assert req.status is RequestStatus.PREEMPTED and not llm.scheduler.kv.num_held_blocks("long")
+            assert req.status is RequestStatus.PREEMPTED and not llm.scheduler.kv.get_block_ids("long")
             assert llm.stats()["num_preemptions"] >= 1
         for _ in range(30):
             gate = conn.gates.get("long")

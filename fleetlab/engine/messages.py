@@ -11,10 +11,8 @@ alone turns it into progress.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from fleetlab.engine.sampling_params import SamplingParams
+from fleetlab.engine.sampling_params import SamplingParams  # pure data: no cycle, no Paddle
 
 
 @dataclass(slots=True)

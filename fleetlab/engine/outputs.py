@@ -19,8 +19,8 @@ class RequestOutput:
       or None while unfinished.
     stop_reason: what stopped it with ``"stop"``: the stop string, or the stop token id
       (``stop_token_ids``); None at EOS (vLLM's meaning).
-    metrics: arrival / first-scheduled / first-token / finish times and each output token's
-      time (``token_times``; ``time.perf_counter`` seconds), and ``num_preemptions``.
+    metrics: arrival / first-scheduled / first-token / finish times (``time.perf_counter``
+      seconds) and ``num_preemptions``.
     index: which of the request's ``n`` sequences this is (``SamplingParams.n``; 0 when n = 1).
     logprobs: with ``SamplingParams.logprobs``: a :class:`~fleetlab.engine.logprobs.TokenLogprobs`
       per token of ``token_ids``; ``cumulative_logprob`` their sum (also set for ``best_of``).
@@ -50,8 +50,7 @@ class RequestOutput:
     def from_request(cls, req, new_token_ids: list[int]) -> RequestOutput:
         """The output of the scheduler's ``Request`` ``req`` after a step that added ``new_token_ids``."""
         metrics = {"arrival_time": req.arrival_time, "first_scheduled_time": req.first_scheduled_time,
-                   "first_token_time": req.first_token_time,
-                   "finish_time": req.finish_time, "num_preemptions": req.num_preemptions,
-                   "token_times": list(req.token_times)}
+                   "first_token_time": req.first_token_time, "finish_time": req.finish_time,
+                   "num_preemptions": req.num_preemptions}
         return cls(req.request_id, req.prompt_token_ids, list(req.output_token_ids), None, req.finish_reason,
                    req.error, metrics, new_token_ids)

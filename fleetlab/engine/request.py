@@ -59,7 +59,6 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -90,7 +89,3 @@ class Request:
     def is_ready(self) -> bool:
         """Whatever it waits on is done: the scheduler may admit it."""
         return self.waiting_on is None or self.waiting_on.done()
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED

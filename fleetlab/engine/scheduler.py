@@ -83,8 +83,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
-        """Queue a new request (validated by the engine) at the back of the waiting list."""
-        request.status = RequestStatus.WAITING
+        """Queue a new request (validated by the engine; ``WAITING``, as built) at the back of the
+        waiting list."""
         request.enqueue_step = self.step_count
         self.waiting.append(request)
         self.requests[request.request_id] = request
@@ -94,12 +94,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def abort(self, request_ids) -> list[Request]:
-        """Finish the named waiting or running requests with reason ``"abort"`` and free
-        their blocks at once; ids of finished or unknown requests are skipped."""
+        """Finish the named waiting or running requests with reason ``"abort"`` (their
+        ``finish_time`` now) and free their blocks at once; ids of finished or unknown requests
+        are skipped."""
         aborted = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
+        now = time.perf_counter()
         for req in aborted:
-            (self.running if req in self.running else self.waiting).remove(req)
-            self._retire(req, "abort")
+            self._finish(req, "abort", now)
         return aborted
 
     # ------------------------------------------------------------------ planning
@@ -159,16 +160,18 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                self._schedule(req, n, out)
-                budget -= n
+                budget -= self._schedule(req, n, out)
                 i += 1
         return budget
 
-    def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> None:
+    def _schedule(self, req: Request, n: int, out: SchedulerOutput) -> int:
+        """Put ``n`` of the request's tokens in the plan (the last ones past its known tokens are
+        drafts to verify); returns ``n``, what the step's budget gives up."""
         out.num_scheduled_tokens[req.request_id] = n
         num_drafts = req.num_computed_tokens + n - req.num_tokens
         if num_drafts > 0:
             out.scheduled_spec_decode_tokens[req.request_id] = req.spec_token_ids[:num_drafts]
+        return n
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:  # held ones count
@@ -200,8 +203,7 @@ class Scheduler:
             self.running.append(req)
             self.admitted.append(req)
             if not wait:
-                self._schedule(req, n, out)
-                budget -= n
+                budget -= self._schedule(req, n, out)
 
     def _fill_request_data(self, out: SchedulerOutput) -> None:
         """Full data for requests the runner lacks; the diff for those it holds."""
@@ -270,7 +272,7 @@ class Scheduler:
                 num_rejected = len(out.scheduled_spec_decode_tokens.get(rid, ())) + 1 - len(tokens)
                 req.num_computed_tokens -= num_rejected
                 tokens = self._append_tokens(req, tokens, now)
-                if not req.is_finished:
+                if req.status is not RequestStatus.FINISHED:
                     req.spec_token_ids = result.spec_token_ids.get(rid, [])
                     if num_rejected:
                         self._free_rejected_slots(req)
@@ -282,7 +284,7 @@ class Scheduler:
         runner its table is cut back (the next diff's ``num_blocks``)."""
         rid = req.request_id
         if self.kv.free_blocks_beyond(req, min(req.num_tokens + self.num_lookahead_tokens, self.max_model_len)):
-            self._sent[rid] = (self._sent[rid][0], self.kv.num_held_blocks(rid))
+            self._sent[rid] = (self._sent[rid][0], len(self.kv.get_block_ids(rid)))
 
     def _append_tokens(self, req: Request, tokens: list[int], now: float) -> list[int]:
         """Append ``tokens`` until one stops the request; returns those kept."""
@@ -291,7 +293,6 @@ class Scheduler:
         for i, token in enumerate(tokens):
             self.num_generated_tokens += 1
             req.output_token_ids.append(token)
-            req.token_times.append(now)
             if reason := self._stop_reason(req):
                 self._finish(req, reason, now)
                 return tokens[: i + 1]
@@ -309,12 +310,10 @@ class Scheduler:
         return None
 
     def _finish(self, req: Request, reason: str, now: float) -> None:
+        """End a running request (or a waiting one, aborted): free its blocks and forget it (the
+        engine keeps no history)."""
         req.finish_time = now
-        self.running.remove(req)
-        self._retire(req, reason)
-
-    def _retire(self, req: Request, reason: str) -> None:
-        """Free a finished request's blocks and forget it (the engine keeps no history)."""
+        (self.running if req in self.running else self.waiting).remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.spec_token_ids = []

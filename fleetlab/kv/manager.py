@@ -2,10 +2,10 @@
 
 The pool knows blocks; the manager knows which blocks each request holds, how many of a
 new request's tokens the prefix cache already holds, and which blocks become shareable.
-The scheduler never touches the pool: it asks the manager. ``allocate_slots`` answers with a
-:class:`KVCacheBlocks` (None: no room) and ``get_computed_blocks`` with the prefix-cache hits
-as one; a request's whole block table, what the scheduler sends the runner, comes from
-:meth:`KVCacheManager.get_block_ids`.
+The scheduler never touches the pool: it asks the manager. ``allocate_slots`` answers with the
+block ids it handed out (a tuple; None: no room) and ``get_computed_blocks`` with the prefix-cache
+hits (a tuple the scheduler passes back to ``allocate_slots``); a request's whole block table,
+what the scheduler sends the runner, comes from :meth:`KVCacheManager.get_block_ids`.
 
 Same-step sharing: a full block of *known* tokens (prompt or accepted output, never a
 speculative draft) is registered in the prefix cache as soon as it is allocated for tokens
@@ -25,15 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fleetlab.kv.block_pool import BlockPool
-
-
-@dataclass(frozen=True, slots=True)
-class KVCacheBlocks:
-    """The block ids one call handed out (prefix-cache hits, or those plus the new blocks): the
-    scheduler checks that there were enough and passes hits back to ``allocate_slots``; the
-    request's table is :meth:`KVCacheManager.get_block_ids`."""
-
-    block_ids: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -81,22 +72,19 @@ class KVCacheManager:
         """The request's block table (a copy)."""
         return list(self._blocks.get(request_id, ()))
 
-    def num_held_blocks(self, request_id: str) -> int:
-        return len(self._blocks.get(request_id, ()))
-
     # ------------------------------------------------------------------ allocation
-    def get_computed_blocks(self, request) -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request) -> tuple[tuple[int, ...], int]:
         """Cached blocks holding a prefix of a new request, and the tokens they cover.
 
-        Never the whole request: at least one token is always computed. None for a request
-        that ``skip_reading_prefix_cache`` (its blocks are still cached for others). Counts
+        Never the whole request: at least one token is always computed. No hits for a
+        request that ``skip_reading_prefix_cache`` (its blocks are still cached for others). Counts
         nothing in the hit rate (a request that cannot be admitted is looked up again next
         step); the scheduler counts the query once, on admission, with :meth:`record_lookup`.
         """
         if self.prefix_cache is None or getattr(request, "skip_reading_prefix_cache", False):
-            return KVCacheBlocks(), 0
+            return (), 0
         hits = self.prefix_cache.lookup(request.all_token_ids[: request.num_cacheable_tokens], record_stats=False)
-        return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
+        return tuple(hits), len(hits) * self.block_size
 
     def record_lookup(self, request, num_hit_tokens: int) -> None:
         """Count one admission's prefix-cache query in the hit rate (undone if the step fails)."""
@@ -105,22 +93,22 @@ class KVCacheManager:
         self.prefix_cache.record_lookup(request.num_tokens, num_hit_tokens // self.block_size)
 
     def allocate_slots(self, request, num_new_tokens: int, num_lookahead_tokens: int = 0,
-                       new_computed_blocks: KVCacheBlocks | None = None,
-                       max_num_tokens: int | None = None) -> KVCacheBlocks | None:
-        """Make room for the request's next ``num_new_tokens`` tokens; returns the new blocks::
+                       hits: tuple[int, ...] = (), max_num_tokens: int | None = None) -> tuple[int, ...] | None:
+        """Make room for the request's next ``num_new_tokens`` tokens; returns the blocks it handed
+        out (``hits``, then the new ones)::
 
             |<------------------------- tokens the request will hold --------------------->|
-            | computed | new_computed_blocks | num_new_tokens (this step) | num_lookahead |
+            | computed |         hits          | num_new_tokens (this step) | num_lookahead |
             |<- held ->|<- prefix-cache hits ->|<-------- allocated now, if not held ------>|
                                         ^ full blocks of known tokens up to here are registered
 
-        ``new_computed_blocks`` (first admission only) are prefix-cache hits: the request takes a
-        reference on them and its ``num_computed_tokens`` moves past them (the caller sets it).
+        ``hits`` (first admission only; vLLM's ``new_computed_blocks``) are the prefix-cache hits of
+        :meth:`get_computed_blocks`: the request takes a reference on them and its
+        ``num_computed_tokens`` moves past them (the caller sets it).
         ``num_lookahead_tokens`` reserves slots past this step's tokens (a draft model writes its
         proposals there); ``max_num_tokens`` caps the slots (the model's length). Returns None,
         changing nothing, when the pool cannot supply the blocks.
         """
-        hits = new_computed_blocks.block_ids if new_computed_blocks is not None else ()
         rid = request.request_id
         held = self._blocks.get(rid, [])
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
@@ -130,7 +118,7 @@ class KVCacheManager:
         num_new_blocks = max(0, self.blocks_needed(num_slots) - len(held) - len(hits))
         if not num_new_blocks and not hits:  # most decode steps: the next slots are in blocks it holds
             self._cache_known_blocks(request, num_computed + num_new_tokens)
-            return KVCacheBlocks()
+            return ()
         # A hit on a block nobody holds takes it out of the free queue: it costs a free block too.
         revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
         if num_new_blocks + revived > self.pool.num_free_blocks:
@@ -142,7 +130,7 @@ class KVCacheManager:
         if hits:
             self._num_cached[rid] = len(blocks) - len(new_blocks)
         self._cache_known_blocks(request, num_computed + num_new_tokens)
-        return KVCacheBlocks(tuple(hits) + tuple(new_blocks))
+        return (*hits, *new_blocks)
 
     def _cache_known_blocks(self, request, num_tokens: int) -> None:
         """Register the request's blocks that are full of known (and cacheable) tokens among

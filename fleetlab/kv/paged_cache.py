@@ -135,8 +135,7 @@ class PagedKVCache:
                              f"and [T] (wrong: {', '.join(wrong)})")
         if key.shape[0] == 0:
             return
-        slots = slot_mapping.astype("int64")
-        target, source = _skip_plan(slots)
+        target, source = _skip_plan(slot_mapping.astype("int64"))
         block, offset = target // self.block_size, target % self.block_size
         for cache, new in ((self._k[layer_id], key), (self._v[layer_id], value)):
             # Row T of the stacked source is slot 0's current content (see _skip_plan).

@@ -37,9 +37,7 @@ class StopStrings:
     """
 
     def __init__(self, tokenizer, sampling_params):
-        self.tokenizer = tokenizer
-        self.stop, self.include = sampling_params.stop, sampling_params.include_stop_str_in_output
-        self.min_tokens = sampling_params.min_tokens
+        self.tokenizer, self.sp = tokenizer, sampling_params
         self.num_chars = 0  # of the text already searched
 
     def check(self, token_ids: list[int], num_new: int) -> tuple[str, int, str] | None:
@@ -48,9 +46,9 @@ class StopStrings:
         for n in range(len(token_ids) - num_new + 1, len(token_ids) + 1):
             text = self.tokenizer.decode(token_ids[:n], skip_special_tokens=True)
             new_chars, self.num_chars = len(text) - self.num_chars, len(text)
-            if n < self.min_tokens:
+            if n < self.sp.min_tokens:
                 continue
-            found = find_stop_string(text, self.stop, max(new_chars, 0), self.include)
+            found = find_stop_string(text, self.sp.stop, max(new_chars, 0), self.sp.include_stop_str_in_output)
             if found is not None:
                 return found[0], n, text[: found[1]]
         return None
