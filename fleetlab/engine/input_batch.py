@@ -167,8 +167,7 @@ class InputBatch:
         row = int(holes[0]) if len(holes) else self._num_rows  # the lowest free row
         self._clear_rows(np.array([row]))
         values = {"req_id": req_id, "num_tokens": len(prompt) + len(output), "num_prompt_tokens": len(prompt),
-                  "num_computed_tokens": num_computed_tokens, "num_output_tokens": len(output),
-                  "num_blocks": len(blocks), "eos_token_id": eos_token_id,
+                  "num_computed_tokens": num_computed_tokens, "num_blocks": len(blocks), "eos_token_id": eos_token_id,
                   "seed": getattr(sampling, "seed", None) if seed is None else seed,
                   **{name: getattr(sampling, attr, None) for name, attr in SAMPLING_SETTINGS.items()}, **(extra or {})}
         for name, value in values.items():
@@ -236,22 +235,21 @@ class InputBatch:
     def append(self, rows: np.ndarray, new_token_ids, new_block_ids=None) -> None:
         """Append output tokens (and block ids) to ``rows``; the rows' drafts are dropped (a row's
         tokens past ``num_tokens`` are scratch). The caller makes sure they fit."""
-        self._np["num_output_tokens"][rows] += self._append(rows, new_token_ids, "token_ids", "num_tokens")
+        self._append(rows, new_token_ids, "token_ids", "num_tokens")
         if new_block_ids is not None:
             self._append(rows, new_block_ids, "block_table", "num_blocks")
         self._np["num_spec_tokens"][rows] = 0
         self._synced_rows = None
 
-    def _append(self, rows: np.ndarray, values, buffer: str, count: str) -> np.ndarray:
+    def _append(self, rows: np.ndarray, values, buffer: str, count: str) -> None:
         """Append ``values[i]`` to row ``rows[i]`` of ``buffer`` after its ``count`` entries
-        (one fancy-indexed write for all rows); returns how many each row got."""
+        (one fancy-indexed write for all rows)."""
         lens = np.fromiter(map(len, values), np.int64, len(values))
         if lens.any():
             starts = np.repeat(self._np[count][rows] - np.cumsum(lens) + lens, lens)
             flat = np.fromiter(itertools.chain.from_iterable(values), np.int64, int(lens.sum()))
             self._np[buffer][np.repeat(rows, lens), starts + np.arange(len(flat))] = flat
             self._np[count][rows] += lens
-        return lens
 
     def set_spec_tokens(self, req_id, draft_token_ids: Iterable[int]) -> None:
         """Write the drafts a row verifies this step after its known tokens (``token_ids``
