@@ -173,9 +173,8 @@ class InputBatch:
         for name, value in values.items():
             if value is not None:
                 self._np[name][row] = value
-        self._np["token_ids"][row, : len(prompt) + len(output)] = prompt + output
-        self._np["block_table"][row, : len(blocks)] = blocks
-        self._np["stop_token_ids"][row, : len(stop)] = stop
+        for name, ids in (("token_ids", prompt + output), ("block_table", blocks), ("stop_token_ids", stop)):
+            self._np[name][row, : len(ids)] = ids
         self._req_id_to_row[req_id] = row
         self._num_rows = max(self._num_rows, row + 1)
         self._synced_rows = None

@@ -170,14 +170,12 @@ class Sampler:
         res = SampleResult(tokens, finite, named)
         rest = host[2 * num + len(draws) * k:]
         if len(lp_rows):
-            width = 2 + 2 * int(st.num_logprobs[lp_rows].max())
+            items, rest = lp.unpack(rest, tokens[lp_rows], st.num_logprobs[lp_rows])
             res.logprobs = [None] * num
-            for r, item in zip(lp_rows.tolist(), lp.unpack(rest[: len(lp_rows) * width], tokens[lp_rows],
-                                                            st.num_logprobs[lp_rows])):
+            for r, item in zip(lp_rows.tolist(), items):
                 res.logprobs[r] = item
-            rest = rest[len(lp_rows) * width:]
         if st.prompt_targets is not None:
-            res.prompt_logprobs = lp.unpack(rest, st.prompt_targets, st.prompt_num_logprobs)
+            res.prompt_logprobs, _ = lp.unpack(rest, st.prompt_targets, st.prompt_num_logprobs)
         return res
 
     def taken(self, draws: dict, st: SamplingTensors, rows: np.ndarray) -> paddle.Tensor:
