@@ -55,9 +55,7 @@ class Field:
             (not self.name.isidentifier() or self.name.startswith("_"), "must be a public Python identifier"),
             (self.home not in HOMES, f"home must be one of {HOMES}, got {self.home!r}"),
             (not dtype_ok, f"unknown dtype {self.dtype!r}"),
-            (self.dtype == "object" and self.home == "device", "dtype 'object' cannot live on the device"),
-            (dtype_ok and self.home == "device" and self.dtype != "object"
-             and np.dtype(self.dtype).name not in DEVICE_DTYPES,
+            (dtype_ok and self.home == "device" and np.dtype(self.dtype).name not in DEVICE_DTYPES,  # 'object' too
              f"dtype {self.dtype!r} cannot live on the device: {DEVICE_DTYPES}"),
             (not isinstance(self.per_row_shape, tuple), "per_row_shape must be a tuple"),
         ], prefix=f"field {self.name!r}: ")
@@ -88,7 +86,7 @@ class FieldRegistry:
             self.register(field, owner=self._owners.get(field.name, ""))
         self.frozen = frozen
 
-    def register(self, field: Field, owner: str = "") -> Field:
+    def register(self, field: Field, owner: str = "") -> None:
         """Add ``field`` (``owner``: who declares it, named if another declares it again); a second
         field with the same name is an error."""
         refuse([  # a TypeError (not a Field) and a ValueError (the rest) at once
@@ -102,7 +100,6 @@ class FieldRegistry:
         ], FieldTypeError)
         self._fields[field.name] = field
         self._owners[field.name] = owner
-        return field
 
     def copy(self, *, frozen: bool = False) -> FieldRegistry:
         """An independent registry with the same fields (unfrozen unless asked)."""

@@ -54,8 +54,6 @@ class DraftModelProposer(Proposer):
             self.close()
             raise
         self.kv_cache = PagedKVCache.for_handle(self.handle, context.num_blocks, context.block_size)
-        self.block_size = context.block_size
-        self.decode_threshold = context.decode_threshold
         self.fields = proposer_fields(self.num_speculative_tokens)  # registered on the main batch
         self.num_lookahead_tokens = self.num_speculative_tokens  # its drafts' K/V slots past a row's last token
         self.batch: ProposerInputBatch | None = None
@@ -112,8 +110,8 @@ class DraftModelProposer(Proposer):
         """One packed draft forward over ``rows``; logits ``[len(scored), vocab]`` at the last
         token of the rows ``rows[scored]``."""
         device_tables = batch.dev("block_table") if len(rows) == batch.num_reqs else None  # all rows: the mirror
-        md = AttentionMetadata.build(query_lens, num_computed, batch.block_table[rows], self.block_size,
-                                     self.decode_threshold, block_tables_device=device_tables)
+        md = AttentionMetadata.build(query_lens, num_computed, batch.block_table[rows], self.context.block_size,
+                                     self.context.decode_threshold, block_tables_device=device_tables)
         last = upload(md.cu_seqlens_q_host[1:][scored].astype(np.int64) - 1)
         with paddle.no_grad(), forward_context(md, self.kv_cache):
             return self.handle.compute_logits(input_ids.astype("int64"), md.positions.reshape([1, -1]), last)

@@ -41,8 +41,8 @@ class Proposer:
 
     def __init__(self, config, context: ProposerContext) -> None:
         self.config = config
+        self.context = context  # what the engine told it (max_model_len; a draft model's pool, its backend)
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.max_model_len = context.max_model_len
 
     def bind(self, batch) -> None:
         """Called once with the runner's (empty) ``InputBatch``."""
@@ -60,7 +60,7 @@ class Proposer:
         n = batch.num_reqs
         gained = np.array([len(sampled.get(rid, ())) for rid in batch.req_ids], dtype=np.int64)
         num_tokens = batch.num_tokens[:n] + gained
-        room = np.minimum(self.max_model_len - num_tokens,
+        room = np.minimum(self.context.max_model_len - num_tokens,
                           batch.max_tokens[:n] - (num_tokens - batch.num_prompt_tokens[:n]) - 1)
         return np.where(gained > 0, np.clip(room, 0, self.num_speculative_tokens), 0)
 
