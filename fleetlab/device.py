@@ -61,8 +61,7 @@ class Packer:
 
     def get(self, handle) -> paddle.Tensor:
         dtype, offset, shape = handle
-        size = int(np.prod(shape))
-        flat = self._flat[dtype][offset: offset + size]
+        flat = self._flat[dtype][offset: offset + int(np.prod(shape))]
         return flat if len(shape) == 1 else flat.reshape(list(shape))
 
 

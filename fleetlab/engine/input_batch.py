@@ -163,8 +163,7 @@ class InputBatch:
         prompt, output = list(prompt_token_ids), list(output_token_ids)
         blocks, stop = list(block_ids), list(getattr(sampling, "stop_token_ids", None) or ())
         self._check_new_request(req_id, prompt, output, num_computed_tokens, blocks, stop, extra or {})
-        holes = np.flatnonzero(np.equal(self._np["req_id"][: self._num_rows], None))
-        row = int(holes[0]) if len(holes) else self._num_rows  # the lowest free row
+        row = int(np.argmax(np.equal(self._np["req_id"], None)))  # the lowest free row (all past num_rows are)
         self._clear_rows(np.array([row]))
         values = {"req_id": req_id, "num_tokens": len(prompt) + len(output), "num_prompt_tokens": len(prompt),
                   "num_computed_tokens": num_computed_tokens, "num_blocks": len(blocks), "eos_token_id": eos_token_id,
@@ -266,10 +265,8 @@ class InputBatch:
         room = (self._np["num_tokens"][rows] + self._np["num_spec_tokens"][rows]
                 - self._np["num_computed_tokens"][rows])
         bad = np.flatnonzero((n < 0) | (n > room))  # check everything before writing anything
-        if len(bad):
-            req_id, i = list(num_scheduled)[bad[0]], bad[0]
-            raise ValueError(f"request {req_id!r}: field 'num_scheduled_tokens'={n[i]} must be in [0, {room[i]}] "
-                             "(num_tokens + num_spec_tokens - num_computed_tokens)")
+        refuse([(len(bad), lambda: f"request {list(num_scheduled)[bad[0]]!r}: field 'num_scheduled_tokens'={n[bad[0]]} "
+                 f"must be in [0, {room[bad[0]]}] (num_tokens + num_spec_tokens - num_computed_tokens)")])
         sched = self._np["num_scheduled_tokens"]
         sched[: self._num_rows] = 0
         sched[rows] = n
