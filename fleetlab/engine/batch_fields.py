@@ -133,6 +133,8 @@ DEFAULT_FIELDS = FieldRegistry([
     Field("num_scheduled_tokens", (), "int32", "host", 0, "tokens this step computes (query length)"),
     Field("num_spec_tokens", (), "int32", "host", 0,
           "draft tokens verified this step, written in token_ids after num_tokens"),
+    Field("num_placeholders", (), "int32", "host", 0,
+          "trailing tokens of num_tokens the step before has not sampled yet (the overlapped loop's)"),
     Field("block_table", ("max_blocks_per_seq",), "int32", "device", -1, "physical block ids, -1 unused"),
     Field("num_blocks", (), "int32", "host", 0, "valid entries of block_table"),
     Field("temperature", (), "float32", "device", 1.0, "sampling temperature; 0 = greedy"),

@@ -110,7 +110,6 @@ class ModelRunner:
         self.proposer = proposer
         self.hooks = hooks or StepHooks()
         self.kv_connector = kv_connector
-        self.placeholders: dict[str, int] = {}  # request id -> its row's trailing tokens not known yet
         if proposer is not None:
             proposer.bind(input_batch)
 
@@ -150,7 +149,6 @@ class ModelRunner:
         for req_id in [r for r in self.batch.req_ids if r is not None]:
             self.batch.remove_request(req_id)
         self.batch.condense()
-        self.placeholders.clear()
         if self.proposer is not None:
             self.proposer.reset()
 
@@ -191,28 +189,26 @@ class ModelRunner:
         rows = np.fromiter((b.req_id_to_row[r] for r in scheduled), np.int64, len(scheduled))
         short = (b.num_computed_tokens[rows] + np.fromiter(scheduled.values(), np.int64, len(scheduled))
                  - b.num_tokens[rows] - b.num_spec_tokens[rows])
-        rows, counts = rows[short > 0], short[short > 0].tolist()
-        if counts:  # one append for every such row; 0: any valid id (a wasted slot's forward reads it)
-            b.append(rows, [[0] * k for k in counts])
-            self.placeholders.update(zip([b.req_ids[row] for row in rows.tolist()], counts))
+        rows, counts = rows[short > 0], short[short > 0]
+        if len(rows):  # one append for every such row; 0: any valid id (a wasted slot's forward reads it)
+            b.append(rows, [[0] * k for k in counts.tolist()])
+            b.num_placeholders[rows] = counts
 
     def _retract_placeholders(self) -> None:
-        """Take the placeholders off the rows again: the message carries the tokens they stood for."""
+        """Take the placeholders off the rows again: the message carries the tokens they stood for
+        (a row removed since has none: its fields were cleared)."""
         b = self.batch
-        for req_id, k in self.placeholders.items():
-            if req_id in b.req_id_to_row:
-                b.num_tokens[b.req_id_to_row[req_id]] -= k
-        self.placeholders.clear()
+        b.num_tokens[:] -= b.num_placeholders  # views of rows [0, num_rows)
+        b.num_placeholders[:] = 0
 
     def _placeholder_slots(self, inputs: StepInputs) -> list[tuple[str, int, int, int]]:
         """``(request id, row, position, packed index)`` of each placeholder this step reads (they
         are its rows' last scheduled tokens)."""
-        b, cu = self.batch, inputs.metadata.cu_seqlens_q_host
+        b, cu, req_ids = self.batch, inputs.metadata.cu_seqlens_q_host, self.batch.req_ids
         slots = []
-        for req_id, k in self.placeholders.items():
-            row = b.req_id_to_row[req_id]
-            end = int(b.num_tokens[row])
-            slots += [(req_id, row, end - k + j, int(cu[row + 1]) - k + j) for j in range(k)]
+        for row in np.flatnonzero(b.num_placeholders > 0).tolist():
+            k, end = int(b.num_placeholders[row]), int(b.num_tokens[row])
+            slots += [(req_ids[row], row, end - k + j, int(cu[row + 1]) - k + j) for j in range(k)]
         return slots
 
     # ------------------------------------------------------------------ inputs and forward
