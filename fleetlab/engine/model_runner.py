@@ -303,9 +303,8 @@ class ModelRunner:
         st = SamplingTensors(
             greedy=b.temperature[rows] == 0, temperature=b.dev("temperature"), top_k=b.dev("top_k"),
             top_p=b.dev("top_p"), seeds=b.seed[rows], draw_index=draw_index, banned=banned,
-            draft_token_ids=drafts.astype(np.int64), row_starts=starts, pos_row=rows, batch=b)
-        if (b.num_logprobs[rows] >= 0).any():
-            st.num_logprobs = b.num_logprobs[rows]
+            draft_token_ids=drafts.astype(np.int64), row_starts=starts, pos_row=rows, batch=b,
+            num_logprobs=b.num_logprobs[rows] if (b.num_logprobs[rows] >= 0).any() else None)
         if inputs.prompt_rows is not None:
             st.prompt_targets = b.token_ids[inputs.prompt_rows, inputs.prompt_positions + 1]
             st.prompt_num_logprobs = b.num_prompt_logprobs[inputs.prompt_rows]
