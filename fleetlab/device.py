@@ -61,8 +61,7 @@ class Packer:
 
     def get(self, handle) -> paddle.Tensor:
         dtype, offset, shape = handle
-        size = int(np.prod(shape))
-        flat = self._flat[dtype][offset: offset + size]
+        flat = self._flat[dtype][offset: offset + int(np.prod(shape))]
         return flat if len(shape) == 1 else flat.reshape(list(shape))
 
 
@@ -75,17 +74,14 @@ def upload_packed(*arrays) -> list[paddle.Tensor]:
     return [packer.get(h) for h in handles]
 
 
-# What Paddle 3.3's CPU build has no matmul/softmax kernels for (measured: a bf16 or fp16
-# ``linear`` raises "kernel ... (CPU, ..., bfloat16) of kernel `matmul` is not registered").
-CPU_UNSUPPORTED_DTYPES = ("bfloat16", "float16")
-
-
 def check_model_dtype_runs(dtype, what: str = "model") -> None:
     """Raise ``ValueError`` naming the dtype and the device when Paddle cannot run a model of
     ``dtype`` on its current device (half precision on a CPU), before any work starts."""
     name = str(dtype).removeprefix("paddle.")
     device = paddle.device.get_device()
-    if device.startswith("cpu") and name in CPU_UNSUPPORTED_DTYPES:
+    # What Paddle 3.3's CPU build has no matmul/softmax kernels for (measured: a bf16 or fp16
+    # ``linear`` raises "kernel ... (CPU, ..., bfloat16) of kernel `matmul` is not registered").
+    if device.startswith("cpu") and name in ("bfloat16", "float16"):
         raise ValueError(
             f"{what} dtype {name!r} cannot run on device {device!r}: Paddle's CPU build has no {name} "
             "matmul or softmax kernels. On a CPU use float32 (model.to(dtype='float32')); bfloat16 and "

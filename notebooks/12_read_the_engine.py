@@ -292,7 +292,8 @@ sample_excerpt = viz.show_source(Sampler.sample, start="chosen = paddle.argmax",
 sample_excerpt
 
 # %%
-llm.runner.sample(logits, inputs, result)
+sampling = llm.runner.sampling_tensors(inputs)  # each scored position's settings, read from its row
+llm.runner.sample(logits, inputs, result, sampling)
 print("sampled_token_ids:", result.sampled_token_ids,
       {rid: tokenizer.decode(t) for rid, t in result.sampled_token_ids.items()})
 

@@ -241,14 +241,14 @@ def test_add_request_fills_every_field():
                             block_ids=[8, 9], sampling=Sampling(), eos_token_id=1)
     assert row == 0 and batch.req_ids == ["a"] and batch.num_reqs == 1
     assert batch.token_ids[0, :4].tolist() == [4, 5, 6, 7] and batch.num_tokens[0] == 4
-    assert batch.num_prompt_tokens[0] == 3 and batch.num_output_tokens[0] == 1
+    assert batch.num_prompt_tokens[0] == 3 and batch.num_tokens[0] - batch.num_prompt_tokens[0] == 1  # outputs
     assert batch.block_table[0].tolist() == [8, 9, -1] and batch.num_blocks[0] == 2
     assert batch.np("temperature")[0] == np.float32(0.7) and batch.top_k[0] == 5
     assert batch.seed[0] == 11 and batch.max_tokens[0] == 4 and batch.min_tokens[0] == 1
     assert batch.ignore_eos[0] and batch.stop_token_ids[0].tolist() == [2, -1] and batch.eos_token_id[0] == 1
     append_tokens(batch, 0, [3])
     append_block_ids(batch, 0, [10])
-    assert batch.token_ids[0, :5].tolist() == [4, 5, 6, 7, 3] and batch.num_output_tokens[0] == 2
+    assert batch.token_ids[0, :5].tolist() == [4, 5, 6, 7, 3] and batch.num_tokens[0] - batch.num_prompt_tokens[0] == 2
     assert batch.block_table[0].tolist() == [8, 9, 10] and batch.num_blocks[0] == 3
     # A setting left None keeps the field's fill (the edge resolves seeds and max_tokens; a direct
     # call passes what it wants), and an explicit seed wins over the sampling object's.
@@ -504,7 +504,8 @@ class BatchMachine(RuleBasedStateMachine):
             row = b.req_id_to_row[req_id]
             n = len(s.tokens)
             assert b.token_ids[row, :n].tolist() == s.tokens and b.num_tokens[row] == n
-            assert b.num_prompt_tokens[row] == s.num_prompt and b.num_output_tokens[row] == n - s.num_prompt
+            assert b.num_prompt_tokens[row] == s.num_prompt
+            assert b.num_tokens[row] - b.num_prompt_tokens[row] == n - s.num_prompt  # the outputs
             assert b.num_computed_tokens[row] == s.computed and b.num_scheduled_tokens[row] == s.scheduled
             assert b.block_table[row, : len(s.blocks)].tolist() == s.blocks
             assert b.num_blocks[row] == len(s.blocks)

@@ -1,5 +1,7 @@
 """The sampler: greedy, temperature, top-k, top-p, and per-request seeds."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import paddle
 import pytest
@@ -83,7 +85,8 @@ def test_degenerate_sampling_is_greedy(fleet_model, kw):
 
 def test_a_uniform_that_rounds_to_one_never_draws_a_masked_token(monkeypatch):
     # 1 - 1e-9 becomes 1.0 in float32: the inverse CDF must still stop at a kept token.
-    monkeypatch.setattr("fleetlab.engine.sampler.uniform_for", lambda seed, index: 1 - 1e-9)
+    monkeypatch.setattr("fleetlab.engine.sampler.request_rng",
+                        lambda seed, index: SimpleNamespace(random=lambda: 1 - 1e-9))
     assert set(draw_many(n=8, top_k=2)) == {1}
     banned = [[3]] * 8
     assert set(draw_many(n=8, banned=banned)) == {2}

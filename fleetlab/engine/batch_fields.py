@@ -55,9 +55,7 @@ class Field:
             (not self.name.isidentifier() or self.name.startswith("_"), "must be a public Python identifier"),
             (self.home not in HOMES, f"home must be one of {HOMES}, got {self.home!r}"),
             (not dtype_ok, f"unknown dtype {self.dtype!r}"),
-            (self.dtype == "object" and self.home == "device", "dtype 'object' cannot live on the device"),
-            (dtype_ok and self.home == "device" and self.dtype != "object"
-             and np.dtype(self.dtype).name not in DEVICE_DTYPES,
+            (dtype_ok and self.home == "device" and np.dtype(self.dtype).name not in DEVICE_DTYPES,  # 'object' too
              f"dtype {self.dtype!r} cannot live on the device: {DEVICE_DTYPES}"),
             (not isinstance(self.per_row_shape, tuple), "per_row_shape must be a tuple"),
         ], prefix=f"field {self.name!r}: ")
@@ -88,7 +86,7 @@ class FieldRegistry:
             self.register(field, owner=self._owners.get(field.name, ""))
         self.frozen = frozen
 
-    def register(self, field: Field, owner: str = "") -> Field:
+    def register(self, field: Field, owner: str = "") -> None:
         """Add ``field`` (``owner``: who declares it, named if another declares it again); a second
         field with the same name is an error."""
         refuse([  # a TypeError (not a Field) and a ValueError (the rest) at once
@@ -102,7 +100,6 @@ class FieldRegistry:
         ], FieldTypeError)
         self._fields[field.name] = field
         self._owners[field.name] = owner
-        return field
 
     def copy(self, *, frozen: bool = False) -> FieldRegistry:
         """An independent registry with the same fields (unfrozen unless asked)."""
@@ -136,14 +133,15 @@ DEFAULT_FIELDS = FieldRegistry([
     Field("num_scheduled_tokens", (), "int32", "host", 0, "tokens this step computes (query length)"),
     Field("num_spec_tokens", (), "int32", "host", 0,
           "draft tokens verified this step, written in token_ids after num_tokens"),
+    Field("num_placeholders", (), "int32", "host", 0,
+          "trailing tokens of num_tokens the step before has not sampled yet (the overlapped loop's)"),
     Field("block_table", ("max_blocks_per_seq",), "int32", "device", -1, "physical block ids, -1 unused"),
     Field("num_blocks", (), "int32", "host", 0, "valid entries of block_table"),
     Field("temperature", (), "float32", "device", 1.0, "sampling temperature; 0 = greedy"),
     Field("top_k", (), "int32", "device", 0, "keep the k most likely tokens; 0 = all"),
     Field("top_p", (), "float32", "device", 1.0, "nucleus mass; 1 = all"),
-    Field("seed", (), "int64", "device", 0, "per-request seed of the sampler"),
-    Field("num_output_tokens", (), "int32", "host", 0,
-          "tokens generated so far; (seed, this counter) is the request's random state"),
+    Field("seed", (), "int64", "device", 0,
+          "per-request seed of the sampler; (seed, output index) is the request's random state"),
     Field("max_tokens", (), "int32", "host", 0, "stop after this many output tokens"),
     Field("min_tokens", (), "int32", "host", 0, "ignore stop tokens before this many outputs"),
     Field("ignore_eos", (), "bool", "host", False, "keep going past eos"),

@@ -163,20 +163,17 @@ class InputBatch:
         prompt, output = list(prompt_token_ids), list(output_token_ids)
         blocks, stop = list(block_ids), list(getattr(sampling, "stop_token_ids", None) or ())
         self._check_new_request(req_id, prompt, output, num_computed_tokens, blocks, stop, extra or {})
-        holes = np.flatnonzero(np.equal(self._np["req_id"][: self._num_rows], None))
-        row = int(holes[0]) if len(holes) else self._num_rows  # the lowest free row
+        row = int(np.argmax(np.equal(self._np["req_id"], None)))  # the lowest free row (all past num_rows are)
         self._clear_rows(np.array([row]))
         values = {"req_id": req_id, "num_tokens": len(prompt) + len(output), "num_prompt_tokens": len(prompt),
-                  "num_computed_tokens": num_computed_tokens, "num_output_tokens": len(output),
-                  "num_blocks": len(blocks), "eos_token_id": eos_token_id,
+                  "num_computed_tokens": num_computed_tokens, "num_blocks": len(blocks), "eos_token_id": eos_token_id,
                   "seed": getattr(sampling, "seed", None) if seed is None else seed,
                   **{name: getattr(sampling, attr, None) for name, attr in SAMPLING_SETTINGS.items()}, **(extra or {})}
         for name, value in values.items():
             if value is not None:
                 self._np[name][row] = value
-        self._np["token_ids"][row, : len(prompt) + len(output)] = prompt + output
-        self._np["block_table"][row, : len(blocks)] = blocks
-        self._np["stop_token_ids"][row, : len(stop)] = stop
+        for name, ids in (("token_ids", prompt + output), ("block_table", blocks), ("stop_token_ids", stop)):
+            self._np[name][row, : len(ids)] = ids
         self._req_id_to_row[req_id] = row
         self._num_rows = max(self._num_rows, row + 1)
         self._synced_rows = None
@@ -236,22 +233,21 @@ class InputBatch:
     def append(self, rows: np.ndarray, new_token_ids, new_block_ids=None) -> None:
         """Append output tokens (and block ids) to ``rows``; the rows' drafts are dropped (a row's
         tokens past ``num_tokens`` are scratch). The caller makes sure they fit."""
-        self._np["num_output_tokens"][rows] += self._append(rows, new_token_ids, "token_ids", "num_tokens")
+        self._append(rows, new_token_ids, "token_ids", "num_tokens")
         if new_block_ids is not None:
             self._append(rows, new_block_ids, "block_table", "num_blocks")
         self._np["num_spec_tokens"][rows] = 0
         self._synced_rows = None
 
-    def _append(self, rows: np.ndarray, values, buffer: str, count: str) -> np.ndarray:
+    def _append(self, rows: np.ndarray, values, buffer: str, count: str) -> None:
         """Append ``values[i]`` to row ``rows[i]`` of ``buffer`` after its ``count`` entries
-        (one fancy-indexed write for all rows); returns how many each row got."""
+        (one fancy-indexed write for all rows)."""
         lens = np.fromiter(map(len, values), np.int64, len(values))
         if lens.any():
             starts = np.repeat(self._np[count][rows] - np.cumsum(lens) + lens, lens)
             flat = np.fromiter(itertools.chain.from_iterable(values), np.int64, int(lens.sum()))
             self._np[buffer][np.repeat(rows, lens), starts + np.arange(len(flat))] = flat
             self._np[count][rows] += lens
-        return lens
 
     def set_spec_tokens(self, req_id, draft_token_ids: Iterable[int]) -> None:
         """Write the drafts a row verifies this step after its known tokens (``token_ids``
@@ -269,10 +265,8 @@ class InputBatch:
         room = (self._np["num_tokens"][rows] + self._np["num_spec_tokens"][rows]
                 - self._np["num_computed_tokens"][rows])
         bad = np.flatnonzero((n < 0) | (n > room))  # check everything before writing anything
-        if len(bad):
-            req_id, i = list(num_scheduled)[bad[0]], bad[0]
-            raise ValueError(f"request {req_id!r}: field 'num_scheduled_tokens'={n[i]} must be in [0, {room[i]}] "
-                             "(num_tokens + num_spec_tokens - num_computed_tokens)")
+        refuse([(len(bad), lambda: f"request {list(num_scheduled)[bad[0]]!r}: field 'num_scheduled_tokens'={n[bad[0]]} "
+                 f"must be in [0, {room[bad[0]]}] (num_tokens + num_spec_tokens - num_computed_tokens)")])
         sched = self._np["num_scheduled_tokens"]
         sched[: self._num_rows] = 0
         sched[rows] = n

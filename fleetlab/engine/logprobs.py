@@ -51,12 +51,14 @@ def gather(logprobs: paddle.Tensor, token_ids: paddle.Tensor, k: int) -> paddle.
     return paddle.concat(cols, axis=-1).reshape([-1])
 
 
-def unpack(block: np.ndarray, token_ids, ks) -> list[TokenLogprobs]:
-    """The host side of :func:`gather`: ``block`` ``[R * (2 + 2k)]`` with ``k = max(ks)``; row
-    ``r`` keeps its own ``ks[r]`` top entries."""
+def unpack(host: np.ndarray, token_ids, ks) -> tuple[list[TokenLogprobs], np.ndarray]:
+    """The host side of :func:`gather`: the ``R = len(ks)`` positions of the block ``[R * (2 + 2k)]``
+    (``k = max(ks)``) at the front of ``host``, row ``r`` keeping its own ``ks[r]`` top entries; and
+    the rest of ``host`` (the next block of the step's read)."""
     ks = [int(x) for x in ks]
     k = max(ks, default=0)
-    rows = block.reshape(len(ks), 2 + 2 * k)  # per row: logprob, rank, top ids, top logprobs
-    return [TokenLogprobs(int(token), float(row[0]), int(row[1]),
-                          [(int(i), float(v)) for i, v in zip(row[2: 2 + kr], row[2 + k: 2 + k + kr])])
-            for row, token, kr in zip(rows, token_ids, ks)]
+    rows = host[: len(ks) * (2 + 2 * k)].reshape(len(ks), 2 + 2 * k)  # logprob, rank, top ids, top logprobs
+    items = [TokenLogprobs(int(token), float(row[0]), int(row[1]),
+                           [(int(i), float(v)) for i, v in zip(row[2: 2 + kr], row[2 + k: 2 + k + kr])])
+             for row, token, kr in zip(rows, token_ids, ks)]
+    return items, host[rows.size:]

@@ -68,9 +68,9 @@ class PreparedStep:
     """One step made ready on the host (:meth:`ModelRunner.prepare`) for :meth:`ModelRunner.run`.
 
     so: the plan; out: the runner's message, filled by ``run``; inputs: the packed step;
-    sampling: the scored positions' settings (None: no position samples or scores a prompt);
-    req_ids: each batch row's request id as prepared (``run`` reads these and ``sampling``, not
-    the live batch, which an overlapped loop changes meanwhile for the next step);
+    sampling: the scored positions' settings (None: no position samples or scores a prompt; ``run``
+    reads these and the batch they point at, not the live one, which an overlapped loop changes
+    meanwhile for the next step);
     placeholders: ``(request id, row, position, packed index)`` of each token this step reads
     that the step before has not sampled yet (none in the synchronous loop).
     """
@@ -79,7 +79,6 @@ class PreparedStep:
     out: ModelRunnerOutput
     inputs: StepInputs
     sampling: SamplingTensors | None
-    req_ids: list
     placeholders: list
 
 
@@ -107,12 +106,10 @@ class ModelRunner:
         self.batch = input_batch
         self.reorder = reorder
         self.decode_threshold = decode_threshold
-        self.block_size = kv_cache.block_size
         self.sampler = sampler or Sampler()
         self.proposer = proposer
         self.hooks = hooks or StepHooks()
         self.kv_connector = kv_connector
-        self.placeholders: dict[str, int] = {}  # request id -> its row's trailing tokens not known yet
         if proposer is not None:
             proposer.bind(input_batch)
 
@@ -126,10 +123,8 @@ class ModelRunner:
             out = self.update_batch(so)
         with self.hooks.phase("metadata"):
             inputs = self.prepare_inputs()
-            starts = np.flatnonzero(inputs.pos_offset == 0)
-            sampling = (self._sampling_tensors(inputs, starts)
-                        if len(starts) or inputs.prompt_rows is not None else None)
-        return PreparedStep(so, out, inputs, sampling, self.batch.req_ids, self._placeholder_slots(inputs))
+            sampling = self.sampling_tensors(inputs)
+        return PreparedStep(so, out, inputs, sampling, self._placeholder_slots(inputs))
 
     def run(self, p: PreparedStep) -> ModelRunnerOutput:
         """The model's half: forward and sample ``p``, and draft the next tokens. Until the proposer
@@ -142,7 +137,7 @@ class ModelRunner:
             self.kv_connector.wait_for_save()
             out.finished_sending, out.kv_load_failed_block_ids = self.kv_connector.get_finished(so.finished_req_ids)
         with phase("sample"):
-            self.sample(logits, p.inputs, out, p.sampling, p.req_ids)
+            self.sample(logits, p.inputs, out, p.sampling)
         if self.proposer is not None:
             with phase("propose"):
                 drafts = self.proposer.propose(self.batch, out.sampled_token_ids)
@@ -154,7 +149,6 @@ class ModelRunner:
         for req_id in [r for r in self.batch.req_ids if r is not None]:
             self.batch.remove_request(req_id)
         self.batch.condense()
-        self.placeholders.clear()
         if self.proposer is not None:
             self.proposer.reset()
 
@@ -195,30 +189,26 @@ class ModelRunner:
         rows = np.fromiter((b.req_id_to_row[r] for r in scheduled), np.int64, len(scheduled))
         short = (b.num_computed_tokens[rows] + np.fromiter(scheduled.values(), np.int64, len(scheduled))
                  - b.num_tokens[rows] - b.num_spec_tokens[rows])
-        rows, counts = rows[short > 0], short[short > 0].tolist()
-        if counts:  # one append for every such row; 0: any valid id (a wasted slot's forward reads it)
-            b.append(rows, [[0] * k for k in counts])
-            self.placeholders.update(zip([b.req_ids[row] for row in rows.tolist()], counts))
+        rows, counts = rows[short > 0], short[short > 0]
+        if len(rows):  # one append for every such row; 0: any valid id (a wasted slot's forward reads it)
+            b.append(rows, [[0] * k for k in counts.tolist()])
+            b.num_placeholders[rows] = counts
 
     def _retract_placeholders(self) -> None:
-        """Take the placeholders off the rows again: the message carries the tokens they stood for."""
+        """Take the placeholders off the rows again: the message carries the tokens they stood for
+        (a row removed since has none: its fields were cleared)."""
         b = self.batch
-        for req_id, k in self.placeholders.items():
-            if req_id in b.req_id_to_row:
-                row = b.req_id_to_row[req_id]
-                b.num_tokens[row] -= k
-                b.num_output_tokens[row] -= k
-        self.placeholders.clear()
+        b.num_tokens[:] -= b.num_placeholders  # views of rows [0, num_rows)
+        b.num_placeholders[:] = 0
 
     def _placeholder_slots(self, inputs: StepInputs) -> list[tuple[str, int, int, int]]:
         """``(request id, row, position, packed index)`` of each placeholder this step reads (they
         are its rows' last scheduled tokens)."""
-        b, cu = self.batch, inputs.metadata.cu_seqlens_q_host
+        b, cu, req_ids = self.batch, inputs.metadata.cu_seqlens_q_host, self.batch.req_ids
         slots = []
-        for req_id, k in self.placeholders.items():
-            row = b.req_id_to_row[req_id]
-            end = int(b.num_tokens[row])
-            slots += [(req_id, row, end - k + j, int(cu[row + 1]) - k + j) for j in range(k)]
+        for row in np.flatnonzero(b.num_placeholders > 0).tolist():
+            k, end = int(b.num_placeholders[row]), int(b.num_tokens[row])
+            slots += [(req_ids[row], row, end - k + j, int(cu[row + 1]) - k + j) for j in range(k)]
         return slots
 
     # ------------------------------------------------------------------ inputs and forward
@@ -226,7 +216,7 @@ class ModelRunner:
         b, n = self.batch, self.batch.num_reqs
         q = b.num_scheduled_tokens[:n].astype(np.int64)
         c = b.num_computed_tokens[:n].astype(np.int64)
-        md = AttentionMetadata.from_batch(b, self.block_size, self.decode_threshold)  # one copy per dtype
+        md = AttentionMetadata.from_batch(b, self.kv_cache.block_size, self.decode_threshold)  # one copy per dtype
         token_rows, positions = md.token_rows_host, md.positions_host
         # A row scores its last known token and each draft after it, once its chunk gets there.
         num_scored = np.where(c + q >= b.num_tokens[:n], b.num_spec_tokens[:n] + 1, 0).astype(np.int64)
@@ -234,19 +224,15 @@ class ModelRunner:
         starts = np.concatenate([[0], np.cumsum(num_scored)[:-1]])
         pos_offset = np.arange(len(pos_row)) - starts[pos_row]
         logits_indices = md.cu_seqlens_q_host[1:][pos_row] - num_scored[pos_row] + pos_offset
-        wants_prompt = (b.num_prompt_logprobs[:n] >= 0).any()
-        extra = self._prompt_positions(token_rows, positions) if wants_prompt else positions[:0]
+        # The prompt positions whose logprobs are asked for: position j (before the prompt's last, which
+        # is scored anyway) predicts prompt token j + 1.
+        extra = np.flatnonzero((b.num_prompt_logprobs[token_rows] >= 0)
+                               & (positions < b.num_prompt_tokens[token_rows] - 1))
         input_ids, logits_indices = upload_packed(  # and one for these
             b.token_ids[token_rows, positions].reshape(1, -1).astype(np.int64, copy=False),
             np.concatenate([logits_indices, extra]))
         prompt = (token_rows[extra], positions[extra]) if len(extra) else (None, None)
         return StepInputs(md, input_ids, logits_indices, pos_row, pos_offset, self._step_embeds(md, q, c), *prompt)
-
-    def _prompt_positions(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Packed indices of the chunk's prompt positions whose logprobs are asked for: position ``j``
-        (before the prompt's last) predicts prompt token ``j + 1``; the last one is scored anyway."""
-        wanted = self.batch.num_prompt_logprobs[token_rows] >= 0
-        return np.flatnonzero(wanted & (positions < self.batch.num_prompt_tokens[token_rows] - 1))
 
     def _step_embeds(self, md: AttentionMetadata, q: np.ndarray, c: np.ndarray) -> tuple | None:
         """The step's embedding replacements, from the rows that carry side data (None if none)."""
@@ -271,16 +257,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ sampling
     def sample(self, logits: paddle.Tensor, inputs: StepInputs, out: ModelRunnerOutput,
-               sampling: SamplingTensors | None = None, req_ids: list | None = None) -> None:
+               st: SamplingTensors | None) -> None:
         """Fill ``out`` for the rows that scored: the tokens they gained, their errors, and the
         logprobs asked for (of sampled tokens, and of this chunk's prompt tokens).
 
-        ``sampling``, ``req_ids``: what :meth:`prepare` took from the batch; None: read the batch now."""
-        starts = np.flatnonzero(inputs.pos_offset == 0)
-        if len(starts) == 0 and inputs.prompt_rows is None:
+        ``st``: the settings :meth:`sampling_tensors` took from the batch (None: nothing to sample);
+        the rows' request ids are read from ``st.batch``, the batch as prepared (an overlapped loop's
+        frozen copy), not the live one."""
+        if st is None:
             return
-        st = self._sampling_tensors(inputs, starts) if sampling is None else sampling
-        req_ids = self.batch.req_ids if req_ids is None else req_ids
+        starts, req_ids = st.row_starts, st.batch.req_ids
         rows = inputs.pos_row[starts].tolist()
         tokens, res = self.sampler.sample_rows(logits, st)
         out.sampled_token_ids = {req_ids[r]: t for r, t in zip(rows, tokens) if t is not None}
@@ -296,9 +282,13 @@ class ModelRunner:
                 out.prompt_logprobs[req_ids[r]] = (int(inputs.prompt_positions[mine[0]]),
                                                    [res.prompt_logprobs[i] for i in mine.tolist()])
 
-    def _sampling_tensors(self, inputs: StepInputs, starts: np.ndarray) -> SamplingTensors:
+    def sampling_tensors(self, inputs: StepInputs) -> SamplingTensors | None:
         """Each scored position's settings: its row's (device fields, gathered by the sampler
-        only for positions that sample), its draw index, banned ids and the draft it verifies."""
+        only for positions that sample), its draw index, banned ids and the draft it verifies;
+        None when no position samples or scores a prompt."""
+        starts = np.flatnonzero(inputs.pos_offset == 0)  # each scored row's first position
+        if len(starts) == 0 and inputs.prompt_rows is None:
+            return None
         b = self.batch
         rows, offset = inputs.pos_row, inputs.pos_offset
         draw_index = (b.num_tokens[rows] - b.num_prompt_tokens[rows] + offset).astype(np.int64)
@@ -313,9 +303,8 @@ class ModelRunner:
         st = SamplingTensors(
             greedy=b.temperature[rows] == 0, temperature=b.dev("temperature"), top_k=b.dev("top_k"),
             top_p=b.dev("top_p"), seeds=b.seed[rows], draw_index=draw_index, banned=banned,
-            draft_token_ids=drafts.astype(np.int64), row_starts=starts, pos_row=rows, batch=b)
-        if (b.num_logprobs[rows] >= 0).any():
-            st.num_logprobs = b.num_logprobs[rows]
+            draft_token_ids=drafts.astype(np.int64), row_starts=starts, pos_row=rows, batch=b,
+            num_logprobs=b.num_logprobs[rows] if (b.num_logprobs[rows] >= 0).any() else None)
         if inputs.prompt_rows is not None:
             st.prompt_targets = b.token_ids[inputs.prompt_rows, inputs.prompt_positions + 1]
             st.prompt_num_logprobs = b.num_prompt_logprobs[inputs.prompt_rows]

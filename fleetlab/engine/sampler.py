@@ -81,11 +81,6 @@ class SampleResult:
     prompt_logprobs: list | None = None
 
 
-def uniform_for(seed: int, draw_index: int) -> float:
-    """The request's uniform for drawing its ``draw_index``-th token, in [0, 1)."""
-    return float(request_rng(seed, draw_index).random())
-
-
 def request_rng(seed: int, draw_index: int) -> np.random.Generator:
     """The request's own random stream at its ``draw_index``-th token (Philox, keyed by its seed)."""
     return np.random.Generator(np.random.Philox(key=int(seed), counter=int(draw_index)))
@@ -147,7 +142,12 @@ class Sampler:
         for processor in self.processors:
             if processor not in masks:
                 logits = apply_processor(processor, logits, st)
-        return (self._ban(logits, st.banned) if any(st.banned) else logits), raw
+        if any(st.banned):  # EOS and stop ids before min_tokens can never be drawn
+            mask = np.zeros(logits.shape, dtype=bool)
+            for row, ids in enumerate(st.banned):
+                mask[row, ids] = True
+            logits = paddle.where(upload(mask), paddle.full_like(logits, float("-inf")), logits)
+        return logits, raw
 
     @staticmethod
     def _raw_logprobs(logits: paddle.Tensor) -> paddle.Tensor:
@@ -170,14 +170,12 @@ class Sampler:
         res = SampleResult(tokens, finite, named)
         rest = host[2 * num + len(draws) * k:]
         if len(lp_rows):
-            width = 2 + 2 * int(st.num_logprobs[lp_rows].max())
+            items, rest = lp.unpack(rest, tokens[lp_rows], st.num_logprobs[lp_rows])
             res.logprobs = [None] * num
-            for r, item in zip(lp_rows.tolist(), lp.unpack(rest[: len(lp_rows) * width], tokens[lp_rows],
-                                                            st.num_logprobs[lp_rows])):
+            for r, item in zip(lp_rows.tolist(), items):
                 res.logprobs[r] = item
-            rest = rest[len(lp_rows) * width:]
         if st.prompt_targets is not None:
-            res.prompt_logprobs = lp.unpack(rest, st.prompt_targets, st.prompt_num_logprobs)
+            res.prompt_logprobs, _ = lp.unpack(rest, st.prompt_targets, st.prompt_num_logprobs)
         return res
 
     def taken(self, draws: dict, st: SamplingTensors, rows: np.ndarray) -> paddle.Tensor:
@@ -185,8 +183,9 @@ class Sampler:
         return draws["token"]
 
     def draw(self, probs: paddle.Tensor, st: SamplingTensors, rows: np.ndarray) -> dict:
-        """``{"token": drawn ids}`` (int64 device ``[len(rows)]``) for the sampled positions ``rows``."""
-        u = upload([uniform_for(st.seeds[r], st.draw_index[r]) for r in rows.tolist()], np.float32)
+        """``{"token": drawn ids}`` (int64 device ``[len(rows)]``) for the sampled positions ``rows``, each
+        drawn with the first uniform in [0, 1) of its request's own stream at its token's index."""
+        u = upload([request_rng(st.seeds[r], st.draw_index[r]).random() for r in rows.tolist()], np.float32)
         return {"token": self.inverse_cdf(probs, u)}
 
     @staticmethod
@@ -198,13 +197,6 @@ class Sampler:
         # draw runs off the end. Clamp to the last drawable token, never a masked or banned one.
         drawable_ids = (probs > 0).astype("int64") * paddle.arange(probs.shape[-1], dtype="int64")
         return paddle.minimum(drawn, paddle.max(drawable_ids, axis=-1))
-
-    @staticmethod
-    def _ban(logits: paddle.Tensor, banned: list[list[int]]) -> paddle.Tensor:
-        mask = np.zeros(logits.shape, dtype=bool)
-        for row, ids in enumerate(banned):
-            mask[row, ids] = True
-        return paddle.where(upload(mask), paddle.full_like(logits, float("-inf")), logits)
 
     @staticmethod
     def probs(logits, temperature, top_k, top_p) -> paddle.Tensor:

@@ -11,7 +11,6 @@ def engine_stats(llm) -> dict:
     verified and accepted (see :class:`~fleetlab.inspect.spec_stats.SpecDecodingStats`)."""
     pool, scheduler = llm.pool, llm.scheduler
     s = pool_stats(pool)
-    used = s.num_blocks - s.num_free_blocks
     tokens_held = sum(r.num_computed_tokens for r in scheduler.running)
     stats = {
         "num_blocks": s.num_blocks,
@@ -19,8 +18,8 @@ def engine_stats(llm) -> dict:
         "num_free_blocks": s.num_free_blocks,
         **{f"prefix_cache_{name}": getattr(s, name) for name in ("hit_rate", "queries", "query_tokens", "hit_tokens")},
         "num_preemptions": scheduler.num_preemptions,
-        "kv_cache_utilization": used / s.num_blocks,
-        "kv_token_fill": tokens_held / max(1, used * pool.block_size),
+        "kv_cache_utilization": s.num_used_blocks / s.num_blocks,
+        "kv_token_fill": tokens_held / max(1, s.num_used_blocks * pool.block_size),
         "num_generated_tokens": scheduler.num_generated_tokens,
         "num_steps": scheduler.step_count,
         "num_requests_running": len(scheduler.running),

@@ -54,8 +54,6 @@ class DraftModelProposer(Proposer):
             self.close()
             raise
         self.kv_cache = PagedKVCache.for_handle(self.handle, context.num_blocks, context.block_size)
-        self.block_size = context.block_size
-        self.decode_threshold = context.decode_threshold
         self.fields = proposer_fields(self.num_speculative_tokens)  # registered on the main batch
         self.num_lookahead_tokens = self.num_speculative_tokens  # its drafts' K/V slots past a row's last token
         self.batch: ProposerInputBatch | None = None
@@ -76,7 +74,7 @@ class DraftModelProposer(Proposer):
         gained = np.array([len(sampled.get(rid, ())) for rid in req_ids], dtype=np.int64)
         upto = np.where(gained > 0, num_tokens + gained,
                         np.minimum(start + batch.num_scheduled_tokens[:n], num_tokens))
-        max_drafts = np.where(gained > 0, self.max_drafts(batch, upto), 0)
+        max_drafts = self.max_drafts(batch, sampled)
         rows = np.flatnonzero(upto > start)
         if len(rows) == 0:
             return {}
@@ -89,15 +87,14 @@ class DraftModelProposer(Proposer):
         prop_rows = rows[scored]
         if len(prop_rows) == 0:  # the catch-up alone keeps the draft's cache in step
             return {}
-        drafts, pos = [paddle.argmax(logits, axis=-1)], upto.copy()
+        drafts = [paddle.argmax(logits, axis=-1)]
         for i in range(1, int(max_drafts[prop_rows].max())):
             keep = np.flatnonzero(max_drafts[prop_rows] > i)
             sub = prop_rows[keep]
             prev = paddle.gather(drafts[-1], upload(keep)) if len(keep) < len(prop_rows) else drafts[-1]
-            logits = self._forward(batch, sub, np.ones(len(sub), np.int64), pos[sub], prev.reshape([1, -1]),
+            logits = self._forward(batch, sub, np.ones(len(sub), np.int64), reach[sub], prev.reshape([1, -1]),
                                    np.arange(len(sub)))
-            pos[sub] += 1
-            reach[sub] = pos[sub]
+            reach[sub] += 1  # the draft's cache now holds the token fed
             step = paddle.full([len(prop_rows)], -1, dtype="int64")
             drafts.append(paddle.scatter(step, upload(keep), paddle.argmax(logits, axis=-1)))
         host = paddle.stack(drafts, axis=1).numpy()  # [num proposing rows, max drafts]: one read
@@ -113,8 +110,8 @@ class DraftModelProposer(Proposer):
         """One packed draft forward over ``rows``; logits ``[len(scored), vocab]`` at the last
         token of the rows ``rows[scored]``."""
         device_tables = batch.dev("block_table") if len(rows) == batch.num_reqs else None  # all rows: the mirror
-        md = AttentionMetadata.build(query_lens, num_computed, batch.block_table[rows], self.block_size,
-                                     self.decode_threshold, block_tables_device=device_tables)
+        md = AttentionMetadata.build(query_lens, num_computed, batch.block_table[rows], self.context.block_size,
+                                     self.context.decode_threshold, block_tables_device=device_tables)
         last = upload(md.cu_seqlens_q_host[1:][scored].astype(np.int64) - 1)
         with paddle.no_grad(), forward_context(md, self.kv_cache):
             return self.handle.compute_logits(input_ids.astype("int64"), md.positions.reshape([1, -1]), last)

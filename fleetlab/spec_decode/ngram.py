@@ -39,14 +39,10 @@ class NgramProposer(Proposer):
     name = "ngram"
 
     def propose(self, batch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-        cfg = self.config
-        n = batch.num_reqs
-        req_ids, token_ids, num_tokens = batch.req_ids, batch.token_ids, batch.num_tokens[:n].astype(np.int64)
-        gained = np.array([len(sampled.get(rid, ())) for rid in req_ids], dtype=np.int64)
-        max_drafts = np.where(gained > 0, self.max_drafts(batch, num_tokens + gained), 0)
+        cfg, req_ids, max_drafts = self.config, batch.req_ids, self.max_drafts(batch, sampled)
         drafts = {}
         for row in np.flatnonzero(max_drafts > 0).tolist():
-            tokens = np.concatenate([token_ids[row, : num_tokens[row]], sampled[req_ids[row]]])
+            tokens = np.concatenate([batch.token_ids[row, : batch.num_tokens[row]], sampled[req_ids[row]]])
             proposal = ngram_propose(tokens, int(max_drafts[row]), cfg.prompt_lookup_min, cfg.prompt_lookup_max)
             if proposal:
                 drafts[req_ids[row]] = proposal

@@ -41,8 +41,8 @@ class Proposer:
 
     def __init__(self, config, context: ProposerContext) -> None:
         self.config = config
+        self.context = context  # what the engine told it (max_model_len; a draft model's pool, its backend)
         self.num_speculative_tokens = config.num_speculative_tokens
-        self.max_model_len = context.max_model_len
 
     def bind(self, batch) -> None:
         """Called once with the runner's (empty) ``InputBatch``."""
@@ -53,13 +53,16 @@ class Proposer:
         holds the step's inputs: its ``num_computed_tokens`` and ``num_tokens`` as the step began)."""
         raise NotImplementedError(f"proposer {self.name!r} ({type(self).__name__}) must implement propose()")
 
-    def max_drafts(self, batch, num_tokens: np.ndarray) -> np.ndarray:
-        """Drafts each row may take once it holds ``num_tokens`` (``[num_reqs]``): at most
-        ``k``, and room for them plus the bonus token before ``max_tokens`` and the model's length."""
+    def max_drafts(self, batch, sampled: dict[str, list[int]]) -> np.ndarray:
+        """Drafts each row ``[num_reqs]`` may take once it holds the tokens it gained (``sampled``, as
+        :meth:`propose` gets it): none for a row that gained none; else at most ``k``, and room for
+        them plus the bonus token before ``max_tokens`` and the model's length."""
         n = batch.num_reqs
-        room = np.minimum(self.max_model_len - num_tokens,
+        gained = np.array([len(sampled.get(rid, ())) for rid in batch.req_ids], dtype=np.int64)
+        num_tokens = batch.num_tokens[:n] + gained
+        room = np.minimum(self.context.max_model_len - num_tokens,
                           batch.max_tokens[:n] - (num_tokens - batch.num_prompt_tokens[:n]) - 1)
-        return np.clip(room, 0, self.num_speculative_tokens)
+        return np.where(gained > 0, np.clip(room, 0, self.num_speculative_tokens), 0)
 
     def reset(self) -> None:
         """Forget per-request state (the runner was reset after a failed step)."""

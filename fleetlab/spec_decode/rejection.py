@@ -52,10 +52,9 @@ class RejectionSampler(Sampler):
     def draw(self, probs: paddle.Tensor, st: SamplingTensors, rows: np.ndarray) -> dict:
         """``{"token": drawn, "accepted": 0/1}`` for the sampled positions ``rows``: a draft is accepted with
         probability ``p(draft)``; the drawn token comes from ``p`` without the draft."""
-        drafts = st.draft_token_ids[rows]
         # Two uniforms of the request's own stream: the first, the sampler's, draws a token; the second accepts.
         u = upload([request_rng(st.seeds[r], st.draw_index[r]).random(2) for r in rows.tolist()], np.float32)
-        draft_ids = upload(drafts)
+        draft_ids = upload(st.draft_token_ids[rows])
         has_draft = draft_ids >= 0
         draft_col = draft_ids.clip(min=0).unsqueeze(-1)
         p_draft = paddle.take_along_axis(probs, draft_col, axis=-1).squeeze(-1)
