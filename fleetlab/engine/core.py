@@ -29,7 +29,6 @@ class EngineCore:
 
     def __init__(self, scheduler, runner, hooks: StepHooks):
         self.scheduler, self.runner, self.hooks = scheduler, runner, hooks
-        self.observers = hooks.observers  # on_step(scheduler_output, runner_output, outputs)
 
     def step(self) -> tuple[list[RequestOutput], ModelRunnerOutput]:
         """Plan, run, commit: the outputs of the requests that gained tokens or finished, and
@@ -39,7 +38,7 @@ class EngineCore:
         result = self._execute(sched)
         with self.hooks.phase("update"):
             outputs = self.scheduler.update(sched, result)
-        for observer in self.observers:
+        for observer in self.hooks.observers:  # on_step(scheduler_output, runner_output, outputs)
             observer.on_step(sched, result, outputs)
         return outputs, result
 

@@ -86,7 +86,7 @@ class OverlapEngineCore(EngineCore):
         with self.hooks.phase("update"):
             sched, result = done.ahead.settle(self.scheduler, done.sched, result)
             outputs = self.scheduler.update(sched, result)
-        for observer in self.observers:
+        for observer in self.hooks.observers:
             observer.on_step(sched, result, outputs)
         return outputs, result
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json as _json
 from dataclasses import dataclass, fields, replace
 
-from fleetlab.errors import FieldTypeError
+from fleetlab.errors import FieldTypeError, type_error
 from fleetlab.errors import short as _short
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -118,7 +118,7 @@ class StructuredOutputsParams:
 
 def _text(where: str, name: str, value) -> str:
     if not isinstance(value, str):
-        raise FieldTypeError(f"{where} {name}={_short(value)} must be a str, not {type(value).__name__}")
+        raise type_error(where, name, value, "a str")
     if not value:
         raise ValueError(f"{where} {name} is empty")
     return value
@@ -131,8 +131,7 @@ def _schema(where: str, value) -> dict | bool:
         except _json.JSONDecodeError as exc:
             raise ValueError(f"{where} json is not valid JSON text: {exc}") from None
     if not isinstance(value, (dict, bool)):
-        raise FieldTypeError(f"{where} json={_short(value)} must be a JSON schema: a dict (or its JSON text), "
-                             f"not {type(value).__name__}")
+        raise type_error(where, "json", value, "a JSON schema: a dict (or its JSON text)")
     if value is False:
         raise ValueError(f"{where} json=False is the schema no value satisfies: nothing could be generated")
     try:
@@ -144,13 +143,12 @@ def _schema(where: str, value) -> dict | bool:
 
 def _choices(where: str, value) -> list[str]:
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-        raise FieldTypeError(f"{where} choice={_short(value)} must be a list of strings, "
-                             f"not {type(value).__name__}")
+        raise type_error(where, "choice", value, "a list of strings")
     if not value:
         raise ValueError(f"{where} choice is an empty list: nothing could be generated")
     for i, item in enumerate(value):
         if not isinstance(item, str):
-            raise FieldTypeError(f"{where} choice[{i}]={_short(item)} must be a str, not {type(item).__name__}")
+            raise type_error(where, f"choice[{i}]", item, "a str")
         if not item:
             raise ValueError(f"{where} choice[{i}] is an empty string")
     return list(value)
