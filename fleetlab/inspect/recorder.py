@@ -29,7 +29,7 @@ class RowTrace:
     """
 
     request_id: str
-    phase: str  # "decode" or "prefill"
+    phase: str  # "decode" or "prefill": the request's phase, not the kernels' decode row (see _row)
     num_scheduled_tokens: int
     num_computed_tokens: int  # before this step
     num_prompt_tokens: int
@@ -109,8 +109,10 @@ class StepRecorder:
         rid = rec.req_id
         drafts = list(so.scheduled_spec_decode_tokens.get(rid, ()))
         gained = result.sampled_token_ids.get(rid, [])
-        # A decode runs the last sampled token (and the drafts after it); anything else fills the
-        # cache with the prompt (one token after a prefix-cache hit, too) or recomputes.
+        # The request's phase: a decode runs the last sampled token (and the drafts after it); anything
+        # else fills the cache with the prompt (one token after a prefix-cache hit, too) or recomputes.
+        # The kernels' decode row is another thing (metadata.is_decode_row, by query length): a 1-token
+        # prefill chunk is a prefill here and a decode row there (notebook 04 shows one).
         computed = rec.num_computed_tokens
         decode = computed == rec.num_tokens - 1 and computed >= rec.num_prompt_tokens
         return RowTrace(rid, "decode" if decode else "prefill", rec.num_scheduled_tokens, computed,
