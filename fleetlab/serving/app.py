@@ -339,7 +339,7 @@ class OpenAIServing:
                             logit_bias=req.logit_bias, logprobs=req.num_logprobs,
                             prompt_logprobs=req.num_logprobs if echo_logprobs else None,
                             structured_outputs=constraint)
-        try:
+        try:  # once, before any of the request's prompts is queued: a 400 for all of it, never half of it queued
             return check_sampling_params(sp, "-")
         except ValueError as e:
             raise self._bad_request(e, prompt_field, req) from e
