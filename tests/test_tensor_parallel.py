@@ -220,6 +220,24 @@ def test_a_killed_rank_ends_the_job_with_a_clear_error_within_seconds(tmp_path):
     assert not (out / "rank0.json").exists()
 
 
+def test_a_failed_jobs_output_gets_the_rank_errors_the_launcher_did_not_pass_on():
+    """Paddle's launcher tails only the rank it saw fail first: a SIGKILLed rank's empty log, while
+    the peer's TensorParallelError sits unrelayed in its own log (a race under load)."""
+    from fleetlab.distributed.launch import failure_summary, last_error
+
+    error = "fleetlab.distributed.group.TensorParallelError: tensor-parallel rank 0/2: a peer rank died"
+    log0 = ("step 2\nTraceback (most recent call last):\n  File \"x.py\", line 1, in f\n    g()\n"
+            f"ValueError: first\n\nThe above exception was the direct cause of the following exception:\n\n"
+            f"Traceback (most recent call last):\n  File \"y.py\", line 2, in h\n{error}\n")
+    banner = "== Modified FLAGS detected ==\n"
+    assert last_error(log0) == error and last_error(banner) is None
+    summary = failure_summary(247, {0: log0, 1: banner}, banner, "/logs")
+    assert summary.splitlines() == ["fleetlab: the job failed (exit status 247); from the ranks' logs:",
+                                    f"  rank 0: {error}"]
+    assert failure_summary(1, {0: log0, 1: banner}, banner + log0, "/logs") == ""  # nothing missing
+    assert "no rank wrote an error: one was killed" in failure_summary(247, {0: "step 2\n", 1: banner}, "", "/logs")
+
+
 @pytest.mark.slow
 def test_ranks_that_disagree_are_stopped_by_the_agreement_check(tmp_path):
     result, out = _launch(tmp_path, "--diverge-rank", "1", families="fleet", module="tp_faults")

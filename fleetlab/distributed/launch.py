@@ -99,7 +99,31 @@ def launch(module_args: list[str], nproc: int, *, log_dir: str | os.PathLike | N
         suffix = path.name.rsplit(".", 1)[-1]
         if suffix.isdigit():
             logs[int(suffix)] = path.read_text(errors="replace")
-    return LaunchResult(proc.returncode, reader.text(), seconds, logs, cmd)
+    output = reader.text()
+    if proc.returncode != 0 and (missing := failure_summary(proc.returncode, logs, output, log_dir)):
+        output += missing  # the launcher tails only the rank it saw fail first, and may miss the others' last lines
+        if stream:
+            sys.stdout.write(missing)
+            sys.stdout.flush()
+    return LaunchResult(proc.returncode, output, seconds, logs, cmd)
+
+
+def failure_summary(returncode: int, logs: dict[int, str], output: str, log_dir) -> str:
+    """What a failed job's output lacks: each rank's last error that the launcher did not pass on
+    (one line each), or, when no rank wrote one, that a rank was killed; "" when nothing is missing."""
+    errors = {rank: err for rank, log in sorted(logs.items()) if (err := last_error(log)) is not None}
+    lines = [f"  rank {rank}: {err}" for rank, err in errors.items() if err not in output]
+    if not errors:
+        lines = [f"  no rank wrote an error: one was killed or exited silently (logs: {log_dir})"]
+    return f"fleetlab: the job failed (exit status {returncode}); from the ranks' logs:\n" + "\n".join(lines) + "\n" \
+        if lines else ""
+
+
+def last_error(log: str) -> str | None:
+    """The exception line that ends a log's last Python traceback (None: the log holds none)."""
+    _, found, tail = log.rpartition("Traceback (most recent call last):")
+    lines = [line for line in tail.splitlines() if line.strip() and not line.startswith((" ", "\t"))]
+    return lines[-1] if found and lines else None
 
 
 class _Reader(threading.Thread):
