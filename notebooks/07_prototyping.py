@@ -117,7 +117,7 @@ class SplitBackend(AttentionBackend):
     @staticmethod
     def plan(md):
         """Decode rows' cache slots [nd, L] and visible keys [nd, 1, L]; the prefill rows' metadata."""
-        nd, q_lens, seq_lens = md.num_decodes, np.diff(md.cu_seqlens_q_host), md.seq_lens_kv_host
+        nd, q_lens, seq_lens = md.num_decodes, md.query_lens_host, md.seq_lens_kv_host
         tables = md.block_tables.numpy()  # host copy, once per step
         pos = np.arange(int(seq_lens[:nd].max(initial=1)))
         slots = tables[:nd, pos // md.block_size] * md.block_size + pos % md.block_size

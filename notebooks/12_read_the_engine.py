@@ -197,7 +197,7 @@ class RowOrder:
 row_order = RowOrder()
 llm.hooks.attach(row_order)
 result = llm.runner.update_batch(plan)
-llm.hooks.listeners["on_batch_order"].remove(row_order)  # (attach put it on that point)
+llm.hooks.detach(row_order)
 rows = batch_snapshot(llm.runner.batch)
 order_before, order_after = row_order.req_ids, llm.runner.batch.req_ids
 print("rows before / after the reorder:", order_before, order_after)

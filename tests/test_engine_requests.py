@@ -146,6 +146,10 @@ def test_step_by_hand_and_stats(llm):
     outs = llm.step()
     trace = recorder.traces[-1]
     assert trace.rows[0].phase == "decode" and outs[0].finish_reason == "length"
+    llm.hooks.detach(recorder)  # it sees no step from now on
+    llm.add_request(prompt_token_ids=[3, 4], sampling_params=SamplingParams(max_tokens=1, ignore_eos=True))
+    llm.step()
+    assert len(recorder.traces) == 2 and not any(recorder in ls for ls in llm.hooks.listeners.values())
     s = llm.stats()
     for key in ("num_blocks", "num_free_blocks", "prefix_cache_hit_rate", "num_preemptions", "kv_cache_utilization"):
         assert key in s

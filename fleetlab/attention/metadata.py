@@ -62,6 +62,11 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return int(self.cu_seqlens_q_host[-1])
 
+    @property
+    def query_lens_host(self) -> np.ndarray:
+        """``[num_reqs]`` query tokens of each row this step (what a backend's plan splits on)."""
+        return np.diff(self.cu_seqlens_q_host)
+
     @classmethod
     def from_batch(cls, batch, block_size: int, decode_threshold: int = 1) -> AttentionMetadata:
         """The metadata of a step over the rows ``[0, num_reqs)`` of an ``InputBatch`` that is

@@ -53,6 +53,12 @@ class StepHooks:
             if hasattr(observer, point):
                 listeners.append(observer)
 
+    def detach(self, observer) -> None:
+        """Stop showing ``observer`` the step (undoes :meth:`attach`)."""
+        for listeners in self.listeners.values():
+            if observer in listeners:
+                listeners.remove(observer)
+
     def phase(self, name: str):
         """A context manager around the step's part ``name`` (it costs nothing while no one times)."""
         listeners = self.listeners["on_phase"]
