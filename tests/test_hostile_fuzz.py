@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fleetlab import LLM, Field, SamplingParams
@@ -186,6 +186,8 @@ def json_setup():
 
 @FUZZ
 @given(SPEC)
+@example({"json": {"enum": [math.inf]}})  # found by this test: Python's json wrote it as Infinity, not JSON
+@example({"json": '{"const": NaN}'})  # JSON text Python's json reads, with a value JSON has not
 def test_structured_output_specs_are_refused_naming_the_field_or_run(json_setup, spec):
     llm, want = json_setup
     constrained = SamplingParams(max_tokens=12, structured_outputs=spec)

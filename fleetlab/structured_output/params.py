@@ -134,8 +134,8 @@ def _schema(where: str, value) -> dict | bool:
         raise type_error(where, "json", value, "a JSON schema: a dict (or its JSON text)")
     if value is False:
         raise ValueError(f"{where} json=False is the schema no value satisfies: nothing could be generated")
-    try:
-        _json.dumps(value)
+    try:  # strict JSON: Python writes NaN and infinities as tokens no grammar library parses
+        _json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where} json cannot be written as JSON: {exc}") from None
     return value
