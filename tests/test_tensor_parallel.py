@@ -215,9 +215,20 @@ def test_a_killed_rank_ends_the_job_with_a_clear_error_within_seconds(tmp_path):
     ended = time.time()
     killed = float((out / "killed_rank1").read_text())
     assert result.returncode != 0
-    assert "TensorParallelError" in result.output and "a peer rank died or stopped answering" in result.output
+    # the survivor's collective fails (a peer rank died or stopped answering), or, when it was busy
+    # computing, the launcher's SIGTERM stops it (a peer rank died or exited): the next test forces that
+    assert "TensorParallelError" in result.output and "a peer rank died" in result.output
     assert ended - killed < 15, f"the job took {ended - killed:.1f} s to end after the kill"
     assert not (out / "rank0.json").exists()
+
+
+@pytest.mark.slow
+def test_a_rank_busy_when_its_peer_dies_is_told_why_the_launcher_stops_it(tmp_path):
+    result, out = _launch(tmp_path, "--kill-rank", "1", "--stall-rank", "0", "--kill-at-step", "3",
+                          families="fleet", check_every="0", module="tp_faults")
+    ended = time.time()
+    assert result.returncode != 0 and ended - float((out / "killed_rank1").read_text()) < 15
+    assert "TensorParallelError: tensor-parallel rank 0/2: stopped by SIGTERM" in result.output, result.output[-2000:]
 
 
 def test_a_failed_jobs_output_gets_the_rank_errors_the_launcher_did_not_pass_on():

@@ -24,6 +24,7 @@ def main() -> int:
     p.add_argument("--kill-rank", type=int, default=None)
     p.add_argument("--kill-at-step", type=int, default=None)
     p.add_argument("--diverge-rank", type=int, default=None, help="this rank serves other prompts (same lengths)")
+    p.add_argument("--stall-rank", type=int, default=None, help="this rank sleeps 60 s before --kill-at-step")
     faults, rest = p.parse_known_args()
     rank = launched_rank()
     out = Path(rest[rest.index("--out") + 1])
@@ -35,6 +36,8 @@ def main() -> int:
             out.mkdir(parents=True, exist_ok=True)
             (out / f"killed_rank{rank}").write_text(str(time.time()))  # when, for the test's clock
             os.kill(os.getpid(), signal.SIGKILL)
+        if rank == faults.stall_rank and step == faults.kill_at_step:
+            time.sleep(60)  # busy while its peer dies: only the launcher's SIGTERM ends it
 
     return worker.main(rest, before_step=before_step)
 

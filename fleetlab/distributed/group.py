@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -116,6 +118,14 @@ class TensorParallelGroup:
                 "add the same requests in the same order with the same sampling params; the scheduler "
                 "runs on every rank and must see identical inputs.")
 
+    def stopped_by_launcher(self, signum, frame) -> None:
+        """The SIGTERM handler of a joined rank: Paddle's launcher stops every rank once one exits, so
+        a rank busy computing when its peer died is told why it stops (instead of Paddle's bare
+        "Termination signal" report, which names no peer)."""
+        raise TensorParallelError(f"tensor-parallel rank {self.rank}/{self.size}: stopped by SIGTERM, which the "
+                                  "launcher sends every rank once one exits: a peer rank died or exited; this rank "
+                                  "stops too")
+
     def _error(self, what: str, cause: Exception) -> TensorParallelError:
         msg = (f"tensor-parallel rank {self.rank}/{self.size}: {what} failed on backend {self.backend!r}: "
                f"a peer rank died or stopped answering; this rank stops too. ({str(cause).strip()[:200]})")
@@ -184,6 +194,8 @@ def init_tensor_parallel(tensor_parallel_size: int, layers: str = "auto") -> Ten
         group = dist.init_parallel_env()  # returns the existing default group when already joined
         tp = TensorParallelGroup(dist.get_rank(), dist.get_world_size(), group, backend)
     tp.layers = layers
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, tp.stopped_by_launcher)
     logger.info("joined %r (%s layers) in %.2f s", tp, layers, time.perf_counter() - t0)
     _GROUPS[tensor_parallel_size] = tp
     return tp

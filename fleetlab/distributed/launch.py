@@ -9,9 +9,9 @@ same job is one shell line::
 The launcher starts one process per rank (``PADDLE_TRAINER_ID``, ``PADDLE_TRAINERS_NUM`` set),
 prints rank 0's output, writes every rank's to ``<log_dir>/workerlog.<rank>``, and stops
 the job as soon as one rank fails (measured with Paddle 3.3.1: a rank killed while its peer
-computes ends the job in about 5 s; a peer blocked in a gloo all-reduce gets an error at
-once, as the dead rank's socket closes; a rank that hangs without dying trips gloo's own
-30 s timeout).
+computes ends the job in 1-5 s, the launcher's SIGTERM stopping the peer; a peer blocked in a
+gloo all-reduce gets an error at once, as the dead rank's socket closes; a rank that hangs
+without dying trips gloo's own 30 s timeout).
 
 What the launcher and the ranks print besides the program's own output says nothing to a
 fleetlab user, so it is kept out unless ``FLEETLAB_LIBRARY_NOTICES=1`` asks for every library
