@@ -69,6 +69,7 @@ class ParentRequest:
         self.n = sampling_params.n
         self.best_of = sampling_params.best_of or sampling_params.n
         self.child_ids = [child_request_id(request_id, i, taken) for i in range(self.best_of)]
+        self._index = {cid: i for i, cid in enumerate(self.child_ids)}  # per output, each step: not a list scan
         self._finished: dict[int, RequestOutput] = {}
 
     @property
@@ -79,7 +80,7 @@ class ParentRequest:
     def process(self, out: RequestOutput) -> list[RequestOutput]:
         """A child's output as the parent's (``request_id`` the parent's, ``index`` the child's);
         with ``best_of > n``: nothing until the last child finishes, then the ``n`` best."""
-        i = self.child_ids.index(out.request_id)
+        i = self._index[out.request_id]
         out.request_id, out.index = self.request_id, i
         if out.finished:
             self._finished[i] = out

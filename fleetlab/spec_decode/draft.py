@@ -71,10 +71,10 @@ class DraftModelProposer(Proposer):
         # What both models' caches hold: drafts past the target's count that it rejected are redone.
         start = np.minimum(self.batch.reach()[:n], batch.num_computed_tokens[:n]).astype(np.int64)
         num_tokens = batch.num_tokens[:n].astype(np.int64)
-        gained = np.array([len(sampled.get(rid, ())) for rid in req_ids], dtype=np.int64)
+        gained = self.gained(batch, sampled)
         upto = np.where(gained > 0, num_tokens + gained,
                         np.minimum(start + batch.num_scheduled_tokens[:n], num_tokens))
-        max_drafts = self.max_drafts(batch, sampled)
+        max_drafts = self.max_drafts(batch, gained)
         rows = np.flatnonzero(upto > start)
         if len(rows) == 0:
             return {}

@@ -39,7 +39,7 @@ class NgramProposer(Proposer):
     name = "ngram"
 
     def propose(self, batch, sampled: dict[str, list[int]]) -> dict[str, list[int]]:
-        cfg, req_ids, max_drafts = self.config, batch.req_ids, self.max_drafts(batch, sampled)
+        cfg, req_ids, max_drafts = self.config, batch.req_ids, self.max_drafts(batch, self.gained(batch, sampled))
         drafts = {}
         for row in np.flatnonzero(max_drafts > 0).tolist():
             tokens = np.concatenate([batch.token_ids[row, : batch.num_tokens[row]], sampled[req_ids[row]]])

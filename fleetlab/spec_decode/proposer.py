@@ -53,12 +53,16 @@ class Proposer:
         holds the step's inputs: its ``num_computed_tokens`` and ``num_tokens`` as the step began)."""
         raise NotImplementedError(f"proposer {self.name!r} ({type(self).__name__}) must implement propose()")
 
-    def max_drafts(self, batch, sampled: dict[str, list[int]]) -> np.ndarray:
-        """Drafts each row ``[num_reqs]`` may take once it holds the tokens it gained (``sampled``, as
-        :meth:`propose` gets it): none for a row that gained none; else at most ``k``, and room for
-        them plus the bonus token before ``max_tokens`` and the model's length."""
+    @staticmethod
+    def gained(batch, sampled: dict[str, list[int]]) -> np.ndarray:
+        """Tokens each row ``[num_reqs]`` gained this step (``sampled``, as :meth:`propose` gets it)."""
+        return np.array([len(sampled.get(rid, ())) for rid in batch.req_ids], dtype=np.int64)
+
+    def max_drafts(self, batch, gained: np.ndarray) -> np.ndarray:
+        """Drafts each row ``[num_reqs]`` may take once it holds the tokens it ``gained``: none for a
+        row that gained none; else at most ``k``, and room for them plus the bonus token before
+        ``max_tokens`` and the model's length."""
         n = batch.num_reqs
-        gained = np.array([len(sampled.get(rid, ())) for rid in batch.req_ids], dtype=np.int64)
         num_tokens = batch.num_tokens[:n] + gained
         room = np.minimum(self.context.max_model_len - num_tokens,
                           batch.max_tokens[:n] - (num_tokens - batch.num_prompt_tokens[:n]) - 1)
