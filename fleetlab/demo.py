@@ -18,11 +18,12 @@ import argparse
 import sys
 import tempfile
 import time
+from typing import NoReturn
 
 import paddle
 
 from fleetlab import LLM, SamplingParams
-from fleetlab.distributed.group import init_tensor_parallel, launched_rank, launched_world_size
+from fleetlab.distributed.group import init_tensor_parallel, launched_rank, launched_world_size, leave_together
 from fleetlab.distributed.launch import launch, launch_command, shell_line
 from fleetlab.models import load_tiny
 from fleetlab.models.corpus import make_prompts
@@ -114,6 +115,7 @@ def main(argv=None) -> int:
     print(f"  arithmetic right: {right}/{total}")
     if llm.tensor_parallel is not None:
         _report_tensor_parallel(llm, elapsed, num_params, _num_params(model))
+        leave_together(0)
     return 0
 
 
@@ -134,13 +136,14 @@ def _relaunch(argv, tp_size: int) -> int:
     return result.returncode
 
 
-def _serve_quietly(args) -> int:
-    """A rank other than 0: serve the same prompts (same steps, same all-reduces), print nothing."""
+def _serve_quietly(args) -> NoReturn:
+    """A rank other than 0: serve the same prompts (same steps, same all-reduces), print nothing; leave
+    with the others."""
     model, tok = load_tiny()
     llm = LLM(model, tok, block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, tensor_parallel_size=args.tensor_parallel_size)
     llm.generate(make_prompts(args.num_prompts, args.seed), SamplingParams(max_tokens=24), use_tqdm=False)
-    return 0
+    leave_together(0)
 
 
 def _report_tensor_parallel(llm, elapsed: float, num_params: int, rank_params: int) -> None:

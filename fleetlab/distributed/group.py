@@ -15,9 +15,11 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import paddle
 import paddle.distributed as dist
@@ -199,6 +201,16 @@ def init_tensor_parallel(tensor_parallel_size: int, layers: str = "auto") -> Ten
     logger.info("joined %r (%s layers) in %.2f s", tp, layers, time.perf_counter() - t0)
     _GROUPS[tensor_parallel_size] = tp
     return tp
+
+
+def leave_together(code: int = 0) -> NoReturn:
+    """End a launched rank once every rank is done (a barrier), without interpreter teardown: a
+    rank tearing Paddle's process group down while a peer still held its sockets was seen to
+    abort (SIGABRT) after its work, failing a job whose answers were all printed."""
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def join_with_fleet(tensor_parallel_size: int):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from dataclasses import asdict
@@ -21,10 +20,15 @@ from pathlib import Path
 
 import numpy as np
 import paddle
-import paddle.distributed as dist
 
 from fleetlab import LLM, SamplingParams
-from fleetlab.distributed.group import TensorParallelGroup, join_with_fleet, launched_rank, launched_world_size
+from fleetlab.distributed.group import (
+    TensorParallelGroup,
+    join_with_fleet,
+    launched_rank,
+    launched_world_size,
+    leave_together,
+)
 from fleetlab.distributed.layers import column_parallel, row_parallel
 from fleetlab.inspect.pool import check_pool
 from fleetlab.models import tiny
@@ -192,14 +196,10 @@ def main(argv=None, *, before_step=None) -> int:
         report["fleet_layers"] = check_fleet_layers(tp_size)
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     print(f"rank {rank}/{tp_size}: wrote {out / f'rank{rank}.json'} in {report['seconds']:.1f} s", flush=True)
-    if tp_size > 1:  # leave together (see the __main__ block)
-        dist.barrier()
+    if tp_size > 1:
+        leave_together(0)
     return 0
 
 
 if __name__ == "__main__":
-    # Exit without interpreter teardown once every rank is done: a rank tearing Paddle's process
-    # group down while a peer still held its sockets was seen to abort (SIGABRT) after its work.
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)
+    sys.exit(main())
