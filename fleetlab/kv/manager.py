@@ -228,6 +228,10 @@ class KVCacheManager:
         self._step_logs[-1].copies += copies
         return copies
 
+    def pinned_copies(self) -> list[BlockCopy]:
+        """Every copy whose source block is pinned: planned, or carried by an open step."""
+        return [*self._pending_copies.values(), *(c for log in self._step_logs for c in log.copies)]
+
     def open_step(self) -> None:
         """The step just planned stays open (in flight); the next one plans into a log of its own."""
         self._step_logs.append(_StepLog())
