@@ -52,3 +52,28 @@ def encode(tok, text: str) -> list[int]:
 def partial_tokens(tok) -> list[int]:
     """Ids of the tokens that hold part of a character (decoded alone: a U+FFFD)."""
     return [i for i in range(len(tok)) if "\ufffd" in tok.decode([i])]
+
+
+def expected_text(tok, ids, stops=(), include=False, min_tokens=0):
+    """``(tokens kept, text, stop string or None)`` for output ``ids`` with stop strings, from
+    full decodes of its prefixes: after ``k`` tokens a stream has shown the decode of the longest
+    prefix of at most ``k`` tokens that does not end in half a character (U+FFFD); when the
+    sequence ends, the full decode. The first ``k >= min_tokens`` whose text holds a stop string
+    (one that ends in text added by token ``min_tokens`` or later) ends it, cut at the earliest."""
+    def decode(part):
+        return tok.decode(list(part), skip_special_tokens=True)
+
+    avail = [""]
+    for k in range(1, len(ids) + 1):
+        text = decode(ids[:k])
+        avail.append(avail[-1] if text.endswith("\ufffd") else text)
+    stages = [(k, avail[k]) for k in range(1, len(ids) + 1)] + [(len(ids), decode(ids))]
+    floor = len(avail[min(min_tokens - 1, len(ids))]) if min_tokens > 0 else 0  # text not searched
+    for k, text in stages:
+        if k < min_tokens:
+            continue
+        hits = [(at, i, s) for i, s in enumerate(stops) if (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
+        if hits:
+            at, _, s = min(hits)
+            return k, text[: at + len(s) if include else at], s
+    return len(ids), decode(ids), None

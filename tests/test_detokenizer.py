@@ -12,7 +12,7 @@ The promises (``fleetlab/output/detokenizer.py``, ``fleetlab/output/text.py``):
 """
 
 import pytest
-from bpe_helpers import bpe_tokenizer, encode, partial_tokens
+from bpe_helpers import bpe_tokenizer, encode, expected_text, partial_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -33,14 +33,8 @@ def decode(ids) -> str:
     return TOK.decode(list(ids), skip_special_tokens=True)
 
 
-def available(ids) -> list[str]:
-    """Per prefix length k: the text a stream may have shown after k tokens (the decode of the
-    longest prefix of at most k tokens that does not end in half a character)."""
-    out = [""]
-    for k in range(1, len(ids) + 1):
-        text = decode(ids[:k])
-        out.append(out[-1] if text.endswith(FFFD) else text)
-    return out
+def oracle(ids, stops, include, min_tokens):
+    return expected_text(TOK, ids, stops, include, min_tokens)
 
 
 token_ids = st.lists(st.one_of(st.sampled_from(PARTIAL), st.integers(0, len(TOK) - 1)), max_size=40)
@@ -101,22 +95,6 @@ def test_the_char_tokenizer_takes_the_offsets_path_and_skips_specials():
 
 
 # --- stop strings -----------------------------------------------------------------------------
-
-
-def oracle(ids, stops, include, min_tokens):
-    """``(tokens kept, text, stop string)`` from the full decodes of the prefixes (and, when the
-    sequence ends, the full decode, half a character included)."""
-    avail = available(ids)
-    stages = [(k, avail[k]) for k in range(1, len(ids) + 1)] + [(len(ids), decode(ids))]
-    floor = len(avail[min(min_tokens - 1, len(ids))]) if min_tokens > 0 else 0  # text not searched
-    for k, text in stages:
-        if k < min_tokens:
-            continue
-        hits = [(at, i, s) for i, s in enumerate(stops) if (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
-        if hits:
-            at, _, s = min(hits)
-            return k, text[: at + len(s) if include else at], s
-    return len(ids), decode(ids), None
 
 
 @st.composite
