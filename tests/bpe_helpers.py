@@ -77,3 +77,16 @@ def expected_text(tok, ids, stops=(), include=False, min_tokens=0):
             at, _, s = min(hits)
             return k, text[: at + len(s) if include else at], s
     return len(ids), decode(ids), None
+
+
+def stops_inside_tokens(tok, ref):
+    """Stop strings cut from ``ref``'s text that end inside one of its tokens (not at a token's end)."""
+    ends, pos = set(), 0
+    for k in range(1, len(ref) + 1):
+        text = tok.decode(ref[:k], skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            ends.add(len(text))
+            pos = len(text)
+    text = tok.decode(ref, skip_special_tokens=True)
+    return [text[a:b] for a in range(len(text)) for b in (a + 1, a + 2)
+            if b <= pos and b not in ends and "\ufffd" not in text[a:b]][:3]

@@ -6,7 +6,7 @@ speculation (several tokens a step); greedy tokens against the unpatched model's
 """
 
 import pytest
-from bpe_helpers import bpe_llama, encode, expected_text
+from bpe_helpers import bpe_llama, encode, expected_text, stops_inside_tokens
 
 from fleetlab import LLM, SamplingParams
 from fleetlab.patching.parity import reference_greedy
@@ -41,19 +41,6 @@ def check_steps(outs):
         sent += out.new_text
         assert out.text == sent
     return outs[-1]
-
-
-def stops_inside_tokens(tok, ref):
-    """Stop strings cut from ``ref``'s text that end inside one of its tokens (not at a token's end)."""
-    ends, pos = set(), 0
-    for k in range(1, len(ref) + 1):
-        text = tok.decode(ref[:k], skip_special_tokens=True)
-        if not text.endswith("\ufffd"):
-            ends.add(len(text))
-            pos = len(text)
-    text = tok.decode(ref, skip_special_tokens=True)
-    return [text[a:b] for a in range(len(text)) for b in (a + 1, a + 2)
-            if b <= pos and b not in ends and "\ufffd" not in text[a:b]][:3]
 
 
 @pytest.mark.parametrize("speculative", SPECULATION)
