@@ -19,7 +19,7 @@ LINES = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def bpe_tokenizer(vocab_size: int = 400):
     """A PaddleFormers fast tokenizer (``PreTrainedTokenizerFast``) over a byte-level BPE:
     ids 0 ``<pad>``, 1 ``<bos>``, 2 ``<eos>``, then the 256 byte tokens and the merges."""

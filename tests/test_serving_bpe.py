@@ -148,8 +148,9 @@ def test_odd_input_is_a_400_naming_the_field(served, body, param):
 def test_odd_input_offline_names_the_request_and_the_field():
     model, tok = code_model()
     with LLM(model, tok, block_size=16) as llm:
-        for kwargs, words in [(dict(prompt="a\ud800b"), "prompt is not valid UTF-8 text: a lone surrogate \\ud800"),
-                              (dict(prompt_token_ids=[]), "prompt is empty"),
-                              (dict(prompt_token_ids=[3, 4096]), "prompt_token_ids [4096] outside the vocabulary [0, 4096)")]:
+        for kwargs, words in [
+                (dict(prompt="a\ud800b"), "prompt is not valid UTF-8 text: a lone surrogate \\ud800"),
+                (dict(prompt_token_ids=[]), "prompt is empty"),
+                (dict(prompt_token_ids=[3, 4096]), "prompt_token_ids [4096] outside the vocabulary [0, 4096)")]:
             with pytest.raises(ValueError, match=re.escape(f"request 'odd': {words}")):
                 llm.add_request(request_id="odd", **kwargs)

@@ -29,7 +29,9 @@ over random token sequences (``tests/test_detokenizer.py``): the deltas joined a
 step, the full decode of the output ids less a tail that ends in U+FFFD (half a character, held
 back), and after :meth:`~IncrementalDetokenizer.flush` exactly the full decode
 (``tokenizer.decode(ids, skip_special_tokens=True)``; for a fast tokenizer the Rust decoder's
-text, without the Python-side ``clean_up_tokenization_spaces``, as in vLLM).
+text, without the Python-side ``clean_up_tokenization_spaces``, as in vLLM). That holds for a
+byte-level BPE; a tokenizer whose decode depends on context gives what the output adds to the
+prompt's text instead (as vLLM's: a SentencePiece token keeps its leading space).
 """
 
 from __future__ import annotations

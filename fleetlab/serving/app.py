@@ -281,8 +281,9 @@ class OpenAIServing:
     def _fan_out(self, prompts: list[_Choice], sp: SamplingParams, req) -> list[_Choice]:
         """Each prompt's ``best_of`` (default ``n``) choices, child ``i`` with its own settings."""
         best_of = sp.best_of or sp.n
-        return [_Choice(p.index * best_of + i, p.prompt_ids, sampling=child_sampling_params(sp, i), prompt_index=p.index,
-                        want_logprobs=req.num_logprobs is not None, echo=p.echo, echo_only=p.echo_only)
+        return [_Choice(p.index * best_of + i, p.prompt_ids, sampling=child_sampling_params(sp, i),
+                        prompt_index=p.index, want_logprobs=req.num_logprobs is not None, echo=p.echo,
+                        echo_only=p.echo_only)
                 for p in prompts for i in range(best_of)]
 
     # ----- request checks -----
