@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fleetlab.kv.block_pool import BlockPool
+from fleetlab.prefix_cache import cache_call, checked_hits, checked_num_cached
 
 
 @dataclass(slots=True)
@@ -83,7 +84,9 @@ class KVCacheManager:
         """
         if self.prefix_cache is None or getattr(request, "skip_reading_prefix_cache", False):
             return (), 0
-        hits = self.prefix_cache.lookup(request.all_token_ids[: request.num_cacheable_tokens], record_stats=False)
+        tokens = request.all_token_ids[: request.num_cacheable_tokens]
+        hits = checked_hits(self.prefix_cache, cache_call(self.prefix_cache, "lookup", tokens, record_stats=False),
+                            len(tokens), self.pool.num_blocks)
         return tuple(hits), len(hits) * self.block_size
 
     def record_lookup(self, request, num_hit_tokens: int) -> None:
@@ -143,7 +146,13 @@ class KVCacheManager:
         if num_full <= num_cached:
             return
         blocks = self._blocks[rid]
-        self._num_cached[rid] = self.prefix_cache.cache_blocks(request.all_token_ids, blocks, num_cached, num_full)
+        try:
+            self._num_cached[rid] = checked_num_cached(self.prefix_cache, cache_call(
+                self.prefix_cache, "cache_blocks", request.all_token_ids, blocks, num_cached, num_full),
+                num_cached, num_full)
+        except BaseException:  # whatever it registered before it failed is not to be trusted
+            self.pool.uncache(blocks[num_cached:num_full])
+            raise
         # Fresh blocks have no key, so the keyed ones are this call's (a block whose content is
         # already cached under another block stays unkeyed).
         log = self._step_logs[-1].registrations.setdefault(rid, _Registration(num_cached))
