@@ -257,13 +257,17 @@ class LLM:
 
     def wait_until_runnable(self, timeout: float = 0.05) -> None:
         """Between steps: if every request waits on something (its grammar's compile, its K/V
-        arriving, on a thread), give them up to ``timeout`` seconds rather than spin through
-        empty steps (a loop over ``step`` calls this; the step itself never waits)."""
+        arriving, on a thread), or the last step ran nothing while some do (the others cannot be
+        admitted: the pool is held by requests whose K/V is arriving), block on those futures up
+        to ``timeout`` seconds rather than spin through empty steps (a loop over ``step`` calls
+        this; the step itself never waits)."""
         reqs = self.scheduler.running + self.scheduler.waiting
-        if not reqs or any(r.is_ready for r in reqs):
-            return
-        concurrent.futures.wait([r.waiting_on for r in reqs], timeout=timeout,
-                                return_when=concurrent.futures.FIRST_COMPLETED)
+        pending = [r.waiting_on for r in reqs if not r.is_ready]
+        last = self.scheduler.planned
+        ran = last is None or last.num_scheduled_tokens or last.preempted_req_ids or last.finished_req_ids
+        if not pending or (ran and len(pending) < len(reqs)):
+            return  # (a ready request that could not run last step, the pool full of arriving ones: wait too)
+        concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def abort(self, request_ids) -> list[RequestOutput]:
         """Stop the named requests now (``str`` or an iterable of ids; a parallel-sampling

@@ -92,15 +92,20 @@ def test_a_connector_raising_once_rolls_the_step_back(fleet_model, oracle, conne
     llm.close()
 
 
-def test_a_rolled_back_step_is_planned_again_with_its_saves(fleet_model, oracle):
-    # The offload tier holds every block the model computed, once: a rolled-back step's saves are
-    # planned again (they were not lost with the plan), and nothing is saved twice.
+@pytest.mark.parametrize("where", ["forward", "request_finished"])
+def test_a_rolled_back_steps_saves_are_planned_again(fleet_model, where):
+    # The offload tier ends up holding every block the model computed: the saves a rolled-back
+    # step planned happen in the step that runs again (they were not lost with the plan).
+    prompts = random_prompts([13, 10], seed=41, low=10)  # no block in common
+    want, _ = reference_greedy(fleet_model, prompts, SP.max_tokens)
     ref = engine(fleet_model, "offload")
-    assert run_through(ref)[0] == oracle
+    assert run_through(ref, prompts)[0] == want
     llm = engine(fleet_model, "offload")
-    raise_on_call(llm.kv_connector, "request_finished", 1)
-    assert run_through(llm)[0] == oracle
-    assert llm.kv_connector.num_blocks_held == ref.kv_connector.num_blocks_held > 0
+    raise_on_call(llm.handle if where == "forward" else llm.kv_connector,
+                  "compute_logits" if where == "forward" else where, 1)
+    tokens, errors = run_through(llm, prompts, errors=(ValueError, ExtensionError))
+    assert tokens == want and len(errors) == 1
+    assert llm.kv_connector.num_blocks_held == ref.kv_connector.num_blocks_held == (13 + 5) // 4 + (10 + 5) // 4
     ref.close()
     llm.close()
 
