@@ -54,9 +54,15 @@ class PrefixCache:
         self._ref_count = lambda block_id: 0  # the pool's, once attached
 
     def attach(self, pool) -> None:
-        """Called by the pool this cache serves (the cache reads its reference counts)."""
+        """Called by the pool this cache serves (the cache reads its reference counts). One cache
+        serves one pool: a second pool is refused (two engines would share its entries, each
+        naming blocks of the other's pool)."""
         if pool.block_size != self.block_size:
             raise ValueError(f"{type(self).__name__} has block_size {self.block_size}, the pool {pool.block_size}")
+        serving = getattr(self._ref_count, "__self__", None)
+        if serving is not None and serving is not pool:
+            raise ValueError(f"prefix_cache: this {type(self).__name__} instance already serves another pool (another "
+                             "engine's); give each engine its own: a name or a class, or a new instance")
         self._ref_count = pool.ref_count
 
     # ----- pool hooks (defaults: a cache that keeps nothing of its own)
