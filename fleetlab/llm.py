@@ -312,7 +312,7 @@ class LLM:
                 for out in self.step():
                     if out.finished:
                         done[out.request_id, out.index] = out
-                        out.new_token_ids = list(out.token_ids)
+                        out.new_token_ids, out.new_text = list(out.token_ids), out.text or ""
                         bar.update(1)
         except BaseException:
             ids = {rid for rid, _, _, _ in queued}
