@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from fleetlab.distributed import worker
 from fleetlab.distributed.group import launched_rank
+from fleetlab.lab import tp_worker as worker
 
 
 def main() -> int:

@@ -40,7 +40,7 @@ def results_dir() -> Path:
     """
     if os.environ.get(RESULTS_ENV):
         return Path(os.environ[RESULTS_ENV])
-    beside_package = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    beside_package = Path(__file__).resolve().parents[3] / "benchmarks" / "results"  # fleetlab/lab/viz/results.py
     return beside_package if beside_package.is_dir() else Path("benchmarks") / "results"
 
 
