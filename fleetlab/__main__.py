@@ -1,4 +1,4 @@
-"""Command line: ``python -m fleetlab {demo,train-tiny,serve,bench} ...``."""
+"""Command line: ``python -m fleetlab {demo,train-tiny,train-code,serve,bench,disagg} ...``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from fleetlab.lab.cpu_tuning import tune_malloc
 COMMANDS = {
     "demo": ("fleetlab.lab.demo", "serve a batch of prompts on the shipped tiny model and show what happened"),
     "train-tiny": ("fleetlab.models.train", "train the tiny Llama shipped in fleetlab/models/weights"),
+    "train-code": ("fleetlab.models.train_code", "train the code model (BPE + Llama) on the Python stdlib"),
     "serve": ("fleetlab.serving.cli", "an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)"),
     "bench": ("fleetlab.lab.bench.cli", "benchmarks: all, reorder, attention, serve, ..."),
     "disagg": ("fleetlab.serving.disagg.cli", "prefill and decode engines on two ranks behind one OpenAI server"),

@@ -112,6 +112,7 @@ class Scheduler:
         if not out.preempted_req_ids:  # after a preemption the pool is tight: admit nobody new
             self._schedule_waiting(out, budget)
         self._fill_request_data(out)
+        out.kv_copies = self.kv.take_copies(out.num_scheduled_tokens)  # partial prefix hits, copied first
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()
         out.kv_connector_metadata = self.connector.build_connector_meta(out, self)
         self.step_count += 1

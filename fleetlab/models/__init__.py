@@ -8,7 +8,11 @@ decoder, and the tiny Llama that fleetlab trains and ships.
 - ``load_tiny_draft()`` -> ``(model, tokenizer)``: its 2-layer draft for speculative decoding.
 - ``tiny_json(family="llama", seed=0)`` -> ``(model, tokenizer)``: a tiny random model whose
   character vocabulary can spell JSON (the shipped one cannot), for structured outputs.
-- ``load_pretrained(path)``: a PaddleFormers checkpoint directory from disk.
+- ``load_code(draft=False)`` -> ``(model, tokenizer)``: the code model trained on the Python
+  standard library (byte-level BPE tokenizer), or its draft; ``load_code_tokenizer()``: the tokenizer.
+- ``load(name_or_path)`` -> ``(model, tokenizer)``: a shipped name (``"tiny"``, ``"code"``, ...), a
+  checkpoint directory or a model id, through PaddleFormers' ``from_pretrained``.
+- ``load_pretrained(path)``: a PaddleFormers checkpoint directory from disk (the model only).
 - ``CharTokenizer``: the character tokenizer of the shipped model and of ``tiny_json``.
 - ``fleet_from_llama(model)``: a trained Llama's weights moved into the Fleet-style decoder.
 """
@@ -21,8 +25,8 @@ from fleetlab.models.tokenizer import CharTokenizer
 # Paddle and PaddleFormers (seconds), and ``fleetlab.models`` must stay as cheap to import as
 # ``fleetlab`` itself, as must its light modules (``tokenizer``, ``corpus``).
 
-__all__ = ["FAMILIES", "CharTokenizer", "FleetConfig", "FleetForCausalLM", "fleet_from_llama", "load_pretrained",
-           "load_tiny", "load_tiny_draft", "tiny", "tiny_json"]
+__all__ = ["FAMILIES", "CharTokenizer", "FleetConfig", "FleetForCausalLM", "fleet_from_llama", "load", "load_code",
+           "load_code_tokenizer", "load_pretrained", "load_tiny", "load_tiny_draft", "tiny", "tiny_json"]
 
 FAMILIES = ("llama", "ernie4_5", "phi3", "gemma3", "gpt_oss", "fleet")
 
@@ -59,6 +63,29 @@ def load_tiny_draft():
     from fleetlab.models import pretrained
 
     return pretrained.load_tiny(pretrained.DRAFT_WEIGHTS_DIR)
+
+
+def load_code(draft: bool = False):
+    """The code model (``draft=True``: its 2-layer draft) and its BPE tokenizer: ``(model, tokenizer)``
+    (see :mod:`fleetlab.models.checkpoints`)."""
+    from fleetlab.models.checkpoints import load_code as _load
+
+    return _load(draft=draft)
+
+
+def load_code_tokenizer():
+    """The code model's byte-level BPE tokenizer (PaddleFormers' fast tokenizer)."""
+    from fleetlab.models.checkpoints import load_code_tokenizer as _load
+
+    return _load()
+
+
+def load(name_or_path):
+    """``(model, tokenizer)`` for ``"tiny"``, ``"tiny-draft"``, ``"code"``, ``"code-draft"``, a
+    checkpoint directory or a model id, through PaddleFormers' ``from_pretrained``."""
+    from fleetlab.models.checkpoints import load as _load
+
+    return _load(name_or_path)
 
 
 def load_pretrained(path):

@@ -2,15 +2,18 @@
 
 A prefix cache remembers which blocks of the pool hold the K/V of which token prefix, so a new
 request starting with the same tokens shares those blocks instead of recomputing them.
-Both designs match at *page granularity*: a page is one KV block (``block_size`` tokens), and
-only a block whose tokens are all written is ever shared.
+Both designs share *whole pages*: a page is one KV block (``block_size`` tokens), and only a
+block whose tokens are all written is ever shared. Where a match ends inside a page they differ:
 
 - ``"hash"`` (:class:`~fleetlab.prefix_cache.hash_chain.HashChainCache`, vLLM's design): each
   full block is keyed by a chain of its parent's key and its own tokens; cached blocks with no
-  owner wait in the pool's LRU free queue and lose their key when the pool reuses them.
+  owner wait in the pool's LRU free queue and lose their key when the pool reuses them. A match
+  ends on a block boundary: the tokens of a partly matching block are recomputed.
 - ``"radix"`` (:class:`~fleetlab.prefix_cache.radix.RadixCache`, SGLang's RadixAttention): a
   radix tree over token ids whose edges are runs of whole pages; it keeps its unreferenced
-  blocks itself and gives back least-recently-released leaves when the pool runs short.
+  blocks itself and gives back least-recently-released leaves when the pool runs short. It
+  matches token by token: the matched head of a partly matching page is copied into the
+  request's own block (:meth:`PrefixCache.lookup_partial`, :mod:`fleetlab.kv.copies`).
 
 The cache plugs into :class:`~fleetlab.BlockPool` at three named hooks (``keeps``,
 ``forget``, ``evict``; see :class:`PrefixCache`) and is asked by the
@@ -29,7 +32,8 @@ from fleetlab.registry import Registry
 class PrefixCache:
     """The interface a prefix-cache design implements (and its hit-rate counters).
 
-    Called by the KV manager: :meth:`lookup` (hits for a new prompt), :meth:`cache_blocks`
+    Called by the KV manager: :meth:`lookup` (hits for a new prompt), :meth:`lookup_partial` (a
+    block whose head continues the match, to copy; none by default), :meth:`cache_blocks`
     (blocks that became full), :meth:`uncache` (registrations of a step that never ran),
     :meth:`is_cached`. Called by the pool, at its hooks:
 
@@ -66,6 +70,13 @@ class PrefixCache:
     def lookup(self, token_ids: Sequence[int], *, record_stats: bool = True) -> list[int]:
         raise NotImplementedError
 
+    def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int) -> tuple[int, int] | None:
+        """A cached block whose first tokens continue the match past the ``num_hit_blocks`` blocks
+        :meth:`lookup` found: ``(block_id, num_tokens)``, ``0 < num_tokens < block_size``, the
+        match never reaching the prompt's last token; None when no block does (the default: a
+        design that shares whole pages only). Takes no references, counts nothing."""
+        return None
+
     def cache_blocks(self, token_ids: Sequence[int], block_ids: Sequence[int], num_cached_blocks: int,
                      num_full_blocks: int) -> int:
         raise NotImplementedError
@@ -93,11 +104,12 @@ class PrefixCache:
         """A hit never covers the whole prompt: one token must run to give the next logits."""
         return max(0, (num_tokens - 1) // self.block_size)
 
-    def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
-        """Count one query of ``num_tokens`` tokens that hit ``num_hit_blocks`` blocks."""
+    def record_lookup(self, num_tokens: int, num_hit_blocks: int, num_copied_tokens: int = 0) -> None:
+        """Count one query of ``num_tokens`` tokens that hit ``num_hit_blocks`` blocks and
+        ``num_copied_tokens`` tokens of one more (a partial hit, copied)."""
         self.queries += 1
         self.query_tokens += int(num_tokens)
-        self.hit_tokens += int(num_hit_blocks) * self.block_size
+        self.hit_tokens += int(num_hit_blocks) * self.block_size + int(num_copied_tokens)
 
     def lookup_counters(self) -> tuple[int, int, int]:
         """``(queries, query_tokens, hit_tokens)``: what :meth:`restore_lookup_counters` puts back
@@ -122,6 +134,26 @@ class PrefixCache:
             if self._ref_count(b) == 0:
                 raise ValueError(f"block {b} is free: only owned blocks can be cached")
         return num_cached_blocks, num_full_blocks
+
+
+def check_partial_hit(cache: PrefixCache, hit, token_ids: Sequence[int], num_hit_blocks: int):
+    """What :meth:`PrefixCache.lookup_partial` returned, checked where the KV manager receives it:
+    None, or ``(block_id, num_tokens)`` of a cached block with ``0 < num_tokens < block_size``
+    and the match short of the prompt's last token. ValueError names the design and the method."""
+    if hit is None:
+        return None
+    where = f"{type(cache).__name__}.lookup_partial"
+    try:
+        block_id, num_tokens = (operator.index(x) for x in hit)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} returned {hit!r}: want None or (block_id, num_tokens), two ints") from None
+    limit = min(cache.block_size - 1, len(token_ids) - 1 - num_hit_blocks * cache.block_size)
+    if not 0 < num_tokens <= limit:
+        raise ValueError(f"{where} returned {num_tokens} tokens for a prompt of {len(token_ids)} after "
+                         f"{num_hit_blocks} whole blocks: want 1 to {limit}")
+    if not cache.is_cached(block_id):
+        raise ValueError(f"{where} returned block {block_id}, which the cache does not hold")
+    return block_id, num_tokens
 
 
 PREFIX_CACHES = Registry("prefix_cache", PrefixCache, {

@@ -61,6 +61,10 @@ class DraftModelProposer(Proposer):
     def bind(self, batch) -> None:
         self.batch = ProposerInputBatch(batch)
 
+    def copy_blocks(self, copies) -> None:
+        """A partial prefix hit's copy, in the draft's cache too (it shares the target's block ids)."""
+        self.kv_cache.copy_blocks(copies)
+
     def close(self) -> None:
         """Undo the patch this proposer applied to the draft model."""
         if self._owns_patch:
