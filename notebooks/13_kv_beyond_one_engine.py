@@ -30,8 +30,10 @@ import numpy as np
 from matplotlib.figure import Figure
 
 import fleetlab
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out (first: before Paddle)
+
+# isort: split
 import fleetlab.attention.backend
-import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.scheduler import Scheduler
