@@ -26,7 +26,10 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
+from fleetlab.errors import bad_return, call_extension
 from fleetlab.registry import Registry
+
+KIND = "prefix cache"
 
 
 class PrefixCache:
@@ -51,9 +54,15 @@ class PrefixCache:
         self._ref_count = lambda block_id: 0  # the pool's, once attached
 
     def attach(self, pool) -> None:
-        """Called by the pool this cache serves (the cache reads its reference counts)."""
+        """Called by the pool this cache serves (the cache reads its reference counts). One cache
+        serves one pool: a second pool is refused (two engines would share its entries, each
+        naming blocks of the other's pool)."""
         if pool.block_size != self.block_size:
             raise ValueError(f"{type(self).__name__} has block_size {self.block_size}, the pool {pool.block_size}")
+        serving = getattr(self._ref_count, "__self__", None)
+        if serving is not None and serving is not pool:
+            raise ValueError(f"prefix_cache: this {type(self).__name__} instance already serves another pool (another "
+                             "engine's); give each engine its own: a name or a class, or a new instance")
         self._ref_count = pool.ref_count
 
     # ----- pool hooks (defaults: a cache that keeps nothing of its own)
@@ -134,6 +143,39 @@ class PrefixCache:
             if self._ref_count(b) == 0:
                 raise ValueError(f"block {b} is free: only owned blocks can be cached")
         return num_cached_blocks, num_full_blocks
+
+
+def cache_call(cache: PrefixCache, method: str, *args, **kwargs):
+    """``cache.method(...)``, an exception it raises named (:class:`~fleetlab.errors.ExtensionError`)."""
+    return call_extension(KIND, cache, method, *args, **kwargs)
+
+
+def checked_hits(cache: PrefixCache, hits, num_tokens: int, num_blocks: int) -> list[int]:
+    """What ``lookup`` returned for ``num_tokens`` tokens: distinct block ids of the pool
+    (``[0, num_blocks)``), at most ``max_hit_blocks(num_tokens)`` of them; else ExtensionError."""
+    most = cache.max_hit_blocks(num_tokens)
+    try:
+        ids = [operator.index(b) for b in hits]
+    except TypeError:
+        ids = None
+    if ids is not None and len(ids) <= most and len(set(ids)) == len(ids) and all(0 <= b < num_blocks for b in ids):
+        return ids
+    raise bad_return(KIND, cache, "lookup", hits, f"it must return distinct block ids in [0, {num_blocks}), at "
+                     f"most {most} for {num_tokens} tokens (a hit never covers the whole prompt)")
+
+
+def checked_num_cached(cache: PrefixCache, value, num_cached_blocks: int, num_full_blocks: int) -> int:
+    """What ``cache_blocks`` returned: the request's new count of cached leading blocks, an int in
+    ``[num_cached_blocks, num_full_blocks]``; else ExtensionError."""
+    if not isinstance(value, bool):
+        try:
+            if num_cached_blocks <= operator.index(value) <= num_full_blocks:
+                return operator.index(value)
+        except TypeError:
+            pass
+    raise bad_return(KIND, cache, "cache_blocks", value,
+                     f"it must return an int in [num_cached_blocks={num_cached_blocks}, "
+                     f"num_full_blocks={num_full_blocks}] (the leading blocks now cached)")
 
 
 def check_partial_hit(cache: PrefixCache, hit, token_ids: Sequence[int], num_hit_blocks: int):
