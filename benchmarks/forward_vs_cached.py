@@ -97,7 +97,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default="benchmarks/results/forward_vs_cached.json")
     args = parser.parse_args()
-    from fleetlab.bench.machine import MachineRecord
+    from fleetlab.lab.bench.machine import MachineRecord
 
     forward, prepare = fleetlab_side(args.batch, args.context)
     cached = paddleformers_side(args.batch, args.context)

@@ -83,7 +83,11 @@ def test_a_slow_overlap_is_left_and_a_slow_in_line_step_kept_out(fleet_model, mo
                 monkeypatch.setattr(type(llm.core), "_step_in_line",
                                     lambda self: (time.sleep(0.03), step_in_line(self))[1])
             for p in PROMPTS:
-                llm.add_request(prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=20, ignore_eos=True))
+                llm.add_request(prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=30, ignore_eos=True))
+            gate.always = True  # past the prefill first: the probe then compares decode steps with decode steps
+            for _ in range(6):
+                llm.step()
+            gate.always = False
             while llm.has_unfinished_requests() and not gate.history:
                 llm.step()
             assert gate.history and gate.history[0].overlap is want
