@@ -77,6 +77,13 @@ class PrefixCache:
         design that shares whole pages only). Takes no references, counts nothing."""
         return None
 
+    def cache_tail(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> bool:
+        """A finished request lets its blocks go; the first ``num_tokens`` of ``token_ids`` have their
+        K/V written, the last ``num_tokens % block_size`` of them in its partly filled block
+        ``block_ids[num_tokens // block_size]``. True if the cache keeps that block to copy from
+        (:meth:`lookup_partial`); the default keeps whole blocks only."""
+        return False
+
     def cache_blocks(self, token_ids: Sequence[int], block_ids: Sequence[int], num_cached_blocks: int,
                      num_full_blocks: int) -> int:
         raise NotImplementedError
