@@ -113,16 +113,13 @@ class KVCacheManager:
             return ComputedBlocks(), 0
         tokens = request.all_token_ids[: request.num_cacheable_tokens]
         hits = self.prefix_cache.lookup(tokens, record_stats=False)
-        partial = check_partial_hit(self.prefix_cache, self.prefix_cache.lookup_partial(tokens, len(hits)),
-                                    tokens, len(hits))
-        if partial is None or self._written_after_copy(partial[0]):
+        # Blocks registered in the step being planned are written by its forward, after its copies.
+        unwritten = {b for r in self._step_logs[-1].registrations.values() for b in r.block_ids}
+        partial = check_partial_hit(self.prefix_cache, self.prefix_cache.lookup_partial(tokens, len(hits), unwritten),
+                                    tokens, len(hits), unwritten)
+        if partial is None:
             return ComputedBlocks(hits), len(hits) * self.block_size
         return ComputedBlocks(hits, *partial), len(hits) * self.block_size + partial[1]
-
-    def _written_after_copy(self, block_id: int) -> bool:
-        """The block was registered in the step being planned: its K/V are written by that step's
-        forward, after the step's copies, so it cannot be copied from yet."""
-        return any(block_id in r.block_ids for r in self._step_logs[-1].registrations.values())
 
     def record_lookup(self, request, num_hit_tokens: int) -> None:
         """Count one admission's prefix-cache query in the hit rate (undone if the step fails)."""

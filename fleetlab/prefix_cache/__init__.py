@@ -24,7 +24,7 @@ own design with :func:`register_prefix_cache` to choose it by name.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from fleetlab.registry import Registry
 
@@ -70,11 +70,13 @@ class PrefixCache:
     def lookup(self, token_ids: Sequence[int], *, record_stats: bool = True) -> list[int]:
         raise NotImplementedError
 
-    def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int) -> tuple[int, int] | None:
+    def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int,
+                       exclude: Collection[int] = ()) -> tuple[int, int] | None:
         """A cached block whose first tokens continue the match past the ``num_hit_blocks`` blocks
         :meth:`lookup` found: ``(block_id, num_tokens)``, ``0 < num_tokens < block_size``, the
-        match never reaching the prompt's last token; None when no block does (the default: a
-        design that shares whole pages only). Takes no references, counts nothing."""
+        match never reaching the prompt's last token; never a block in ``exclude`` (its K/V are
+        not written yet); None when no block does (the default: a design that shares whole pages
+        only). Takes no references, counts nothing."""
         return None
 
     def cache_tail(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> bool:
@@ -143,10 +145,12 @@ class PrefixCache:
         return num_cached_blocks, num_full_blocks
 
 
-def check_partial_hit(cache: PrefixCache, hit, token_ids: Sequence[int], num_hit_blocks: int):
+def check_partial_hit(cache: PrefixCache, hit, token_ids: Sequence[int], num_hit_blocks: int,
+                      exclude: Collection[int] = ()):
     """What :meth:`PrefixCache.lookup_partial` returned, checked where the KV manager receives it:
-    None, or ``(block_id, num_tokens)`` of a cached block with ``0 < num_tokens < block_size``
-    and the match short of the prompt's last token. ValueError names the design and the method."""
+    None, or ``(block_id, num_tokens)`` of a cached block outside ``exclude`` with ``0 < num_tokens
+    < block_size`` and the match short of the prompt's last token. ValueError names the design and
+    the method."""
     if hit is None:
         return None
     where = f"{type(cache).__name__}.lookup_partial"
@@ -158,8 +162,10 @@ def check_partial_hit(cache: PrefixCache, hit, token_ids: Sequence[int], num_hit
     if not 0 < num_tokens <= limit:
         raise ValueError(f"{where} returned {num_tokens} tokens for a prompt of {len(token_ids)} after "
                          f"{num_hit_blocks} whole blocks: want 1 to {limit}")
-    if not cache.is_cached(block_id):
-        raise ValueError(f"{where} returned block {block_id}, which the cache does not hold")
+    if not cache.is_cached(block_id) or block_id in exclude:
+        raise ValueError(f"{where} returned block {block_id}, which the cache does not hold"
+                         if block_id not in exclude else f"{where} returned block {block_id}, which it was told to "
+                         "exclude (its K/V are written after the step's copies)")
     return block_id, num_tokens
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 from fleetlab.prefix_cache import PrefixCache
 
@@ -101,10 +101,11 @@ class RadixCache(PrefixCache):
             self.record_lookup(len(token_ids), len(hits))
         return hits
 
-    def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int) -> tuple[int, int] | None:
+    def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int,
+                       exclude: Collection[int] = ()) -> tuple[int, int] | None:
         """The page whose head continues the match after the first ``num_hit_blocks`` pages (what
         :meth:`lookup` found) and how many of its tokens match, short of the prompt's last token:
-        ``(block_id, num_tokens)``, or None if no page starts with the next token."""
+        ``(block_id, num_tokens)``, or None if no page (outside ``exclude``) starts with the next token."""
         bs, i = self.block_size, int(num_hit_blocks)
         want = tuple(int(t) for t in token_ids[i * bs : min((i + 1) * bs, len(token_ids) - 1)])
         if not want:
@@ -116,7 +117,7 @@ class RadixCache(PrefixCache):
             return None
         candidates = ([(node.block_ids[j], self._page(node.token_ids, j))] if j < len(node.block_ids) else
                       [(child.block_ids[0], first) for first, child in node.children.items()])
-        best = max(((_common_prefix(page, want), b) for b, page in candidates), default=(0, None))
+        best = max(((_common_prefix(page, want), b) for b, page in candidates if b not in exclude), default=(0, None))
         return (best[1], best[0]) if best[0] else None
 
     # ------------------------------------------------------------------ insert
