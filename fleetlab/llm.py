@@ -35,6 +35,7 @@ from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.sampler import Sampler
 from fleetlab.engine.sampling_params import SamplingParams
+from fleetlab.errors import ObserverError
 from fleetlab.engine.scheduler import Scheduler
 from fleetlab.inspect.recorder import StepRecorder, StepTrace
 from fleetlab.inspect.spec_stats import SpecDecodingStats
@@ -90,6 +91,7 @@ class LLM:
                                 if cfg.tensor_parallel_size > 1 else None)
         self.hooks = StepHooks()  # where observers see the steps
         self.observers = self.hooks.observers  # anything with on_step(scheduler_output, runner_output, outputs)
+        self._undelivered: list[RequestOutput] = []  # a committed step's outputs, held while an observer's error is raised
         self._owns_handle = not isinstance(model, PatchHandle)
         self.handle = patch_model(model, backend=cfg.backend) if self._owns_handle else model
         # Closing happens once, on close() or when the LLM is garbage-collected (a notebook
@@ -227,26 +229,45 @@ class LLM:
 
     # ----- the loop -----
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request waits or runs, or a committed step's outputs wait for the next
+        ``step`` (an observer raised)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._undelivered)
 
     def step(self) -> list[RequestOutput]:
         """One engine step: the core plans, runs and commits it (:meth:`EngineCore.step`), the output
         processor makes its outputs the user's. Returns a ``RequestOutput`` for every request that
-        gained tokens or finished in it (``new_token_ids`` holds what it gained)."""
-        outputs, result = self.core.step()
+        gained tokens or finished in it (``new_token_ids`` holds what it gained).
+
+        If the step fails it is rolled back (the exception names the extension that raised) and the
+        same requests carry on with the next call. If only an observer raised
+        (:class:`~fleetlab.errors.ObserverError`), the step stands: its outputs come with the next call."""
+        try:
+            outputs, result = self.core.step()
+        except ObserverError as exc:
+            self._undelivered += self._deliver(exc.outputs, exc.runner_output)
+            raise
+        outputs, self._undelivered = self._undelivered + self._deliver(outputs, result), []
+        return outputs
+
+    def _deliver(self, outputs: list[RequestOutput], result) -> list[RequestOutput]:
+        """The core's outputs made the user's (the output processor); stop strings end requests here."""
         outputs, stopped = self.output_processor.process(outputs, result)
         self.scheduler.abort(stopped)  # ended by a stop string: their blocks are freed now
         return outputs
 
     def wait_until_runnable(self, timeout: float = 0.05) -> None:
         """Between steps: if every request waits on something (its grammar's compile, its K/V
-        arriving, on a thread), give them up to ``timeout`` seconds rather than spin through
-        empty steps (a loop over ``step`` calls this; the step itself never waits)."""
+        arriving, on a thread), or the last step ran nothing while some do (the others cannot be
+        admitted: the pool is held by requests whose K/V is arriving), block on those futures up
+        to ``timeout`` seconds rather than spin through empty steps (a loop over ``step`` calls
+        this; the step itself never waits)."""
         reqs = self.scheduler.running + self.scheduler.waiting
-        if not reqs or any(r.is_ready for r in reqs):
-            return
-        concurrent.futures.wait([r.waiting_on for r in reqs], timeout=timeout,
-                                return_when=concurrent.futures.FIRST_COMPLETED)
+        pending = [r.waiting_on for r in reqs if not r.is_ready]
+        last = self.scheduler.planned
+        ran = last is None or last.num_scheduled_tokens or last.preempted_req_ids or last.finished_req_ids
+        if not pending or (ran and len(pending) < len(reqs)):
+            return  # (a ready request that could not run last step, the pool full of arriving ones: wait too)
+        concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def abort(self, request_ids) -> list[RequestOutput]:
         """Stop the named requests now (``str`` or an iterable of ids; a parallel-sampling
@@ -291,10 +312,12 @@ class LLM:
                 for out in self.step():
                     if out.finished:
                         done[out.request_id, out.index] = out
-                        out.new_token_ids = list(out.token_ids)
+                        out.new_token_ids, out.new_text = list(out.token_ids), out.text or ""
                         bar.update(1)
         except BaseException:
-            self.abort([rid for rid, _, _, _ in queued])
+            ids = {rid for rid, _, _, _ in queued}
+            self.abort(list(ids))
+            self._undelivered = [o for o in self._undelivered if o.request_id not in ids]  # generate's own, gone
             raise
         finally:
             bar.close()

@@ -462,6 +462,11 @@ class InputProcessor:
             raise type_error(where, "prompt", prompt, "a str (text to tokenize; token ids go in prompt_token_ids)")
         if self.tokenizer is None:
             raise ValueError(f"{where} prompt is text but the LLM has no tokenizer")
+        try:  # a str may hold half of a surrogate pair (JSON's "\ud800", bytes decoded with surrogateescape)
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where} prompt is not valid UTF-8 text: a lone surrogate \\u{ord(prompt[e.start]):04x} "
+                             f"at character {e.start}") from None
         out, name = self.tokenizer.encode(prompt), "tokenizer.encode(prompt)"
         if isinstance(out, Mapping):
             if "input_ids" not in out:

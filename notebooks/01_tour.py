@@ -105,7 +105,7 @@ print(llm.stats())
 # (`EngineCore.step`, read here from the installed package), whose outputs the output
 # processor then finishes (stop strings, logprobs, text). The scheduler plans (`schedule()`:
 # who runs, how many tokens each), the model runner executes the plan (`_execute`, which
-# calls `runner.execute` and undoes the plan if it fails), and the scheduler commits what came
+# calls `runner.execute`; a failure anywhere in the step undoes it all), and the scheduler commits what came
 # back (`update`), the only place a request advances. The observers after it are how
 # `record_traces=True` got the traces drawn above. Notebook 05 opens `schedule`, and
 # notebook 12 follows one request through all three.

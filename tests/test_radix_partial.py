@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.request import Request
+from fleetlab.errors import ExtensionError
 from fleetlab.inspect.pool import check_kv_manager, check_pool
 from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.copies import BlockCopy
@@ -79,14 +80,15 @@ class BadPartial(RadixCache):
         return self.answer
 
 
-@pytest.mark.parametrize("answer, match", [((0, 4), "want 1 to 3"), ((0, 0), "want 1 to 3"), ((1, 2), "exclude"),
-                                           ((7, 2), "does not hold"), ("xy", "two ints"), ((0, 2, 1), "two ints")])
+@pytest.mark.parametrize("answer, match", [((0, 4), "1 to 3 tokens"), ((0, 0), "1 to 3 tokens"), ((1, 2), "excluded"),
+                                           ((7, 2), "cached block"), ("xy", "block_id, num_tokens"),
+                                           ((0, 2, 1), "block_id, num_tokens")])
 def test_a_bad_partial_hit_is_refused_naming_the_design(answer, match):
     cache = BadPartial(4, answer)
-    cache._node_of[1] = cache.root  # block 1 is cached (but excluded below)
-    with pytest.raises(ValueError, match=match) as e:
+    cache._node_of[0] = cache._node_of[1] = cache.root  # blocks 0 and 1 are cached (1 is excluded below)
+    with pytest.raises(ExtensionError, match=match) as e:
         check_partial_hit(cache, cache.lookup_partial([1] * 9, 1), [1] * 9, 1, exclude={1})
-    assert "BadPartial.lookup_partial" in str(e.value)
+    assert "BadPartial" in str(e.value) and "lookup_partial" in str(e.value)
 
 
 # ---------------------------------------------------------------- the cache copies

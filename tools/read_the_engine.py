@@ -42,6 +42,8 @@ PATH = [
     ("fleetlab/engine/outputs.py", "`RequestOutput`: what `Scheduler.update` hands back"),
     ("fleetlab/engine/hooks.py", "`StepHooks`: where observers see the step"),
     ("fleetlab/output/processor.py", "`OutputProcessor`: stop strings, logprobs, fan-in, text (beside the core)"),
+    ("fleetlab/output/text.py", "`TextStream`: its text token by token, cut at a stop string"),
+    ("fleetlab/output/detokenizer.py", "incremental detokenization: `DecodeStream`, or prefix and read offsets"),
     ("fleetlab/inspect/recorder.py", "`StepRecorder`: a trace of every step (beside the core)"),
 ]
 # A request asking for more than one sequence, logprobs, penalties or stop strings also passes through these.
@@ -49,7 +51,7 @@ SAMPLING_PATH = [
     ("fleetlab/output/parallel_sampling.py", "`ParentRequest`: `n` children sharing the prompt's blocks"),
     ("fleetlab/processors/penalties.py", "`PenaltiesProcessor`: penalties and `logit_bias`, a logits processor"),
     ("fleetlab/engine/logprobs.py", "log-probabilities, in the step's one read"),
-    ("fleetlab/output/stop.py", "stop strings, where the text is decoded"),
+    ("fleetlab/output/stop.py", "stop strings: the search, and what a stream holds back"),
 ]
 # With speculative decoding, the request also passes through these.
 SPEC_PATH = [

@@ -34,7 +34,7 @@ from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.sampler import Sampler, SamplingTensors
 from fleetlab.engine.side_data import chunk_embeds
-from fleetlab.kv_transfer.base import NULL_CONNECTOR
+from fleetlab.kv_transfer.base import NULL_CONNECTOR, checked_finished, connector_call
 from fleetlab.validation import check_drafts
 
 
@@ -136,7 +136,8 @@ class ModelRunner:
             self.kv_connector.start_load_kv(so.kv_connector_metadata, self.kv_cache)
             logits = self.forward(p.inputs)  # each attention layer: wait_for_layer_load, write, save_kv_layer
             self.kv_connector.wait_for_save()
-            out.finished_sending, out.kv_load_failed_block_ids = self.kv_connector.get_finished(so.finished_req_ids)
+            out.finished_sending, out.kv_load_failed_block_ids = checked_finished(
+                self.kv_connector, connector_call(self.kv_connector, "get_finished", so.finished_req_ids))
         with phase("sample"):
             self.sample(logits, p.inputs, out, p.sampling)
         if self.proposer is not None:

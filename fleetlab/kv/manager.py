@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.copies import BlockCopy
-from fleetlab.prefix_cache import check_partial_hit
+from fleetlab.prefix_cache import cache_call, check_partial_hit, checked_hits, checked_num_cached
 
 
 @dataclass(slots=True)
@@ -112,11 +112,12 @@ class KVCacheManager:
         if self.prefix_cache is None or getattr(request, "skip_reading_prefix_cache", False):
             return ComputedBlocks(), 0
         tokens = request.all_token_ids[: request.num_cacheable_tokens]
-        hits = self.prefix_cache.lookup(tokens, record_stats=False)
+        hits = checked_hits(self.prefix_cache, cache_call(self.prefix_cache, "lookup", tokens, record_stats=False),
+                            len(tokens), self.pool.num_blocks)
         # Blocks registered in the step being planned are written by its forward, after its copies.
         unwritten = {b for r in self._step_logs[-1].registrations.values() for b in r.block_ids}
-        partial = check_partial_hit(self.prefix_cache, self.prefix_cache.lookup_partial(tokens, len(hits), unwritten),
-                                    tokens, len(hits), unwritten)
+        partial = check_partial_hit(self.prefix_cache, cache_call(self.prefix_cache, "lookup_partial", tokens,
+                                                                  len(hits), unwritten), tokens, len(hits), unwritten)
         if partial is None:
             return ComputedBlocks(hits), len(hits) * self.block_size
         return ComputedBlocks(hits, *partial), len(hits) * self.block_size + partial[1]
@@ -183,7 +184,13 @@ class KVCacheManager:
         if num_full <= num_cached:
             return
         blocks = self._blocks[rid]
-        self._num_cached[rid] = self.prefix_cache.cache_blocks(request.all_token_ids, blocks, num_cached, num_full)
+        try:
+            self._num_cached[rid] = checked_num_cached(self.prefix_cache, cache_call(
+                self.prefix_cache, "cache_blocks", request.all_token_ids, blocks, num_cached, num_full),
+                num_cached, num_full)
+        except BaseException:  # whatever it registered before it failed is not to be trusted
+            self.pool.uncache(blocks[num_cached:num_full])
+            raise
         # Fresh blocks have no key, so the keyed ones are this call's (a block whose content is
         # already cached under another block stays unkeyed).
         log = self._step_logs[-1].registrations.setdefault(rid, _Registration(num_cached))

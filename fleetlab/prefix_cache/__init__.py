@@ -26,7 +26,10 @@ from __future__ import annotations
 import operator
 from collections.abc import Collection, Sequence
 
+from fleetlab.errors import bad_return, call_extension
 from fleetlab.registry import Registry
+
+KIND = "prefix cache"
 
 
 class PrefixCache:
@@ -51,9 +54,15 @@ class PrefixCache:
         self._ref_count = lambda block_id: 0  # the pool's, once attached
 
     def attach(self, pool) -> None:
-        """Called by the pool this cache serves (the cache reads its reference counts)."""
+        """Called by the pool this cache serves (the cache reads its reference counts). One cache
+        serves one pool: a second pool is refused (two engines would share its entries, each
+        naming blocks of the other's pool)."""
         if pool.block_size != self.block_size:
             raise ValueError(f"{type(self).__name__} has block_size {self.block_size}, the pool {pool.block_size}")
+        serving = getattr(self._ref_count, "__self__", None)
+        if serving is not None and serving is not pool:
+            raise ValueError(f"prefix_cache: this {type(self).__name__} instance already serves another pool (another "
+                             "engine's); give each engine its own: a name or a class, or a new instance")
         self._ref_count = pool.ref_count
 
     # ----- pool hooks (defaults: a cache that keeps nothing of its own)
@@ -145,27 +154,58 @@ class PrefixCache:
         return num_cached_blocks, num_full_blocks
 
 
+def cache_call(cache: PrefixCache, method: str, *args, **kwargs):
+    """``cache.method(...)``, an exception it raises named (:class:`~fleetlab.errors.ExtensionError`)."""
+    return call_extension(KIND, cache, method, *args, **kwargs)
+
+
+def checked_hits(cache: PrefixCache, hits, num_tokens: int, num_blocks: int) -> list[int]:
+    """What ``lookup`` returned for ``num_tokens`` tokens: distinct block ids of the pool
+    (``[0, num_blocks)``), at most ``max_hit_blocks(num_tokens)`` of them; else ExtensionError."""
+    most = cache.max_hit_blocks(num_tokens)
+    try:
+        ids = [operator.index(b) for b in hits]
+    except TypeError:
+        ids = None
+    if ids is not None and len(ids) <= most and len(set(ids)) == len(ids) and all(0 <= b < num_blocks for b in ids):
+        return ids
+    raise bad_return(KIND, cache, "lookup", hits, f"it must return distinct block ids in [0, {num_blocks}), at "
+                     f"most {most} for {num_tokens} tokens (a hit never covers the whole prompt)")
+
+
+def checked_num_cached(cache: PrefixCache, value, num_cached_blocks: int, num_full_blocks: int) -> int:
+    """What ``cache_blocks`` returned: the request's new count of cached leading blocks, an int in
+    ``[num_cached_blocks, num_full_blocks]``; else ExtensionError."""
+    if not isinstance(value, bool):
+        try:
+            if num_cached_blocks <= operator.index(value) <= num_full_blocks:
+                return operator.index(value)
+        except TypeError:
+            pass
+    raise bad_return(KIND, cache, "cache_blocks", value,
+                     f"it must return an int in [num_cached_blocks={num_cached_blocks}, "
+                     f"num_full_blocks={num_full_blocks}] (the leading blocks now cached)")
+
+
 def check_partial_hit(cache: PrefixCache, hit, token_ids: Sequence[int], num_hit_blocks: int,
                       exclude: Collection[int] = ()):
     """What :meth:`PrefixCache.lookup_partial` returned, checked where the KV manager receives it:
     None, or ``(block_id, num_tokens)`` of a cached block outside ``exclude`` with ``0 < num_tokens
-    < block_size`` and the match short of the prompt's last token. ValueError names the design and
-    the method."""
+    < block_size`` and the match short of the prompt's last token; else ExtensionError."""
     if hit is None:
         return None
-    where = f"{type(cache).__name__}.lookup_partial"
+    limit = min(cache.block_size - 1, len(token_ids) - 1 - num_hit_blocks * cache.block_size)
     try:
         block_id, num_tokens = (operator.index(x) for x in hit)
     except (TypeError, ValueError):
-        raise ValueError(f"{where} returned {hit!r}: want None or (block_id, num_tokens), two ints") from None
-    limit = min(cache.block_size - 1, len(token_ids) - 1 - num_hit_blocks * cache.block_size)
-    if not 0 < num_tokens <= limit:
-        raise ValueError(f"{where} returned {num_tokens} tokens for a prompt of {len(token_ids)} after "
-                         f"{num_hit_blocks} whole blocks: want 1 to {limit}")
-    if not cache.is_cached(block_id) or block_id in exclude:
-        raise ValueError(f"{where} returned block {block_id}, which the cache does not hold"
-                         if block_id not in exclude else f"{where} returned block {block_id}, which it was told to "
-                         "exclude (its K/V are written after the step's copies)")
+        block_id = num_tokens = None
+    rule = (f"it must return None or (block_id, num_tokens) of a cached block, 1 to {limit} tokens for a prompt "
+            f"of {len(token_ids)} after {num_hit_blocks} whole blocks")
+    if num_tokens is None or not 0 < num_tokens <= limit or not cache.is_cached(block_id):
+        raise bad_return(KIND, cache, "lookup_partial", hit, rule)
+    if block_id in exclude:
+        raise bad_return(KIND, cache, "lookup_partial", hit, "that block was excluded: its K/V are written by the "
+                         "step being planned, after the step's copies")
     return block_id, num_tokens
 
 
