@@ -93,6 +93,14 @@ class RadixCache(PrefixCache):
                 yield node, j
                 i += 1
 
+    def _end_of_walk(self, token_ids: Sequence[int], num_pages: int) -> tuple[RadixNode, int] | None:
+        """Where the walk over the first ``num_pages`` pages of ``token_ids`` ends: ``(node, j)``, after
+        page ``j - 1`` of ``node`` (the root and 0 for no pages); None if the tree lacks one of them."""
+        end, walked = (self.root, 0), 0
+        for node, j in self._walk(token_ids, num_pages):
+            end, walked = (node, j + 1), walked + 1
+        return end if walked == num_pages else None
+
     def lookup(self, token_ids: Sequence[int], *, record_stats: bool = True) -> list[int]:
         """Blocks holding the longest cached page-granular prefix of ``token_ids`` (never the
         whole prompt); counts one query unless ``record_stats=False``; takes no references."""
@@ -110,11 +118,10 @@ class RadixCache(PrefixCache):
         want = tuple(int(t) for t in token_ids[i * bs : min((i + 1) * bs, len(token_ids) - 1)])
         if not want:
             return None
-        node, j, walked = self.root, 0, 0  # the walk is after page j - 1 of node
-        for node, j in self._walk(token_ids, i):
-            j, walked = j + 1, walked + 1
-        if walked != i:  # not the pages lookup found
+        end = self._end_of_walk(token_ids, i)
+        if end is None:  # not the pages lookup found
             return None
+        node, j = end
         candidates = ([(node.block_ids[j], self._page(node.token_ids, j))] if j < len(node.block_ids) else
                       [(child.block_ids[0], first) for first, child in node.children.items()])
         best = max(((_common_prefix(page, want), b) for b, page in candidates if b not in exclude), default=(0, None))
@@ -151,13 +158,13 @@ class RadixCache(PrefixCache):
         i, n = divmod(num_tokens, bs)
         if not n or i >= len(block_ids) or block_ids[i] in self._node_of:
             return False
-        node, j, walked = self.root, 0, 0
-        for node, j in self._walk(token_ids, i):
-            j, walked = j + 1, walked + 1
-        tail = tuple(int(t) for t in token_ids[i * bs : num_tokens])
-        kept = tail in node.children if j == len(node.block_ids) else self._page(node.token_ids, j) == tail
-        if walked != i or kept:
+        end = self._end_of_walk(token_ids, i)
+        if end is None:
             return False
+        node, j = end
+        tail = tuple(int(t) for t in token_ids[i * bs : num_tokens])
+        if tail in node.children if j == len(node.block_ids) else self._page(node.token_ids, j) == tail:
+            return False  # the same tail is kept already
         self._attach(node, j, tail, [block_ids[i]])
         return True
 
