@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import paddle
 
+from fleetlab.attention.context import forward_context
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.context import forward_context
 from fleetlab.kv.paged_cache import PagedKVCache
 
 DEFAULT_SEQS_FRACTION = 2  # the default pool holds max_num_seqs / 2 sequences of max_model_len

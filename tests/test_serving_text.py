@@ -28,7 +28,7 @@ def test_chat_template_own_or_minimal():
 
 def test_engine_value_errors_become_400s_naming_the_field():
     from fleetlab import SamplingParams
-    from fleetlab.validation import check_sampling_params
+    from fleetlab.edge.sampling import check_sampling_params
 
     with pytest.raises(ValueError) as e:
         check_sampling_params(SamplingParams(top_p=2.0), "cmpl-1")

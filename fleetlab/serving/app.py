@@ -66,6 +66,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import fleetlab
+from fleetlab.edge.sampling import check_sampling_params
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.output.parallel_sampling import child_sampling_params, select_best
 from fleetlab.serving import protocol as P
@@ -84,7 +85,6 @@ from fleetlab.serving.errors import (
 )
 from fleetlab.serving.metrics import CONTENT_TYPE, ServerMetrics
 from fleetlab.serving.openai_logprobs import TokenStrings, chat_logprobs, completion_logprobs
-from fleetlab.validation import check_sampling_params
 
 logger = logging.getLogger(__name__)
 
