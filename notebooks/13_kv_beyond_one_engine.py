@@ -453,9 +453,9 @@ fig_timelines
 #
 # The cell starts `fleetlab.serving.disagg.mixed` on 2 ranks through Paddle's launcher, as
 # notebook 09 starts its tensor-parallel ranks (the command is printed below): the tiny Llama, 4
-# short requests decoding, 4 long prompts of 40 tokens arriving one every 8 decode steps. Rank 0
-# serves it as the pair's decode rank, then as one engine alone with chunked prefill; rank 1 is
-# the prefill rank. Between two of its steps the prefill rank polls the decode rank for the
+# short requests decoding, 4 long prompts of 120 tokens arriving one every 8 decode steps. Rank 0
+# serves it as the pair's decode rank, then as one engine alone with chunked prefill (32 tokens a
+# step); rank 1 is the prefill rank. Between two of its steps the prefill rank polls the decode rank for the
 # handshakes queued meanwhile and takes them all (`fleetlab.serving.disagg.prefill.serve`), so
 # prompts that arrive close together share its steps.
 
@@ -463,7 +463,8 @@ fig_timelines
 from fleetlab.distributed.launch import launch, launch_command, shell_line
 from fleetlab.serving.disagg.mixed import collect
 
-live_args = ["fleetlab.serving.disagg.mixed", "--model-overrides", "{}", "--long-len", "40", "--short-tokens", "10"]
+live_args = ["fleetlab.serving.disagg.mixed", "--model-overrides", "{}", "--long-len", "120", "--budget", "32",
+             "--short-tokens", "16"]
 live_dir = Path(tempfile.mkdtemp(prefix="fleetlab-13-"))
 print(shell_line(launch_command(live_args, 2, live_dir / "logs")))
 live_run = launch(live_args, 2, log_dir=live_dir / "logs", timeout=300)
@@ -478,9 +479,11 @@ for name in ("one engine", "pair"):
 # Each long prompt's way through the pair, on rank 0's clock (one machine, one monotonic clock
 # for both ranks): it waits until the prefill rank's next step starts (grey), runs there in one
 # step (orange: the prefill rank decodes nothing, so its token budget, `--prefill-budget`, takes
-# a whole prompt), its K/V crosses layer by layer *inside* that step and then waits for the
-# decode rank's next step (blue), and that step (green) writes the K/V into its blocks, runs the
-# last prompt token and samples the first token (★).
+# a whole prompt), its K/V crosses layer by layer *inside* that step, and from that step's end
+# it waits for the decode rank's next step (blue; none when the last layer was in before the
+# prefill rank had finished sampling, and the decode rank's step started first), and that step
+# (green) writes the K/V into its blocks, runs the last prompt token and samples the first
+# token (★).
 
 # %%
 fig_paths = kvviz.draw_request_paths(live["long_requests"])

@@ -89,7 +89,7 @@ timelines, tokens, step_ms = {}, {}, {"synchronous": [], "overlapped": []}
 engines = {name: LLM(model, tokenizer, async_scheduling=overlapped, **ENGINE)
            for name, overlapped in (("synchronous", False), ("overlapped", True))}
 engines["overlapped"].core.gate.always = True
-for name, llm in engines.items():
+for llm in engines.values():
     llm.generate(prompt_token_ids=prompts[:4], sampling_params=SP, use_tqdm=False)  # warm-up
 for run in range(RUNS):
     for name in (list(engines) if run % 2 == 0 else list(engines)[::-1]):

@@ -144,5 +144,6 @@ def test_the_prefill_rank_takes_several_handshakes_in_one_step():
     prefill_steps = mixed["timeline"]["prefill rank"]["timeline"]
     assert max(step[2] for step in prefill_steps) >= 2 * (long_len - 1), prefill_steps  # two prompts in a step
     for rid, path in mixed["long_requests"].items():
-        assert path["arrive"] <= path["prefill"][0] < path["prefill"][1] <= path["join"][0] <= path["first_token"], (
+        # (the last layer may be in, and the decode step started, before the prefill step has sampled)
+        assert path["arrive"] <= path["prefill"][0] < path["join"][0] < path["join"][1] <= path["first_token"], (
             rid, path)

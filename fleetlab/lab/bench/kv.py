@@ -216,11 +216,12 @@ def main(argv=None) -> int:
           f"last layer); tokens "
           f"equal one engine's: {d['equal_single']}, the full forward's: {d['equal_forward']}")
     m, ratio = d["mixed_spread"], d["mixed_spread"]["pair_over_one_engine"]
-    print(f"mixed workload ({len(d['mixed_runs'])} runs, medians): decode ITL p50 / p99 {m['pair']['itl_p50_ms'][0]:.1f} / "
-          f"{m['pair']['itl_p99_ms'][0]:.1f} ms on the pair vs {m['one engine']['itl_p50_ms'][0]:.1f} / "
-          f"{m['one engine']['itl_p99_ms'][0]:.1f} ms on one engine; long-prompt TTFT "
-          f"{m['pair']['long_ttft_median_ms'][0]:.0f} vs {m['one engine']['long_ttft_median_ms'][0]:.0f} ms; pair / one "
-          f"engine: ITL p99 {ratio['itl_p99_ms']:.2f}x, TTFT {ratio['long_ttft_median_ms']:.2f}x; tokens identical: "
+    pair, one = m["pair"], m["one engine"]
+    print(f"mixed workload ({len(d['mixed_runs'])} runs, medians): decode ITL p50 / p99 "
+          f"{pair['itl_p50_ms'][0]:.1f} / {pair['itl_p99_ms'][0]:.1f} ms on the pair vs {one['itl_p50_ms'][0]:.1f} / "
+          f"{one['itl_p99_ms'][0]:.1f} ms on one engine; long-prompt TTFT {pair['long_ttft_median_ms'][0]:.0f} vs "
+          f"{one['long_ttft_median_ms'][0]:.0f} ms; pair / one engine: ITL p99 {ratio['itl_p99_ms']:.2f}x, TTFT "
+          f"{ratio['long_ttft_median_ms']:.2f}x; tokens identical: "
           f"{all(r['identical_tokens'] for r in d['mixed_runs'])}")
     print(f"wrote {Path(args.out) / 'kv.json'}")
     return 0

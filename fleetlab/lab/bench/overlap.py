@@ -193,7 +193,8 @@ def report(result: dict) -> str:
                  f"host work hidden: {hidden:.0%}; tok/s {s['tok_s_ratio']:.2f}x; TTFT {s['ttft_ratio']:.2f}x"
                  if hidden is not None else "")
     lines.append(f"round by round (median of the pairs): step {s['paired_step_ratio']:.3f}x, "
-                 f"tok/s {s['paired_tok_s_ratio']:.2f}x (overlapping every step: {s['paired_always_tok_s_ratio']:.2f}x)")
+                 f"tok/s {s['paired_tok_s_ratio']:.2f}x "
+                 f"(overlapping every step: {s['paired_always_tok_s_ratio']:.2f}x)")
     probes = result.get("gate_probes", [])
     if probes:
         lines.append(f"the gate probed {len(probes)} times and overlapped after {sum(p['overlap'] for p in probes)}")
