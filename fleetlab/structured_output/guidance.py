@@ -100,6 +100,13 @@ def _hf_tokenizer(llg, tokenizer, vocab_size: int):
     return llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id)
 
 
+def token_bytes_reader(tokenizer, vocab_size: int):
+    """``f(token_id) -> bytes``: a fast tokenizer's token as its own bytes (a piece of a character
+    included), as llguidance reads them from the tokenizer's JSON (byte-level, byte fallback...)."""
+    lltok = _hf_tokenizer(_llguidance(), tokenizer, vocab_size)
+    return lambda token_id: lltok.decode_bytes([int(token_id)])
+
+
 class GuidanceMatcher(GrammarMatcher):
     """A request's llguidance ``LLMatcher`` behind fleetlab's matcher interface."""
 
