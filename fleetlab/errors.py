@@ -1,6 +1,6 @@
 """The errors the edge raises, in one place that imports nothing of the engine: parameter
-dataclasses (``SamplingParams``, ``StructuredOutputsParams``) and ``fleetlab.validation`` both
-raise these, so importing a params dataclass loads no Paddle and no validation cycle."""
+dataclasses (``SamplingParams``, ``StructuredOutputsParams``) and the checks (``fleetlab.fields``,
+``fleetlab.edge``) all raise these, so importing a params dataclass loads no Paddle and no import cycle."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ It is the front door over two pieces, as in vLLM: the **engine core**
 (:class:`~fleetlab.engine.core.EngineCore`: every step is three moves, the scheduler plans,
 the model runner executes, the scheduler commits) and the **output processor** beside it
 (:class:`~fleetlab.output.processor.OutputProcessor`: stop strings, logprobs, parallel-sampling
-fan-in, text). Here the user's requests are checked (:mod:`fleetlab.validation`) and a request
+fan-in, text). Here the user's requests are checked (:mod:`fleetlab.edge`) and a request
 with ``n > 1`` (or ``best_of``) is fanned out into child requests
 (:mod:`fleetlab.output.parallel_sampling`); the model is patched, a paged KV cache and a block
 pool sized, and the scheduler, the model runner and speculative decoding wired together. Logit
@@ -27,7 +27,9 @@ from tqdm.auto import tqdm
 
 from fleetlab.device import check_model_dtype_runs
 from fleetlab.distributed.engine import TensorParallelState
+from fleetlab.edge.input_processor import InputProcessor, generate_items
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS
+from fleetlab.engine.config import check_backend_fits, engine_config, resolve_max_model_len
 from fleetlab.engine.core import EngineCore
 from fleetlab.engine.hooks import StepHooks
 from fleetlab.engine.input_batch import InputBatch
@@ -35,8 +37,8 @@ from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.sampler import Sampler
 from fleetlab.engine.sampling_params import SamplingParams
-from fleetlab.errors import ObserverError
 from fleetlab.engine.scheduler import Scheduler
+from fleetlab.errors import ObserverError
 from fleetlab.inspect.recorder import StepRecorder, StepTrace
 from fleetlab.inspect.spec_stats import SpecDecodingStats
 from fleetlab.inspect.stats import engine_stats
@@ -48,21 +50,15 @@ from fleetlab.kv_transfer.config import make_kv_connector
 from fleetlab.output.parallel_sampling import ParentRequest, child_sampling_params
 from fleetlab.output.processor import OutputProcessor
 from fleetlab.overlap import OverlapEngineCore, RefusedStructuredOutputs
+from fleetlab.overlap.refusals import check_async_scheduling
 from fleetlab.patching import patch_model
 from fleetlab.patching.handle import PatchHandle
 from fleetlab.prefix_cache import build_prefix_cache
 from fleetlab.processors.penalties import PenaltiesProcessor
+from fleetlab.spec_decode.config import check_speculative_config
 from fleetlab.spec_decode.proposer import PROPOSERS, ProposerContext
 from fleetlab.spec_decode.rejection import RejectionSampler
 from fleetlab.structured_output.processor import StructuredOutputsProcessor
-from fleetlab.validation import (
-    InputProcessor,
-    check_backend_fits,
-    check_speculative_config,
-    engine_config,
-    generate_items,
-    resolve_max_model_len,
-)
 
 
 class LLM:
@@ -84,6 +80,8 @@ class LLM:
     def __init__(self, model, tokenizer=None, *, batch_fields: Sequence = (), logits_processors: Sequence = (),
                  **config):
         self.config = cfg = engine_config(**config)
+        if cfg.async_scheduling:
+            check_async_scheduling(cfg)
         self.tokenizer = tokenizer
         self.spec_config = check_speculative_config(cfg.speculative_config) if cfg.speculative_config else None
         # This rank's TensorParallelState (every rank runs the scheduler), None on one device.
@@ -312,7 +310,7 @@ class LLM:
                 for out in self.step():
                     if out.finished:
                         done[out.request_id, out.index] = out
-                        out.new_token_ids = list(out.token_ids)
+                        out.new_token_ids, out.new_text = list(out.token_ids), out.text or ""
                         bar.update(1)
         except BaseException:
             ids = {rid for rid, _, _, _ in queued}

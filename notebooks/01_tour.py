@@ -19,8 +19,9 @@
 import numpy as np
 
 import fleetlab
-from fleetlab import viz
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
 from fleetlab.inspect.batch import batch_snapshot
+from fleetlab.lab import viz
 
 # %% [markdown]
 # ## 1. The model on its own

@@ -30,7 +30,7 @@ WIDTH = 115  # README's prose line length
 
 sys.path.insert(0, str(ROOT))  # run from anywhere: this checkout's fleetlab, not an installed one
 
-from fleetlab.bench.machine import describe  # noqa: E402
+from fleetlab.lab.bench.machine import describe  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -73,7 +73,7 @@ def not_measured(title: str, cmd: str, file: str) -> str:
 
 # ----------------------------------------------------------------------------- the blocks
 def engine_block(r: dict | None) -> str:
-    from fleetlab.bench.report import headline_table
+    from fleetlab.lab.bench.report import headline_table
 
     intro = fill(
         f"**Engine vs PaddleFormers `generate`** — `{command(r, 'python -m fleetlab bench engine')}` "
@@ -158,7 +158,7 @@ def tiny_model_block(t: dict) -> str:
 
 
 def tp_block(r: dict) -> str:
-    from fleetlab.bench.tp import table
+    from fleetlab.lab.bench.tp import table
 
     m, wl = r["model"], r["workload"]
     runs = {run["name"]: run for run in r["runs"]}
@@ -307,16 +307,19 @@ def prefix_block(r: dict | None) -> str:
                  f"a random-init tiny Llama, block size {r['block_size']}, greedy, {r['params']['max_tokens']} "
                  f"output tokens a request; medians of {r['params']['rounds']} rounds, every configuration once a "
                  f"round on a fresh engine, in turns. Measured on {describe(r['machine'])}:")
-    from fleetlab.bench.prefix import table  # the bench prints the same rows
+    from fleetlab.lab.bench.prefix import table  # the bench prints the same rows
     pb = r["partial_block"]
     after = fill(f"few_shot: {r['params']['num_requests']} requests sharing a {r['params']['prefix_len']}-token "
                  f"prefix (not a block boundary); multi_turn: {r['params']['chats']} chats of {r['params']['turns']} "
                  f"turns, each extending the last; unrelated: nothing shared; groups: {r['params']['groups']} "
                  f"prefixes, {r['params']['per_group']} requests each, arriving interleaved into a pool of "
-                 f"{r['params']['group_pool_blocks']} blocks. A match ending inside a block: page-granular matching "
-                 f"recomputes {pb['tokens_recomputed_per_request']} tokens a request on few_shot (uncached prefill "
-                 f"ran at {pb['prefill_us_per_token_no_cache']:.0f} us a token); copying the block instead would "
-                 f"cost {pb['copy_block_us']:.0f} us (K and V through every layer, measured alone).")
+                 f"{r['params']['group_pool_blocks']} blocks. A match ending inside a block, the few_shot prefix's "
+                 f"last {pb['k']} tokens after {pb['context']} cached ones: the radix tree's copy of them (K and V, "
+                 f"every layer) took {pb['copy_us']:.0f} us, {pb['copy_us_per_token']:.0f} us a token; recomputing "
+                 f"them in a {pb['q']}-token chunk added {pb['recompute_us_per_token']:.0f} us a token "
+                 f"({pb['forward_k_plus_q_us'] / 1e3:.1f} against {pb['forward_q_us'] / 1e3:.1f} ms); copy and "
+                 f"chunk took {pb['copy_then_forward_over_forward']:.2f}x the longer chunk (medians of "
+                 f"{pb['rounds']} alternating rounds, `fleetlab/lab/bench/copy_cost.py`).")
     return f"{intro}\n\n{table(r)}\n\n{after}"
 
 

@@ -21,21 +21,23 @@ survives.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import paddle
 
+from fleetlab.attention.context import forward_context
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.context import forward_context
 from fleetlab.device import upload, upload_packed
 from fleetlab.engine.hooks import StepHooks
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.sampler import Sampler, SamplingTensors
 from fleetlab.engine.side_data import chunk_embeds
+from fleetlab.errors import FieldTypeError, refuse
+from fleetlab.fields import token_ids_field
 from fleetlab.kv_transfer.base import NULL_CONNECTOR, checked_finished, connector_call
-from fleetlab.validation import check_drafts
 
 
 @dataclass(slots=True)
@@ -228,6 +230,7 @@ class ModelRunner:
         q = b.num_scheduled_tokens[:n].astype(np.int64)
         c = b.num_computed_tokens[:n].astype(np.int64)
         md = AttentionMetadata.from_batch(b, self.kv_cache.block_size, self.decode_threshold)  # one copy per dtype
+        md = self.handle.backend.build_metadata(md)  # the backend's plan, here where the host prepares the step
         token_rows, positions = md.token_rows_host, md.positions_host
         # A row scores its last known token and each draft after it, once its chunk gets there.
         num_scored = np.where(c + q >= b.num_tokens[:n], b.num_spec_tokens[:n] + 1, 0).astype(np.int64)
@@ -261,7 +264,7 @@ class ModelRunner:
             index, vectors = inputs.embeds
             own = self.handle.embed(inputs.input_ids)[0]
             embeds = paddle.scatter(own, upload(index), upload(vectors).astype(own.dtype)).unsqueeze(0)
-        with paddle.no_grad(), forward_context(md, self.kv_cache, self.kv_connector):
+        with paddle.no_grad(), forward_context(md, self.kv_cache, self.kv_connector, built_by=self.handle.backend):
             logits = self.handle.compute_logits(inputs.input_ids, md.positions.reshape([1, -1]),
                                                 inputs.logits_indices, inputs_embeds=embeds)
         return logits.astype("float32") if logits.dtype != paddle.float32 else logits
@@ -320,3 +323,26 @@ class ModelRunner:
             st.prompt_targets = b.token_ids[inputs.prompt_rows, inputs.prompt_positions + 1]
             st.prompt_num_logprobs = b.num_prompt_logprobs[inputs.prompt_rows]
         return st
+
+
+def check_drafts(proposer, drafts, req_ids, vocab_size: int) -> dict[str, list[int]]:
+    """What ``proposer.propose`` returned, checked where the runner receives it: a dict from
+    ids of the batch's requests (``req_ids``) to at most ``k`` int token ids in
+    ``[0, vocab_size)``. Anything else raises ``ValueError`` naming the proposer and the
+    request (the step is rolled back)."""
+    name = f"proposer {getattr(proposer, 'name', '?')!r} ({type(proposer).__name__})"
+    if not isinstance(drafts, Mapping):
+        raise FieldTypeError(f"{name}: propose returned {type(drafts).__name__}; it must return a dict "
+                             "{request id: [draft token ids]}")
+    live, k = set(req_ids) - {None}, proposer.num_speculative_tokens
+    out = {}
+    for rid, ids in drafts.items():
+        if rid not in live:
+            raise ValueError(f"{name}: propose returned drafts for request {rid!r:.60}, which is not in the batch")
+        ids = token_ids_field(f"{name}: request {rid!r}:", "drafts", ids)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        refuse([(len(ids) > k, f"{len(ids)} drafts, more than num_speculative_tokens={k}"),
+                (bad, f"draft ids {bad[:5]} outside the vocabulary [0, {vocab_size})")],
+               prefix=f"{name}: request {rid!r}: ")
+        out[rid] = ids
+    return out
