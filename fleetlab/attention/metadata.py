@@ -55,7 +55,20 @@ class AttentionMetadata:
 
     def extend(self, cls, **extra):
         """This metadata as an instance of ``cls`` (a dataclass subclass of this class), with
-        the subclass's own fields set from ``extra``: how a backend adds its per-step plan."""
+        the subclass's own fields set from ``extra``: how a backend adds its per-step plan.
+
+        A backend's ``build_metadata(metadata)`` runs once per step, before the forward; what it
+        returns is what every layer's ``attend`` receives. To carry a plan of its own (tile
+        boundaries, a split of the decode rows...), declare the fields in a subclass and fill
+        them there; every common field is copied over (``fleetlab.TiledMetadata`` adds ``plans``):
+
+        >>> @dataclass(slots=True)
+        ... class SplitMetadata(AttentionMetadata):
+        ...     split: int = 0  # the first prefill row
+        >>> class SplitBackend(TiledBackend):
+        ...     def build_metadata(self, metadata):
+        ...         return metadata.extend(SplitMetadata, split=metadata.num_decodes)
+        """
         return cls(**{f.name: getattr(self, f.name) for f in fields(AttentionMetadata)}, **extra)
 
     @property
