@@ -37,8 +37,8 @@ from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.sampler import Sampler
 from fleetlab.engine.sampling_params import SamplingParams
-from fleetlab.errors import ObserverError
 from fleetlab.engine.scheduler import Scheduler
+from fleetlab.errors import ObserverError
 from fleetlab.inspect.recorder import StepRecorder, StepTrace
 from fleetlab.inspect.spec_stats import SpecDecodingStats
 from fleetlab.inspect.stats import engine_stats

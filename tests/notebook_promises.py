@@ -163,7 +163,7 @@ assert len(system) == 10 and b[:10] == a[:10] and b[10] != a[10] and b_blocks[:2
 # the pool's code beside the pictures: allocate_slots touches the hits before it allocates, then registers; free walks
 # the table backwards; allocate pops the least recently freed block and evicts it only then
 slots_text = str(allocate_slots_source)
-assert slots_text.index("self.pool.touch(hits)") < slots_text.index("self.pool.allocate(num_new_blocks)") < \
+assert slots_text.index("self.pool.touch([*hits, *pinned])") < slots_text.index("self.pool.allocate(num_new_blocks)") < \
     slots_text.index("self._cache_known_blocks(") and "return None" in slots_text
 assert "for block_id in reversed(ids):" in str(free_source)
 _alloc = str(allocate_source)
@@ -173,9 +173,17 @@ assert _alloc.index("self._free.popitem(last=False)") < _alloc.index("self.prefi
 assert [len(trees["radix", rid]) for rid in "pqr"] == [1, 3, 5]
 assert [n.block_ids for n in trees["radix", "q"]][0] == (0, 1, 2, 3)
 assert [n.block_ids for n in trees["radix", "r"]][0] == (0, 1)
-assert len(trees["hash", "r"]) == sum(len(n.block_ids) for n in trees["radix", "r"])
+# "The radix tree holds two blocks more: the tail pages of p and q ... (p's edge ends in one of 3 tokens, q's in one of 2)"
+assert len(trees["hash", "r"]) == sum(len(n.block_ids) for n in trees["radix", "r"]) - 2
+assert sorted(len(n.token_ids) % 4 for n in trees["radix", "r"] if len(n.token_ids) % 4) == [2, 3]
 assert all(n.held for n in trees["radix", "r"] if n.block_ids[0] in (0, 12))
-assert design_hits["radix"] == design_hits["hash"] > 0
+# "the radix tree hit 2 tokens more above, one for q and one for r"
+assert design_hits["radix"] == design_hits["hash"] + 2 and design_hits["hash"] > 0
+# the chat: "turn 1 wrote the K/V of its 29 prompt tokens and 11 of its 12 answer tokens ... 40 tokens"; "The hash
+# chain gave turn 2 the 32 tokens of the 2 full blocks; the radix tree 40"; "The answers are the same tokens"
+assert len(tokenizer.encode("the old man sat by the road.")) == 29
+assert chat["hash"][0] == 32 and chat["radix"][0] == 40 and chat["hash"][2] == chat["radix"][2]
+assert chat["hash"][1] - chat["radix"][1] == 8
 _ids = {rid: tokenizer.encode(text) for rid, text in tree_prompts.items()}
 _common = lambda x, y: next(i for i, (s, t) in enumerate(zip(x, y)) if s != t)  # noqa: E731
 assert _common(_ids["p"], _ids["r"]) == 9 and _common(_ids["p"], _ids["q"]) == 17

@@ -186,3 +186,12 @@ def test_text_stream_on_the_char_tokenizer_counts_tokens_and_holds_back():
     assert ts.finish() == "z" and ts.text == "abz" and not ts.stopped
     ts = TextStream(tok, [1], stop=["b", "ab"])  # the earliest match wins
     assert ts.push(tok.encode("xab", add_bos=False)) == "x" and ts.stop_reason == "ab"
+
+
+@given(text=st.text("ab.", max_size=12), stops=st.lists(st.text("ab.", min_size=1, max_size=5), max_size=3))
+def test_what_is_held_back_is_the_longest_end_that_begins_a_stop_string(text, stops):
+    from fleetlab.output.stop import partial_stop_length
+
+    want = max((n for n in range(1, len(text) + 1) for s in stops if len(s) > n and s.startswith(text[-n:])),
+               default=0)
+    assert partial_stop_length(text, stops) == want

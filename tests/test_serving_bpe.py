@@ -124,10 +124,22 @@ def test_a_json_schema_on_the_bpe_vocabulary_is_valid_json_offline_and_served(co
         assert isinstance(parsed.choices[0].message.parsed, Point), parsed.choices[0].message.content
 
 
-def test_logprobs_token_strings_are_the_tokens_own_text(served):
+def test_logprobs_token_strings_are_the_tokens_own_text_and_bytes(served):
+    """Text as vLLM shows it (a piece of a character: U+FFFD); chat ``bytes`` the token's own (OpenAI's),
+    checked against the byte-level alphabet's own table."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     server, tok, ids, ref = served
     r = client(server).completions.create(model="code", prompt=PROMPT, logprobs=2, **greedy())
     assert r.choices[0].logprobs.tokens == [tok.decode([t]) for t in ref]
+    r = client(server).chat.completions.create(model="code", messages=[{"role": "user", "content": PROMPT}],
+                                               logprobs=True, top_logprobs=2, **greedy())
+    byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content] == [tok.decode([t]) for t in ref]
+    assert [e.bytes for e in content] == [[byte_of[ch] for ch in tok.convert_ids_to_tokens(t)] if t > 2
+                                          else list(tok.decode([t], skip_special_tokens=False).encode()) for t in ref]
+    assert any(e.token == "\ufffd" and len(e.bytes) < 3 for e in content)  # a piece of a character, its bytes
 
 
 @pytest.mark.parametrize("body, param", [

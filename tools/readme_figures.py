@@ -313,10 +313,13 @@ def prefix_block(r: dict | None) -> str:
                  f"prefix (not a block boundary); multi_turn: {r['params']['chats']} chats of {r['params']['turns']} "
                  f"turns, each extending the last; unrelated: nothing shared; groups: {r['params']['groups']} "
                  f"prefixes, {r['params']['per_group']} requests each, arriving interleaved into a pool of "
-                 f"{r['params']['group_pool_blocks']} blocks. A match ending inside a block: page-granular matching "
-                 f"recomputes {pb['tokens_recomputed_per_request']} tokens a request on few_shot (uncached prefill "
-                 f"ran at {pb['prefill_us_per_token_no_cache']:.0f} us a token); copying the block instead would "
-                 f"cost {pb['copy_block_us']:.0f} us (K and V through every layer, measured alone).")
+                 f"{r['params']['group_pool_blocks']} blocks. A match ending inside a block, the few_shot prefix's "
+                 f"last {pb['k']} tokens after {pb['context']} cached ones: the radix tree's copy of them (K and V, "
+                 f"every layer) took {pb['copy_us']:.0f} us, {pb['copy_us_per_token']:.0f} us a token; recomputing "
+                 f"them in a {pb['q']}-token chunk added {pb['recompute_us_per_token']:.0f} us a token "
+                 f"({pb['forward_k_plus_q_us'] / 1e3:.1f} against {pb['forward_q_us'] / 1e3:.1f} ms); copy and "
+                 f"chunk took {pb['copy_then_forward_over_forward']:.2f}x the longer chunk (medians of "
+                 f"{pb['rounds']} alternating rounds, `fleetlab/lab/bench/copy_cost.py`).")
     return f"{intro}\n\n{table(r)}\n\n{after}"
 
 

@@ -63,7 +63,7 @@ class AttentionBackend:
         loads for the layer land first; its save of the layer follows the write."""
         connector = current_kv_connector()
         connector.wait_for_layer_load(layer_id)
-        kv_cache.write(layer_id, key, value, metadata.slot_mapping)
+        kv_cache.write(layer_id, key, value, metadata.slot_mapping, metadata.slot_index)
         connector.save_kv_layer(layer_id, kv_cache, metadata)
         out = self.attend(query, kv_cache.key_cache(layer_id), kv_cache.value_cache(layer_id), metadata,
                           layer_id=layer_id, scale=scale, sliding_window=sliding_window, sinks=sinks)

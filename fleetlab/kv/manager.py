@@ -114,16 +114,13 @@ class KVCacheManager:
         tokens = request.all_token_ids[: request.num_cacheable_tokens]
         hits = checked_hits(self.prefix_cache, cache_call(self.prefix_cache, "lookup", tokens, record_stats=False),
                             len(tokens), self.pool.num_blocks)
+        # Blocks registered in the step being planned are written by its forward, after its copies.
+        unwritten = {b for r in self._step_logs[-1].registrations.values() for b in r.block_ids}
         partial = check_partial_hit(self.prefix_cache, cache_call(self.prefix_cache, "lookup_partial", tokens,
-                                                                  len(hits)), tokens, len(hits))
-        if partial is None or self._written_after_copy(partial[0]):
+                                                                  len(hits), unwritten), tokens, len(hits), unwritten)
+        if partial is None:
             return ComputedBlocks(hits), len(hits) * self.block_size
         return ComputedBlocks(hits, *partial), len(hits) * self.block_size + partial[1]
-
-    def _written_after_copy(self, block_id: int) -> bool:
-        """The block was registered in the step being planned: its K/V are written by that step's
-        forward, after the step's copies, so it cannot be copied from yet."""
-        return any(block_id in r.block_ids for r in self._step_logs[-1].registrations.values())
 
     def record_lookup(self, request, num_hit_tokens: int) -> None:
         """Count one admission's prefix-cache query in the hit rate (undone if the step fails)."""
@@ -203,18 +200,29 @@ class KVCacheManager:
         """Give back every block of the request (tail first, so its prefix lives longest).
 
         Blocks it registered in an open step lose their cache entry first: their K/V may
-        never be written (the request is preempted or aborted before its step runs).
+        never be written (the request is preempted or aborted before its step runs). A request
+        that finished by itself offers its partly filled last block to the cache first (``cache_tail``).
         """
         rid = request.request_id
         for step_log in self._step_logs:
             log = step_log.registrations.pop(rid, None)
             if log is not None:
                 self.pool.uncache(log.block_ids)
+        self._cache_tail(request)
         self.pool.free(self._blocks.pop(rid, []))
         self._num_cached.pop(rid, None)
         copy = self._pending_copies.pop(rid, None)  # (one a step carries stays pinned until that step ends)
         if copy is not None:
             self.pool.free([copy.src_block])
+
+    def _cache_tail(self, request) -> None:
+        """A request that finished by itself (a stop, or its length) offers the prefix cache its last,
+        partly filled block: every token but the last sampled one has its K/V written by a committed
+        step (an aborted, preempted or rolled-back request's count may run ahead of its K/V)."""
+        if self.prefix_cache is None or getattr(request, "finish_reason", None) not in ("stop", "length"):
+            return
+        num_tokens = min(request.num_computed_tokens, request.num_tokens - 1, request.num_cacheable_tokens)
+        self.prefix_cache.cache_tail(request.all_token_ids, self._blocks.get(request.request_id, []), num_tokens)
 
     def free_blocks_beyond(self, request, num_tokens: int) -> int:
         """Free the request's blocks past the first ``num_tokens`` slots (after rejected

@@ -24,7 +24,7 @@ own design with :func:`register_prefix_cache` to choose it by name.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from fleetlab.errors import bad_return, call_extension
 from fleetlab.registry import Registry
@@ -82,12 +82,21 @@ class PrefixCache:
         references (the manager touches the hits)."""
         raise self._missing("lookup")
 
-    def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int) -> tuple[int, int] | None:
+    def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int,
+                       exclude: Collection[int] = ()) -> tuple[int, int] | None:
         """A cached block whose first tokens continue the match past the ``num_hit_blocks`` blocks
         :meth:`lookup` found: ``(block_id, num_tokens)``, ``0 < num_tokens < block_size``, the
-        match never reaching the prompt's last token; None when no block does (the default: a
-        design that shares whole pages only). Takes no references, counts nothing."""
+        match never reaching the prompt's last token; never a block in ``exclude`` (its K/V are
+        not written yet); None when no block does (the default: a design that shares whole pages
+        only). Takes no references, counts nothing."""
         return None
+
+    def cache_tail(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> bool:
+        """A finished request lets its blocks go; the first ``num_tokens`` of ``token_ids`` have their
+        K/V written, the last ``num_tokens % block_size`` of them in its partly filled block
+        ``block_ids[num_tokens // block_size]``. True if the cache keeps that block to copy from
+        (:meth:`lookup_partial`); the default keeps whole blocks only."""
+        return False
 
     def cache_blocks(self, token_ids: Sequence[int], block_ids: Sequence[int], num_cached_blocks: int,
                      num_full_blocks: int) -> int:
@@ -192,23 +201,25 @@ def checked_num_cached(cache: PrefixCache, value, num_cached_blocks: int, num_fu
                      f"num_full_blocks={num_full_blocks}] (the leading blocks now cached)")
 
 
-def check_partial_hit(cache: PrefixCache, hit, token_ids: Sequence[int], num_hit_blocks: int):
+def check_partial_hit(cache: PrefixCache, hit, token_ids: Sequence[int], num_hit_blocks: int,
+                      exclude: Collection[int] = ()):
     """What :meth:`PrefixCache.lookup_partial` returned, checked where the KV manager receives it:
-    None, or ``(block_id, num_tokens)`` of a cached block with ``0 < num_tokens < block_size``
-    and the match short of the prompt's last token. ValueError names the design and the method."""
+    None, or ``(block_id, num_tokens)`` of a cached block outside ``exclude`` with ``0 < num_tokens
+    < block_size`` and the match short of the prompt's last token; else ExtensionError."""
     if hit is None:
         return None
-    where = f"{type(cache).__name__}.lookup_partial"
+    limit = min(cache.block_size - 1, len(token_ids) - 1 - num_hit_blocks * cache.block_size)
     try:
         block_id, num_tokens = (operator.index(x) for x in hit)
     except (TypeError, ValueError):
-        raise ValueError(f"{where} returned {hit!r}: want None or (block_id, num_tokens), two ints") from None
-    limit = min(cache.block_size - 1, len(token_ids) - 1 - num_hit_blocks * cache.block_size)
-    if not 0 < num_tokens <= limit:
-        raise ValueError(f"{where} returned {num_tokens} tokens for a prompt of {len(token_ids)} after "
-                         f"{num_hit_blocks} whole blocks: want 1 to {limit}")
-    if not cache.is_cached(block_id):
-        raise ValueError(f"{where} returned block {block_id}, which the cache does not hold")
+        block_id = num_tokens = None
+    rule = (f"it must return None or (block_id, num_tokens) of a cached block, 1 to {limit} tokens for a prompt "
+            f"of {len(token_ids)} after {num_hit_blocks} whole blocks")
+    if num_tokens is None or not 0 < num_tokens <= limit or not cache.is_cached(block_id):
+        raise bad_return(KIND, cache, "lookup_partial", hit, rule)
+    if block_id in exclude:
+        raise bad_return(KIND, cache, "lookup_partial", hit, "that block was excluded: its K/V are written by the "
+                         "step being planned, after the step's copies")
     return block_id, num_tokens
 
 
