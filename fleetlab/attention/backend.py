@@ -64,7 +64,7 @@ class AttentionBackend:
         and the connector's save of the layer follows them."""
         connector = current_kv_connector()
         connector.wait_for_layer_load(layer_id)
-        kv_cache.write(layer_id, key, value, metadata.slot_mapping)
+        kv_cache.write(layer_id, key, value, metadata.slot_mapping, metadata.slot_index)
         kv_cache.apply_copies(layer_id, metadata.kv_copies)
         connector.save_kv_layer(layer_id, kv_cache, metadata)
         out = self.attend(query, kv_cache.key_cache(layer_id), kv_cache.value_cache(layer_id), metadata,

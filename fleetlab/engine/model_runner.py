@@ -139,7 +139,8 @@ class ModelRunner:
             logits = self.forward(p.inputs)  # each attention layer: wait_for_layer_load, write, copies, save_kv_layer
             self.kv_connector.wait_for_save()
             out.finished_sending, out.kv_load_failed_block_ids = checked_finished(
-                self.kv_connector, connector_call(self.kv_connector, "get_finished", so.finished_req_ids))
+                self.kv_connector, connector_call(self.kv_connector, "get_finished", so.finished_req_ids),
+                self.kv_cache.num_blocks)
         with phase("sample"):
             self.sample(logits, p.inputs, out, p.sampling)
         if self.proposer is not None:
@@ -222,6 +223,7 @@ class ModelRunner:
         q = b.num_scheduled_tokens[:n].astype(np.int64)
         c = b.num_computed_tokens[:n].astype(np.int64)
         md = AttentionMetadata.from_batch(b, self.kv_cache.block_size, self.decode_threshold)  # one copy per dtype
+        md = self.handle.backend.build_metadata(md)  # the backend's plan, here where the host prepares the step
         token_rows, positions = md.token_rows_host, md.positions_host
         # A row scores its last known token and each draft after it, once its chunk gets there.
         num_scored = np.where(c + q >= b.num_tokens[:n], b.num_spec_tokens[:n] + 1, 0).astype(np.int64)
@@ -255,7 +257,7 @@ class ModelRunner:
             index, vectors = inputs.embeds
             own = self.handle.embed(inputs.input_ids)[0]
             embeds = paddle.scatter(own, upload(index), upload(vectors).astype(own.dtype)).unsqueeze(0)
-        with paddle.no_grad(), forward_context(md, self.kv_cache, self.kv_connector):
+        with paddle.no_grad(), forward_context(md, self.kv_cache, self.kv_connector, built_by=self.handle.backend):
             logits = self.handle.compute_logits(inputs.input_ids, md.positions.reshape([1, -1]),
                                                 inputs.logits_indices, inputs_embeds=embeds)
         return logits.astype("float32") if logits.dtype != paddle.float32 else logits

@@ -119,7 +119,7 @@ class PagedKVCache:
         return self._v[self._check_layer(layer_id)]
 
     def write(self, layer_id: int, key: paddle.Tensor, value: paddle.Tensor,
-              slot_mapping: paddle.Tensor) -> None:
+              slot_mapping: paddle.Tensor, slot_index: tuple | None = None) -> None:
         """Store a step's K/V in their slots, in place.
 
         Args:
@@ -128,6 +128,9 @@ class PagedKVCache:
           slot_mapping: int ``[T]``; token ``t`` goes to slot ``slot_mapping[t]``; ``-1`` skips it.
             Slots must be distinct and ``< num_blocks * block_size`` (not checked: that would
             cost a device sync per layer).
+          slot_index: ``(block, offset)``, int64 ``[T]`` each, the slots already split, none of
+            them -1 (``AttentionMetadata.slot_index``, made on the host once per step): the
+            write is then one scatter per tensor, with no device op to plan it.
         """
         layer_id = self._check_layer(layer_id)
         t, h, d = key.shape[0], self.num_kv_heads, self.head_dim
@@ -138,6 +141,10 @@ class PagedKVCache:
                              f"slot_mapping {list(slot_mapping.shape)} must be [T, {h}, {d}], [T, {h}, {d}] "
                              f"and [T] (wrong: {', '.join(wrong)})")
         if key.shape[0] == 0:
+            return
+        if slot_index is not None:
+            for cache, new in ((self._k[layer_id], key), (self._v[layer_id], value)):
+                paddle.index_put_(cache, slot_index, new.astype(self.dtype))
             return
         target, source = _skip_plan(slot_mapping.astype("int64"))
         block, offset = target // self.block_size, target % self.block_size
