@@ -35,8 +35,15 @@ from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.policies import POLICIES, SchedulingPolicy, check_victim
 from fleetlab.engine.request import Request, RequestStatus
 from fleetlab.kv.manager import KVCacheManager
-from fleetlab.kv_transfer.base import (NULL_CONNECTOR, KVConnector, checked_arrival, checked_holds,
-                                       checked_num_matched, connector_call, requests_to_recompute)
+from fleetlab.kv_transfer.base import (
+    NULL_CONNECTOR,
+    KVConnector,
+    checked_arrival,
+    checked_holds,
+    checked_num_matched,
+    connector_call,
+    requests_to_recompute,
+)
 
 logger = logging.getLogger(__name__)
 
