@@ -487,10 +487,17 @@ for name in ("one engine", "pair"):
 
 # %%
 fig_paths = kvviz.draw_request_paths(live["long_requests"])
-parts = {part: float(np.median([(p[part][1] - p[part][0]) if part in ("prefill", "join") else
-                                (p["prefill"][0] - p["arrive"] if part == "wait" else p["join"][0] - p["prefill"][1])
-                                for p in live["long_requests"].values()])) for part in ("wait", "prefill", "transfer",
-                                                                                          "join")}
+
+
+def part_ms(p, part):
+    """One part of a long prompt's path, in ms (the blue part is 0 when the decode step began first)."""
+    if part in ("prefill", "join"):
+        return p[part][1] - p[part][0]
+    return p["prefill"][0] - p["arrive"] if part == "wait" else max(p["join"][0] - p["prefill"][1], 0.0)
+
+
+parts = {part: float(np.median([part_ms(p, part) for p in live["long_requests"].values()]))
+         for part in ("wait", "prefill", "transfer", "join")}
 print("median ms per part:", {k: round(v, 1) for k, v in parts.items()})
 fig_paths
 
