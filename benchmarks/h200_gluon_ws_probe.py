@@ -3,7 +3,7 @@ in each ring configuration against the portable Triton kernel and cuDNN's SDPA, 
 
     python3 benchmarks/h200_gluon_ws_probe.py [--quick]
 
-Times: CUDA-graph replay (``fleetlab.bench.triton_attention._graph_ms``, median of 50 replays,
+Times: CUDA-graph replay (``fleetlab.lab.bench.triton_attention._graph_ms``, median of 50 replays,
 inputs sized past the L2). cuDNN runs on contiguous K/V with the query heads' own K/V (GQA
 expanded), causal. Prints one line per shape: each variant's time in microseconds, its ratio
 to cuDNN (cuDNN time / variant time, > 1: faster) and its largest difference from the portable
@@ -21,7 +21,7 @@ import torch  # noqa: E402
 
 from fleetlab.attention import gluon_ws_prefill as ws  # noqa: E402
 from fleetlab.attention import triton_kernels as tk  # noqa: E402
-from fleetlab.bench import triton_attention as bt  # noqa: E402
+from fleetlab.lab.bench import triton_attention as bt  # noqa: E402
 
 # (rows, chunk, context, heads, kv_heads, head_dim, page)
 SHAPES = [(1, 8192, 0, 32, 8, 128, 16), (8, 2048, 0, 32, 8, 128, 16), (32, 512, 0, 32, 8, 128, 16),

@@ -9,7 +9,7 @@ python3 -c "import triton, torch; print(triton.__version__, torch.__version__, t
 FLEETLAB_TRITON_ERRORS=$OUT/errors.json timeout 170 python3 -m pytest -q -n 16 -p no:cacheprovider --timeout 120 \
     -rf tests/test_triton_kernels.py > $OUT/suite.txt 2>&1
 tail -4 $OUT/suite.txt
-timeout 320 python3 -m fleetlab.bench.triton_attention --json $OUT/h200_triton.json --errors $OUT/errors.json \
+timeout 320 python3 -m fleetlab.lab.bench.triton_attention --json $OUT/h200_triton.json --errors $OUT/errors.json \
     --before gpu_stage/before_kernels.py --sections decode,shapes,issue,multi,prefill,step,layouts,overlap \
     > $OUT/bench.txt 2>&1
 grep -v "it/s\|s/shape" $OUT/bench.txt | tail -60

@@ -34,8 +34,8 @@ STEPS_PER_ROUND = 10
 def worker(batch: int) -> None:
     """Serve the workload; on each "go" from stdin run a round and print its timings."""
     from fleetlab import SamplingParams
-    from fleetlab.bench.engine import MODEL_SIZES, BenchConfig, build_model, make_llm
-    from fleetlab.bench.workloads import mixed_workload
+    from fleetlab.lab.bench.engine import MODEL_SIZES, BenchConfig, build_model, make_llm
+    from fleetlab.lab.bench.workloads import mixed_workload
 
     cfg = BenchConfig()
     wl = mixed_workload(batch, cfg.breakdown_prompt_len, (1000, 1000), MODEL_SIZES["small"]["vocab_size"],
@@ -83,7 +83,7 @@ def main() -> None:
     if 21 + args.rounds * STEPS_PER_ROUND > 1000:
         raise SystemExit("--rounds: at most 97 (the requests stop at 1,000 tokens)")
     os.environ["OMP_NUM_THREADS"] = "1"  # the workers' setting, recorded with the machine
-    from fleetlab.bench.machine import MachineRecord
+    from fleetlab.lab.bench.machine import MachineRecord
 
     machine = MachineRecord()
     procs = {}

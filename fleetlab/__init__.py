@@ -16,30 +16,29 @@ functions (one :class:`Registry` rule set), batch fields (:class:`Field`, :data:
 model's own full forward).
 
 Names are imported lazily so that ``import fleetlab`` stays cheap and the
-pieces that need Paddle only load it when used. Importing fleetlab first also keeps
-Paddle's and PaddleFormers' import-time notices out of sight (:mod:`fleetlab.quiet`).
+pieces that need Paddle only load it when used. Importing fleetlab changes no process state
+(environment, warning filters, import hooks, loggers): the lab (:mod:`fleetlab.lab`, which
+notebooks import) and the command line turn on the quiet mode that keeps Paddle's and
+PaddleFormers' import-time notices out of sight (:mod:`fleetlab.lab.quiet`).
 """
 
 from __future__ import annotations
 
 import importlib
 
-from fleetlab import quiet as _quiet
-
 __version__ = "0.1.0"
-_quiet.install()
 
 _LAZY = {
     "LLM": "fleetlab.llm",
     "AsyncLLM": "fleetlab.serving.async_llm",
     "SamplingParams": "fleetlab.engine.sampling_params",
-    "StructuredOutputsParams": "fleetlab.structured_output.params",
+    "StructuredOutputsParams": "fleetlab.engine.structured_outputs_params",
     "RequestOutput": "fleetlab.engine.outputs",
     "EngineConfig": "fleetlab.engine.config",
     "Scheduler": "fleetlab.engine.scheduler",
     "InputBatch": "fleetlab.engine.input_batch",
     "patch_model": "fleetlab.patching",
-    "forward_context": "fleetlab.context",
+    "forward_context": "fleetlab.attention.context",
     "AttentionMetadata": "fleetlab.attention.metadata",
     "BlockPool": "fleetlab.kv.block_pool",
     "PagedKVCache": "fleetlab.kv.paged_cache",
@@ -62,14 +61,16 @@ _LAZY = {
     "Field": "fleetlab.engine.batch_fields",
     "FieldRegistry": "fleetlab.engine.batch_fields",
     "DEFAULT_FIELDS": "fleetlab.engine.batch_fields",
-    "unpermute": "fleetlab.lessons.row_moves",
+    "unpermute": "fleetlab.lab.lessons.row_moves",
     "StepRecorder": "fleetlab.inspect.recorder",
     "KVConnector": "fleetlab.kv_transfer",
     "KVTransferConfig": "fleetlab.kv_transfer",
     "register_kv_connector": "fleetlab.kv_transfer",
 }
-_SUBMODULES = {"models", "viz", "bench", "attention", "patching", "engine", "kv", "serving", "spec_decode", "lessons",
-               "structured_output", "prefix_cache", "inspect", "output", "kv_transfer"}
+# name -> module; the lab's viz, bench and lessons are reachable here too (their home is fleetlab.lab).
+_SUBMODULES = {name: f"fleetlab.{name}" for name in (
+    "models", "attention", "patching", "engine", "kv", "serving", "spec_decode", "structured_output", "prefix_cache",
+    "inspect", "output", "kv_transfer", "lab")} | {name: f"fleetlab.lab.{name}" for name in ("viz", "bench", "lessons")}
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 
@@ -80,7 +81,7 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     if name in _SUBMODULES:
-        module = importlib.import_module(f"fleetlab.{name}")
+        module = importlib.import_module(_SUBMODULES[name])
         globals()[name] = module
         return module
     raise AttributeError(f"module 'fleetlab' has no attribute {name!r}")

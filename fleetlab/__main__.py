@@ -7,18 +7,18 @@ import importlib
 import logging
 import sys
 
-from fleetlab.cpu_tuning import tune_malloc
-from fleetlab.quiet import verbose as show_fleetlab_info
+from fleetlab.lab import quiet  # importing the lab turns the quiet mode on: a program, not a library
+from fleetlab.lab.cpu_tuning import tune_malloc
 
 # name -> (module with main(argv), help). A command's module is imported only when it runs, so
 # ``--help`` stays instant and only ``serve`` needs the server's optional dependencies.
 COMMANDS = {
-    "demo": ("fleetlab.demo", "serve a batch of prompts on the shipped tiny model and show what happened"),
+    "demo": ("fleetlab.lab.demo", "serve a batch of prompts on the shipped tiny model and show what happened"),
     "train-tiny": ("fleetlab.models.train", "train the tiny Llama shipped in fleetlab/models/weights"),
     "train-code": ("fleetlab.models.train_code", "train the code model (BPE + Llama) on the Python stdlib"),
     "serve": ("fleetlab.serving.cli", "an OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)"),
-    "bench": ("fleetlab.bench.cli", "benchmarks: all, reorder, attention, serve, ..."),
-    "disagg": ("fleetlab.kv_transfer.serving", "prefill and decode engines on two ranks behind one OpenAI server"),
+    "bench": ("fleetlab.lab.bench.cli", "benchmarks: all, reorder, attention, serve, ..."),
+    "disagg": ("fleetlab.serving.disagg.cli", "prefill and decode engines on two ranks behind one OpenAI server"),
 }
 _VERBOSE = ("-v", "--verbose")
 
@@ -42,8 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     command = parser.parse_args(argv[:1]).command
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    quiet.install()  # (done already by importing the lab; said here because the command line relies on it)
     if verbose:
-        show_fleetlab_info()
+        quiet.verbose()
     tune_malloc()  # a program, not a library: keep Paddle's freed CPU buffers (see cpu_tuning)
     module = importlib.import_module(COMMANDS[command][0])
     return int(module.main(argv[1:]) or 0)

@@ -1,6 +1,6 @@
 """The errors the edge raises, in one place that imports nothing of the engine: parameter
-dataclasses (``SamplingParams``, ``StructuredOutputsParams``) and ``fleetlab.validation`` both
-raise these, so importing a params dataclass loads no Paddle and no validation cycle."""
+dataclasses (``SamplingParams``, ``StructuredOutputsParams``) and the checks (``fleetlab.fields``,
+``fleetlab.edge``) all raise these, so importing a params dataclass loads no Paddle and no import cycle."""
 
 from __future__ import annotations
 
@@ -27,3 +27,43 @@ def refuse(checks, error: type = ValueError, prefix: str = "") -> None:
     why = next((what for broken, what in checks if broken), None)
     if why:
         raise error(prefix + (why() if callable(why) else why))
+
+
+class ExtensionError(RuntimeError):
+    """An extension (a KV connector, a prefix cache, a step observer) raised, or returned what the
+    engine cannot use. The message names the extension and its method; the extension's own
+    exception, if any, is ``__cause__``. The step it happened in was rolled back (see
+    ``EngineCore.step``), except for an observer's: see :class:`ObserverError`."""
+
+
+class ObserverError(ExtensionError):
+    """A step observer's ``on_step`` raised. The step itself was committed: ``outputs`` and
+    ``runner_output`` are what it produced (``LLM.step`` returns them with its next call)."""
+
+    def __init__(self, message: str, outputs=(), runner_output=None):
+        super().__init__(message)
+        self.outputs, self.runner_output = list(outputs), runner_output
+
+
+def extension_name(kind: str, extension) -> str:
+    """``KV connector 'offload' (OffloadConnector)``: how an error names an extension."""
+    name = getattr(extension, "name", "")
+    return f"{kind} {name!r} ({type(extension).__name__})" if name else f"{kind} {type(extension).__name__}"
+
+
+def call_extension(kind: str, extension, method: str, *args, **kwargs):
+    """``extension.method(*args, **kwargs)``; an ``Exception`` it raises comes out as
+    :class:`ExtensionError` naming it and the method (a ``KeyboardInterrupt`` passes through as is)."""
+    try:
+        return getattr(extension, method)(*args, **kwargs)
+    except ExtensionError:
+        raise
+    except Exception as exc:
+        raise ExtensionError(f"{extension_name(kind, extension)}.{method} raised "
+                             f"{type(exc).__name__}: {exc}") from exc
+
+
+def bad_return(kind: str, extension, method: str, value, rule: str) -> ExtensionError:
+    """The refusal of what an extension's method returned: it, the method, the value, the rule."""
+    return ExtensionError(f"{extension_name(kind, extension)}.{method} returned {short(value)} "
+                          f"({type(value).__name__}); {rule}")

@@ -23,8 +23,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import paddle
 
+from fleetlab.attention.context import forward_context
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.context import forward_context
 from fleetlab.kv.paged_cache import PagedKVCache
 
 DEFAULT_SEQS_FRACTION = 2  # the default pool holds max_num_seqs / 2 sequences of max_model_len
@@ -46,15 +46,33 @@ class KVCacheSizing:
         return asdict(self)
 
 
+MAX_NUM_BLOCKS = 2**31 - 1  # block ids are int32 (block tables, slot mapping's block part)
+
+
 def size_kv_cache(handle, cfg, max_model_len: int) -> KVCacheSizing:
-    """The pool size the config asks for (see the module)."""
+    """The pool size the config asks for (see the module); ValueError naming the field that sized
+    it when that is no block or more blocks than int32 block ids address."""
+    sizing = _size(handle, cfg, max_model_len)
+    if sizing.num_blocks > MAX_NUM_BLOCKS:
+        field = {"kv_cache_memory_bytes": f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes}",
+                 "memory_utilization": f"memory_utilization={cfg.memory_utilization} of {sizing.budget_bytes} bytes",
+                 }.get(sizing.source, f"{sizing.source}")
+        raise ValueError(f"engine config: {field} sizes the pool to {sizing.num_blocks} KV blocks of "
+                         f"{sizing.bytes_per_block} bytes, more than int32 block ids address ({MAX_NUM_BLOCKS})")
+    return sizing
+
+
+def _size(handle, cfg, max_model_len: int) -> KVCacheSizing:
     per_block = PagedKVCache.bytes_per_block(handle.num_layers, handle.num_kv_heads, handle.head_dim,
                                              cfg.block_size, handle.dtype or "float32")
     if cfg.num_blocks is not None:
         return KVCacheSizing("num_blocks", cfg.num_blocks, per_block)
     if cfg.kv_cache_memory_bytes is not None:
-        n = PagedKVCache.num_blocks_for_budget(cfg.kv_cache_memory_bytes, handle.num_layers, handle.num_kv_heads,
-                                               handle.head_dim, cfg.block_size, handle.dtype or "float32")
+        try:
+            n = PagedKVCache.num_blocks_for_budget(cfg.kv_cache_memory_bytes, handle.num_layers, handle.num_kv_heads,
+                                                   handle.head_dim, cfg.block_size, handle.dtype or "float32")
+        except ValueError as exc:
+            raise ValueError(f"engine config: kv_cache_memory_bytes={cfg.kv_cache_memory_bytes}: {exc}") from None
         return KVCacheSizing("kv_cache_memory_bytes", n, per_block)
     if cfg.memory_utilization is not None:
         return _from_memory(handle, cfg, per_block)

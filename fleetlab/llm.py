@@ -7,7 +7,7 @@ It is the front door over two pieces, as in vLLM: the **engine core**
 (:class:`~fleetlab.engine.core.EngineCore`: every step is three moves, the scheduler plans,
 the model runner executes, the scheduler commits) and the **output processor** beside it
 (:class:`~fleetlab.output.processor.OutputProcessor`: stop strings, logprobs, parallel-sampling
-fan-in, text). Here the user's requests are checked (:mod:`fleetlab.validation`) and a request
+fan-in, text). Here the user's requests are checked (:mod:`fleetlab.edge`) and a request
 with ``n > 1`` (or ``best_of``) is fanned out into child requests
 (:mod:`fleetlab.output.parallel_sampling`); the model is patched, a paged KV cache and a block
 pool sized, and the scheduler, the model runner and speculative decoding wired together. Logit
@@ -27,7 +27,9 @@ from tqdm.auto import tqdm
 
 from fleetlab.device import check_model_dtype_runs
 from fleetlab.distributed.engine import TensorParallelState
+from fleetlab.edge.input_processor import InputProcessor, generate_items
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS
+from fleetlab.engine.config import check_backend_fits, engine_config, resolve_max_model_len
 from fleetlab.engine.core import EngineCore
 from fleetlab.engine.hooks import StepHooks
 from fleetlab.engine.input_batch import InputBatch
@@ -35,6 +37,7 @@ from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.sampler import Sampler
 from fleetlab.engine.sampling_params import SamplingParams
+from fleetlab.errors import ObserverError
 from fleetlab.engine.scheduler import Scheduler
 from fleetlab.inspect.recorder import StepRecorder, StepTrace
 from fleetlab.inspect.spec_stats import SpecDecodingStats
@@ -47,21 +50,15 @@ from fleetlab.kv_transfer.config import make_kv_connector
 from fleetlab.output.parallel_sampling import ParentRequest, child_sampling_params
 from fleetlab.output.processor import OutputProcessor
 from fleetlab.overlap import OverlapEngineCore, RefusedStructuredOutputs
+from fleetlab.overlap.refusals import check_async_scheduling
 from fleetlab.patching import patch_model
 from fleetlab.patching.handle import PatchHandle
 from fleetlab.prefix_cache import build_prefix_cache
 from fleetlab.processors.penalties import PenaltiesProcessor
+from fleetlab.spec_decode.config import check_speculative_config
 from fleetlab.spec_decode.proposer import PROPOSERS, ProposerContext
 from fleetlab.spec_decode.rejection import RejectionSampler
 from fleetlab.structured_output.processor import StructuredOutputsProcessor
-from fleetlab.validation import (
-    InputProcessor,
-    check_backend_fits,
-    check_speculative_config,
-    engine_config,
-    generate_items,
-    resolve_max_model_len,
-)
 
 
 class LLM:
@@ -83,6 +80,8 @@ class LLM:
     def __init__(self, model, tokenizer=None, *, batch_fields: Sequence = (), logits_processors: Sequence = (),
                  **config):
         self.config = cfg = engine_config(**config)
+        if cfg.async_scheduling:
+            check_async_scheduling(cfg)
         self.tokenizer = tokenizer
         self.spec_config = check_speculative_config(cfg.speculative_config) if cfg.speculative_config else None
         # This rank's TensorParallelState (every rank runs the scheduler), None on one device.
@@ -90,6 +89,7 @@ class LLM:
                                 if cfg.tensor_parallel_size > 1 else None)
         self.hooks = StepHooks()  # where observers see the steps
         self.observers = self.hooks.observers  # anything with on_step(scheduler_output, runner_output, outputs)
+        self._undelivered: list[RequestOutput] = []  # a committed step's outputs, held while an observer's error is raised
         self._owns_handle = not isinstance(model, PatchHandle)
         self.handle = patch_model(model, backend=cfg.backend) if self._owns_handle else model
         # Closing happens once, on close() or when the LLM is garbage-collected (a notebook
@@ -227,26 +227,45 @@ class LLM:
 
     # ----- the loop -----
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while a request waits or runs, or a committed step's outputs wait for the next
+        ``step`` (an observer raised)."""
+        return self.scheduler.has_unfinished_requests() or bool(self._undelivered)
 
     def step(self) -> list[RequestOutput]:
         """One engine step: the core plans, runs and commits it (:meth:`EngineCore.step`), the output
         processor makes its outputs the user's. Returns a ``RequestOutput`` for every request that
-        gained tokens or finished in it (``new_token_ids`` holds what it gained)."""
-        outputs, result = self.core.step()
+        gained tokens or finished in it (``new_token_ids`` holds what it gained).
+
+        If the step fails it is rolled back (the exception names the extension that raised) and the
+        same requests carry on with the next call. If only an observer raised
+        (:class:`~fleetlab.errors.ObserverError`), the step stands: its outputs come with the next call."""
+        try:
+            outputs, result = self.core.step()
+        except ObserverError as exc:
+            self._undelivered += self._deliver(exc.outputs, exc.runner_output)
+            raise
+        outputs, self._undelivered = self._undelivered + self._deliver(outputs, result), []
+        return outputs
+
+    def _deliver(self, outputs: list[RequestOutput], result) -> list[RequestOutput]:
+        """The core's outputs made the user's (the output processor); stop strings end requests here."""
         outputs, stopped = self.output_processor.process(outputs, result)
         self.scheduler.abort(stopped)  # ended by a stop string: their blocks are freed now
         return outputs
 
     def wait_until_runnable(self, timeout: float = 0.05) -> None:
         """Between steps: if every request waits on something (its grammar's compile, its K/V
-        arriving, on a thread), give them up to ``timeout`` seconds rather than spin through
-        empty steps (a loop over ``step`` calls this; the step itself never waits)."""
+        arriving, on a thread), or the last step ran nothing while some do (the others cannot be
+        admitted: the pool is held by requests whose K/V is arriving), block on those futures up
+        to ``timeout`` seconds rather than spin through empty steps (a loop over ``step`` calls
+        this; the step itself never waits)."""
         reqs = self.scheduler.running + self.scheduler.waiting
-        if not reqs or any(r.is_ready for r in reqs):
-            return
-        concurrent.futures.wait([r.waiting_on for r in reqs], timeout=timeout,
-                                return_when=concurrent.futures.FIRST_COMPLETED)
+        pending = [r.waiting_on for r in reqs if not r.is_ready]
+        last = self.scheduler.planned
+        ran = last is None or last.num_scheduled_tokens or last.preempted_req_ids or last.finished_req_ids
+        if not pending or (ran and len(pending) < len(reqs)):
+            return  # (a ready request that could not run last step, the pool full of arriving ones: wait too)
+        concurrent.futures.wait(pending, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
 
     def abort(self, request_ids) -> list[RequestOutput]:
         """Stop the named requests now (``str`` or an iterable of ids; a parallel-sampling
@@ -291,10 +310,12 @@ class LLM:
                 for out in self.step():
                     if out.finished:
                         done[out.request_id, out.index] = out
-                        out.new_token_ids = list(out.token_ids)
+                        out.new_token_ids, out.new_text = list(out.token_ids), out.text or ""
                         bar.update(1)
         except BaseException:
-            self.abort([rid for rid, _, _, _ in queued])
+            ids = {rid for rid, _, _, _ in queued}
+            self.abort(list(ids))
+            self._undelivered = [o for o in self._undelivered if o.request_id not in ids]  # generate's own, gone
             raise
         finally:
             bar.close()

@@ -25,7 +25,8 @@ import time
 import numpy as np
 
 import fleetlab
-from fleetlab import viz
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
+from fleetlab.lab import viz
 from fleetlab.patching.parity import full_forward_logits
 
 # %% [markdown]

@@ -19,8 +19,9 @@
 import numpy as np
 
 import fleetlab
-from fleetlab import viz
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
 from fleetlab.inspect.batch import batch_snapshot
+from fleetlab.lab import viz
 
 # %% [markdown]
 # ## 1. The model on its own
@@ -105,7 +106,7 @@ print(llm.stats())
 # (`EngineCore.step`, read here from the installed package), whose outputs the output
 # processor then finishes (stop strings, logprobs, text). The scheduler plans (`schedule()`:
 # who runs, how many tokens each), the model runner executes the plan (`_execute`, which
-# calls `runner.execute` and undoes the plan if it fails), and the scheduler commits what came
+# calls `runner.execute`; a failure anywhere in the step undoes it all), and the scheduler commits what came
 # back (`update`), the only place a request advances. The observers after it are how
 # `record_traces=True` got the traces drawn above. Notebook 05 opens `schedule`, and
 # notebook 12 follows one request through all three.

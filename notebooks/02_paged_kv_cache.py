@@ -24,8 +24,9 @@ import numpy as np
 from matplotlib.figure import Figure
 
 import fleetlab
-from fleetlab import viz
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
 from fleetlab.inspect.pool import pool_stats
+from fleetlab.lab import viz
 from fleetlab.prefix_cache.hash_chain import HashChainCache
 
 # %% [markdown]
@@ -248,7 +249,7 @@ print({i: prompt + answers[i] for i in sorted(answers)})
 # after 2.
 
 # %%
-from fleetlab.viz.radix import draw_prefix_tree, hash_chain_nodes, radix_nodes
+from fleetlab.lab.viz.radix import draw_prefix_tree, hash_chain_nodes, radix_nodes
 
 model, tokenizer = fleetlab.models.load_tiny()
 tree_prompts = {"p": "the old man sat by the road.", "q": "the old man sat on a bench.",

@@ -18,7 +18,8 @@
 import numpy as np
 
 import fleetlab
-from fleetlab import viz
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
+from fleetlab.lab import viz
 from fleetlab.patching.parity import paged_greedy, reference_greedy
 
 # %% [markdown]
@@ -129,7 +130,7 @@ build_excerpt
 # %%
 from IPython.display import display
 
-from fleetlab.context import ForwardContext
+from fleetlab.attention.context import ForwardContext
 
 step_excerpts = [viz.show_source(ForwardContext.attn_metadata, body_only=True),
                  viz.source_excerpt("TritonBackend.build_metadata", "fleetlab.attention.triton_backend",
@@ -166,7 +167,7 @@ naive_excerpt
 # `seq_lens_kv` and block tables into the mask.
 
 # %%
-from fleetlab.context import get_forward_context
+from fleetlab.attention.context import get_forward_context
 
 mask_model = fleetlab.models.tiny("llama", seed=0)
 mask_llm = fleetlab.LLM(mask_model, block_size=4, max_num_batched_tokens=8, record_traces=True)

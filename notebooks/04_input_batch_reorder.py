@@ -15,8 +15,9 @@
 import numpy as np
 
 import fleetlab
-from fleetlab import viz
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
 from fleetlab.inspect.batch import batch_snapshot
+from fleetlab.lab import viz
 
 # %% [markdown]
 # ## 1. A batch with decodes, prefills and a hole
@@ -161,8 +162,8 @@ viz.draw_reorder(frames[1].records, frames[-1].records, num_decodes=frames[-1].n
 # by id (`by_request`), or through the permutation (`unpermute`).
 
 # %%
-from fleetlab.lessons.reorder import stable_reorder  # the teaching variant, kept out of the runtime class
-from fleetlab.lessons.row_moves import by_request, unpermute
+from fleetlab.lab.lessons.reorder import stable_reorder  # the teaching variant, kept out of the runtime class
+from fleetlab.lab.lessons.row_moves import by_request, unpermute
 
 for stable in (False, True):
     b = make_batch()
@@ -182,7 +183,7 @@ print("tokens run per request:", by_request(b, b.np("num_scheduled_tokens")))
 # the few fields it needs through that map; the persistent buffers never move.
 
 # %%
-from fleetlab.lessons.reorder import decode_first_order
+from fleetlab.lab.lessons.reorder import decode_first_order
 
 batch = make_batch()
 order, num_decodes = decode_first_order(batch)

@@ -15,7 +15,8 @@
 import numpy as np
 
 import fleetlab
-from fleetlab import viz
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
+from fleetlab.lab import viz
 
 # %% [markdown]
 # ## 1. A deliberately small engine
@@ -261,7 +262,7 @@ print("steps: tight", len(traces), "| roomy", len(roomy.traces), "| roomy preemp
 # %% [markdown]
 # ## 6. Write the scheduler yourself
 #
-# You have read both halves; now write them. `fleetlab.lessons.schedule_exercise` hands
+# You have read both halves; now write them. `fleetlab.lab.lessons.schedule_exercise` hands
 # your `schedule(state)` one step's state as plain data (`ToyState`: the running requests
 # in admission order, the waiting ones in the order to admit, each with `num_tokens`,
 # `num_computed_tokens` and `num_blocks` held; the free blocks, the block size, the budget
@@ -275,7 +276,7 @@ print("steps: tight", len(traces), "| roomy", len(roomy.traces), "| roomy preemp
 # arrivals on such an engine:
 
 # %%
-from fleetlab.lessons.schedule_exercise import check_schedule
+from fleetlab.lab.lessons.schedule_exercise import check_schedule
 
 exercise_llm = fleetlab.LLM(llm.handle, tokenizer, **{**engine_config, "enable_prefix_caching": False})
 _, exercise_arrivals, _ = serve(exercise_llm, arrivals)
@@ -289,7 +290,7 @@ print(len(exercise_llm.traces), "steps;", exercise_llm.stats()["num_preemptions"
 # the first step and request where yours and the engine part ways.
 
 # %%
-from fleetlab.lessons.schedule_exercise import ToyPlan
+from fleetlab.lab.lessons.schedule_exercise import ToyPlan
 
 
 def toy_schedule(state, pick_victim=lambda running: running[-1]):  # the newest, as the engine's policy

@@ -23,7 +23,8 @@ import numpy as np
 from IPython.display import display
 
 import fleetlab
-from fleetlab import viz
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
+from fleetlab.lab import viz
 
 # %% [markdown]
 # ## 1. Static batches against continuous batching
@@ -202,7 +203,7 @@ for name, data in results.items():
 # replayed as one CUDA graph.
 
 # %%
-from fleetlab.viz.triton import draw_launch_costs
+from fleetlab.lab.viz.triton import draw_launch_costs
 
 kernel_results = results.get("h200_triton")
 launch_figure = draw_launch_costs(kernel_results) if kernel_results else None

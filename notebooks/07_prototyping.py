@@ -19,11 +19,12 @@ import numpy as np
 from matplotlib.figure import Figure
 
 import fleetlab
-from fleetlab import viz
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
 from fleetlab.attention.backend import AttentionBackend
 from fleetlab.attention.tiled import paged_attention
-from fleetlab.bench.latency import latency_stats
 from fleetlab.engine.policies import SchedulingPolicy, register_policy
+from fleetlab.inspect.latency import latency_stats
+from fleetlab.lab import viz
 
 # %% [markdown]
 # ## 1. A model and a workload

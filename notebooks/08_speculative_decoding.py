@@ -21,8 +21,9 @@ import numpy as np
 from matplotlib.figure import Figure
 
 import fleetlab
-from fleetlab import viz
-from fleetlab.bench.spec import measure, spec_config, trained_prompts
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
+from fleetlab.lab import viz
+from fleetlab.lab.bench.spec import measure, spec_config, trained_prompts
 from fleetlab.spec_decode.proposer_batch import ProposerInputBatch, proposer_fields
 
 # %% [markdown]

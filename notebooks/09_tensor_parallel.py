@@ -21,12 +21,13 @@ import tempfile
 from pathlib import Path
 
 import fleetlab
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
 from fleetlab.distributed import plan_shards
 from fleetlab.distributed.launch import launch, launch_command, shell_line
 from fleetlab.distributed.shard import weight_table
-from fleetlab.distributed.worker import run_family
+from fleetlab.lab.tp_worker import run_family
+from fleetlab.lab.viz import tp as tpviz
 from fleetlab.models import tiny
-from fleetlab.viz import tp as tpviz
 
 # %% [markdown]
 # ## 1. Who holds what
@@ -104,14 +105,14 @@ tpviz.draw_kv_bytes_per_rank(sizes, kv_bytes, heads)
 #
 # ## 4. A real 2-process run, launched from this cell
 #
-# The cell starts `fleetlab.distributed.worker` on 2 ranks through Paddle's launcher — the
+# The cell starts `fleetlab.lab.tp_worker` on 2 ranks through Paddle's launcher — the
 # same command you would type in a shell (printed below). Each rank serves the same six
 # prompts on the tiny Fleet-style model and the tiny Llama, greedy, with a 10-token step
 # budget (chunked prefill) and a 14-block pool (preemption), and writes what it saw to a JSON file.
 
 # %%
 work = Path(tempfile.mkdtemp(prefix="fleetlab-09-"))
-args = ["fleetlab.distributed.worker", "--out", str(work / "out"), "--families", "fleet,llama"]
+args = ["fleetlab.lab.tp_worker", "--out", str(work / "out"), "--families", "fleet,llama"]
 print(shell_line(launch_command(args, 2, work / "logs")))
 result = launch(args, 2, log_dir=work / "logs", timeout=300, env={"FLEETLAB_TP_CHECK_EVERY": "1"})
 print(f"exit code {result.returncode}, {result.seconds:.1f} s (two Python processes starting Paddle included)")

@@ -21,9 +21,10 @@
 import httpx
 from openai import OpenAI
 
-import fleetlab  # first: it keeps Paddle's import-time notices quiet
-from fleetlab import viz
-from fleetlab.bench import serving as serving_bench
+import fleetlab
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
+from fleetlab.lab import viz
+from fleetlab.lab.bench import serving as serving_bench
 
 # %% [markdown]
 # ## 1. Start a server in the background
@@ -152,7 +153,7 @@ print("\n".join(line for line in metrics.splitlines() if line.startswith(wanted)
 # %% [markdown]
 # ## 5. Measure it: latency against the request rate
 #
-# `fleetlab.bench.serving` (also `python -m fleetlab bench serve`) sends the same 20 prompts at
+# `fleetlab.lab.bench.serving` (also `python -m fleetlab bench serve`) sends the same 20 prompts at
 # several rates, request `i` leaving at the `i`-th arrival of a Poisson process, each asking for a
 # fixed number of tokens (8 to 24, `ignore_eos`). "all at once" sends all 20 together. Each client
 # times its own stream:

@@ -20,11 +20,13 @@ import jsonschema
 import numpy as np
 
 import fleetlab
-from fleetlab import LLM, SamplingParams, viz
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
+from fleetlab import LLM, SamplingParams
+from fleetlab.lab import viz
+from fleetlab.lab.viz import structured as sviz
 from fleetlab.structured_output.backend import GrammarMatcher
 from fleetlab.structured_output.examples import SCHEMAS
 from fleetlab.structured_output.processor import StructuredOutputsProcessor
-from fleetlab.viz import structured as sviz
 
 # %% [markdown]
 # ## 1. A vocabulary that can spell the output

@@ -24,15 +24,17 @@ import numpy as np
 from IPython.display import display
 
 import fleetlab
-from fleetlab import LLM, SamplingParams, viz
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
+from fleetlab import LLM, SamplingParams
+from fleetlab.attention.context import ForwardContext
 from fleetlab.attention.naive import naive_paged_attention
-from fleetlab.context import ForwardContext
+from fleetlab.edge.input_processor import InputProcessor
 from fleetlab.engine.model_runner import ModelRunner
 from fleetlab.engine.sampler import Sampler
 from fleetlab.inspect.batch import batch_snapshot
 from fleetlab.inspect.pool import pool_snapshot
 from fleetlab.kv.manager import KVCacheManager
-from fleetlab.validation import InputProcessor
+from fleetlab.lab import viz
 
 # %% [markdown]
 # ## 0. An engine that has served a little
@@ -64,7 +66,7 @@ print(llm.pool)
 viz.show_source(LLM.add_request, body_only=True)
 
 # %% [markdown]
-# `InputProcessor.process` (`fleetlab/validation.py`) is every check, once, at the edge: the
+# `InputProcessor.process` (`fleetlab/edge/input_processor.py`) is every check, once, at the edge: the
 # id, the prompt's tokens, the sampling parameters bounded by what the engine can hold, the
 # extra fields. The core behind it trusts what passes and never checks again.
 

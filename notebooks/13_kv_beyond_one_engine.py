@@ -30,6 +30,9 @@ import numpy as np
 from matplotlib.figure import Figure
 
 import fleetlab
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out (first: before Paddle)
+
+# isort: split
 import fleetlab.attention.backend
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.model_runner import ModelRunner
@@ -39,11 +42,11 @@ from fleetlab.kv_transfer.block_store import BlockStoreConnector, LoadError
 from fleetlab.kv_transfer.offload import OffloadConnector
 from fleetlab.kv_transfer.paddle_distributed import PaddleDistributedConnector
 from fleetlab.kv_transfer.shared_storage import SharedStorageConnector
+from fleetlab.lab.viz import kv_transfer as kvviz
+from fleetlab.lab.viz import show_source
+from fleetlab.lab.viz.results import results_dir
 from fleetlab.models import tiny
 from fleetlab.patching.parity import reference_greedy
-from fleetlab.viz import kv_transfer as kvviz
-from fleetlab.viz import show_source
-from fleetlab.viz.results import results_dir
 
 model = tiny("fleet", seed=0)
 BS, MAX_NEW = 4, 5
@@ -403,7 +406,7 @@ fig_bench
 
 # %% [markdown]
 # The same run, step by step, from each engine's own clock (a `StepClock` observer in
-# `fleetlab/kv_transfer/mixed.py`; both ranks read one machine's monotonic clock). On one
+# `fleetlab/serving/disagg/mixed.py`; both ranks read one machine's monotonic clock). On one
 # engine, every long prompt that arrives (▼) turns the next steps orange: they run up to 60
 # prompt tokens beside the four decode rows, and each takes as long as a few decode-only steps
 # (the medians are printed below the figure), so the short requests' next tokens wait. On the

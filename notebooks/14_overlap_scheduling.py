@@ -21,14 +21,16 @@ import json
 import numpy as np
 
 import fleetlab
-from fleetlab import LLM, SamplingParams, viz
+import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
+from fleetlab import LLM, SamplingParams
 from fleetlab.engine.core import EngineCore
 from fleetlab.engine.model_runner import ModelRunner
+from fleetlab.lab import viz
+from fleetlab.lab.viz.results import results_dir
 from fleetlab.overlap import OverlapEngineCore, Timeline
 from fleetlab.overlap import core as overlap_core
 from fleetlab.overlap.ahead import Ahead
 from fleetlab.overlap.placeholders import fill
-from fleetlab.viz.results import results_dir
 
 model, tokenizer = fleetlab.models.load_tiny()
 ENGINE = dict(block_size=16, max_num_seqs=32, max_num_batched_tokens=512)

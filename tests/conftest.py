@@ -10,9 +10,9 @@ matplotlib.use("Agg")
 
 import numpy as np
 
-from fleetlab.cpu_tuning import tune_malloc
+from fleetlab.lab.cpu_tuning import tune_malloc
 
-tune_malloc()  # tests are a program of ours: keep freed CPU buffers (fleetlab.cpu_tuning)
+tune_malloc()  # tests are a program of ours: keep freed CPU buffers (fleetlab.lab.cpu_tuning)
 import pytest
 
 

@@ -262,7 +262,7 @@ assert [int(x) for x in mixed_mask.key_slot[~mixed_mask.key_cached]] == written
 '''
 
 PROMISES["04_input_batch_reorder"] = '''
-from fleetlab.lessons.row_moves import unpermute as _unpermute  # noqa: F401  (the notebook's import)
+from fleetlab.lab.lessons.row_moves import unpermute as _unpermute  # noqa: F401  (the notebook's import)
 
 split_before, split_after = viz.token_split(rows_before), viz.token_split(rows_after)
 # "here T = 37 tokens"; "Before, only row a is in the decode kernel's range: the five other decodes
@@ -472,7 +472,7 @@ if "h200_triton" in results:
 # the bandwidth panels draw the graph clock only, each line named in words
 _bandwidth = result_figures.get(("h200_triton", "bandwidth"))
 if _bandwidth is not None:
-    from fleetlab.viz.results import IMPLEMENTATION_NAMES as _NAMES
+    from fleetlab.lab.viz.results import IMPLEMENTATION_NAMES as _NAMES
     _labels = {t.get_text() for t in _bandwidth.legends[0].get_texts()}
     assert {_NAMES[i] for i in ("triton", "sdpa", "gather_sdpa", "before")} <= _labels
     assert not any("eager" in _label for _label in _labels)

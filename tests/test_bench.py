@@ -10,22 +10,22 @@ import json
 import numpy as np
 import pytest
 
-from fleetlab.bench import engine
-from fleetlab.bench.workloads import (
+from fleetlab.inspect.recorder import RowTrace, StepTrace
+from fleetlab.lab.bench import engine
+from fleetlab.lab.bench.workloads import (
     FIRST_TOKEN_ID,
     Workload,
     mixed_workload,
     padded_batches,
     shared_prefix_workload,
 )
-from fleetlab.inspect.recorder import RowTrace, StepTrace
 
 STEP_PARTS = ("schedule", "batch_update", "metadata", "forward", "sample", "propose", "update", "other")
 
 
 @pytest.fixture(scope="module")
 def tiny_result(tmp_path_factory):
-    from fleetlab.bench.cli import main
+    from fleetlab.lab.bench.cli import main
 
     out = tmp_path_factory.mktemp("bench")
     err = io.StringIO()
@@ -133,7 +133,7 @@ def test_tiny_overlapped_side_runs_the_overlapped_core_beside_the_synchronous_on
     import dataclasses
     import sys
 
-    from fleetlab.bench.report import overlap_row
+    from fleetlab.lab.bench.report import overlap_row
 
     cfg, _, _ = engine._parse(["--tiny", "--async-scheduling", "--repeats", "2"])
     assert cfg.async_scheduling and cfg.repeats == 2

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from fleetlab.bench.cli import main
-from fleetlab.bench.machine import MachineRecord, cpu_use, describe
+from fleetlab.lab.bench.cli import main
+from fleetlab.lab.bench.machine import MachineRecord, cpu_use, describe
 
 
 def bars(err: str) -> list[str]:

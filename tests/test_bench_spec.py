@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from fleetlab.bench import spec as bench_spec
+from fleetlab.lab.bench import spec as bench_spec
 
 
 @pytest.fixture(scope="module")
 def tiny_result(tmp_path_factory):
-    from fleetlab.bench.cli import main
+    from fleetlab.lab.bench.cli import main
 
     out = tmp_path_factory.mktemp("bench-spec")
     assert main(["spec", "--tiny", "--out", str(out)]) == 0
@@ -67,7 +67,7 @@ def test_workloads_are_deterministic_and_of_the_trained_kinds():
 
 
 def test_cli_lists_spec_and_rejects_bad_rounds(capsys):
-    from fleetlab.bench.cli import main
+    from fleetlab.lab.bench.cli import main
 
     assert main(["--help"]) == 0 and "``spec``" in capsys.readouterr().out
     with pytest.raises(SystemExit):

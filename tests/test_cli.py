@@ -6,7 +6,7 @@ import re
 import pytest
 
 from fleetlab.__main__ import main
-from fleetlab.demo import check, timeline
+from fleetlab.lab.demo import check, timeline
 
 
 def test_demo_prints_answers_timeline_and_figures(capsys):
@@ -39,7 +39,7 @@ NOISE = re.compile(r"warning|\bINFO\b|\x1b\[|PyTorch was not found|ccache|distut
 
 def test_demo_prints_no_library_notices():
     """The demo, as a user runs it, shows only its own output and a progress bar on stderr: no
-    warning or INFO line from Paddle, PaddleFormers or transformers (fleetlab.quiet keeps them out)."""
+    warning or INFO line from Paddle, PaddleFormers or transformers (fleetlab.lab.quiet keeps them out)."""
     import subprocess
     import sys
 
@@ -113,12 +113,12 @@ def test_verbose_turns_fleetlab_info_on():
     """-v lets fleetlab's own INFO messages through."""
     import logging
 
-    from fleetlab import quiet
+    from fleetlab.lab import quiet
 
     fleet_logger = logging.getLogger("fleetlab")
     before = fleet_logger.level
     try:
-        fleet_logger.setLevel(logging.WARNING)  # as fleetlab.quiet.install() leaves it
+        fleet_logger.setLevel(logging.WARNING)  # as fleetlab.lab.quiet.install() leaves it
         quiet.verbose()
         assert fleet_logger.getEffectiveLevel() == logging.INFO
     finally:

@@ -8,8 +8,8 @@ import numpy as np
 import paddle
 import pytest
 
+from fleetlab.attention.context import forward_context
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.context import forward_context
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.models import tiny
 from fleetlab.models.fleet import DotProductAttention, FleetConfig, apply_rotary, rope_cos_sin

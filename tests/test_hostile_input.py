@@ -13,8 +13,8 @@ import pytest
 from conftest import random_prompts
 
 from fleetlab import LLM, SamplingParams
+from fleetlab.errors import FieldTypeError
 from fleetlab.patching.parity import reference_greedy
-from fleetlab.validation import FieldTypeError
 
 MAX_MODEL_LEN = 48
 SP = SamplingParams

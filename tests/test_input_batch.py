@@ -13,8 +13,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS, Field, FieldRegistry
 from fleetlab.engine.input_batch import InputBatch, two_pointer_swaps
 from fleetlab.inspect.batch import batch_snapshot, check_batch
-from fleetlab.lessons.reorder import decode_first_order, stable_partition, stable_reorder
-from fleetlab.lessons.row_moves import (
+from fleetlab.lab.lessons.reorder import decode_first_order, stable_partition, stable_reorder
+from fleetlab.lab.lessons.row_moves import (
     append_block_ids,
     append_tokens,
     by_request,
@@ -519,7 +519,7 @@ TestBatchMachine.settings = settings(max_examples=30, stateful_step_count=25, de
 
 # ---------------------------------------------------------------- benchmark (correctness only, not timed)
 def test_reorder_benchmark_runs_and_both_strategies_agree(capsys, tmp_path):
-    from fleetlab.bench import reorder
+    from fleetlab.lab.bench import reorder
 
     assert reorder.main(["--rows", "8", "16", "--steps", "4", "--warmup", "2", "--max-model-len", "64",
                          "--chunk", "8", "--out", str(tmp_path)]) == 0

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetlab.kv.paged_cache import PagedKVCache
-from fleetlab.lessons.kv_memory import bytes_for_tokens
+from fleetlab.lab.lessons.kv_memory import bytes_for_tokens
 
 
 def _cache(**kw):

@@ -359,7 +359,7 @@ class GatedStorage(SharedStorageConnector):
 
     def __init__(self, config=None, spec=None):
         super().__init__(config, spec)
-        self.gates, self.arrived = {}, {}
+        self.gates = {}  # (BlockStoreConnector holds each load until its request runs)
 
     def update_state_after_alloc(self, request, block_ids, num_computed_tokens, num_external_tokens):
         super().update_state_after_alloc(request, block_ids, num_computed_tokens, num_external_tokens)
@@ -367,16 +367,6 @@ class GatedStorage(SharedStorageConnector):
             self.gates[request.request_id] = gate = Future()
             return gate
         return None
-
-    def build_connector_meta(self, scheduler_output, scheduler):
-        for load in self._pending_loads:  # held until its gate opens and its request runs
-            self.arrived[load.req_id] = load
-        self._pending_loads = []
-        for rid in scheduler_output.preempted_req_ids:
-            self.arrived.pop(rid, None)  # preempted while arriving: what it had is dropped
-        meta = super().build_connector_meta(scheduler_output, scheduler)
-        meta.loads = [self.arrived.pop(rid) for rid in scheduler_output.num_scheduled_tokens if rid in self.arrived]
-        return meta
 
 
 def test_a_request_waits_for_its_kv_outside_the_batch(fleet_model, tmp_path):

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def run_pair(*args) -> dict:
     env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    r = launch(["fleetlab.kv_transfer.disagg", *args], 2, timeout=60, env=env)
+    r = launch(["fleetlab.serving.disagg.parity", *args], 2, timeout=60, env=env)
     lines = [line for line in r.output.splitlines() if line.startswith("DISAGG_RESULT ")]
     assert r.returncode == 0 and lines, r.output[-3000:] + r.worker_logs.get(1, "")[-3000:]
     return json.loads(lines[-1].removeprefix("DISAGG_RESULT "))
@@ -65,7 +65,7 @@ def test_every_family_through_prefill_and_decode():
     from fleetlab.models import FAMILIES
 
     env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
-    r = launch(["fleetlab.kv_transfer.disagg", "--model", ",".join(FAMILIES)], 2, timeout=120, env=env)
+    r = launch(["fleetlab.serving.disagg.parity", "--model", ",".join(FAMILIES)], 2, timeout=120, env=env)
     results = [json.loads(line.removeprefix("DISAGG_RESULT ")) for line in r.output.splitlines()
                if line.startswith("DISAGG_RESULT ")]
     assert r.returncode == 0 and [res["model"] for res in results] == list(FAMILIES), r.output[-3000:]
@@ -115,7 +115,7 @@ def test_structured_outputs_through_prefill_and_decode():
 
 def test_bench_kv_tiny(tmp_path):
     """``python -m fleetlab bench kv --tiny`` runs its three sections and writes kv.json."""
-    from fleetlab.bench.cli import main
+    from fleetlab.lab.bench.cli import main
 
     assert main(["kv", "--tiny", "-q", "--out", str(tmp_path)]) == 0
     r = json.loads((tmp_path / "kv.json").read_text())

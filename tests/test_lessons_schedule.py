@@ -1,4 +1,4 @@
-"""fleetlab.lessons.schedule_exercise: the checker agrees with the engine for a correct toy
+"""fleetlab.lab.lessons.schedule_exercise: the checker agrees with the engine for a correct toy
 scheduler (notebook 05's reference solution, read from the notebook), and names the step and
 the request where a wrong one first differs."""
 
@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetlab import LLM, SamplingParams
-from fleetlab.lessons import schedule_exercise as ex
+from fleetlab.lab.lessons import schedule_exercise as ex
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "05_decode_loop.py"
 

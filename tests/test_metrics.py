@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fleetlab import LLM, SamplingParams, viz
-from fleetlab.bench.latency import LatencyStats, Percentiles, latency_stats, latency_table, token_steps
 from fleetlab.engine.outputs import RequestOutput
+from fleetlab.inspect.latency import LatencyStats, Percentiles, latency_stats, latency_table, token_steps
 from fleetlab.inspect.recorder import StepTrace
 
 

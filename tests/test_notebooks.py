@@ -66,7 +66,7 @@ def test_notebooks_pass_ruff():
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_follows_the_house_style(path):
     """Starts with what you will learn, has an "In vLLM / FastDeploy" box, ends with what to
-    try next; imports fleetlab before paddle (so fleetlab.quiet is in force) and draws inline,
+    try next; imports fleetlab before paddle (so fleetlab.lab.quiet is in force) and draws inline,
     with no warning or logging boilerplate of its own."""
     nb = nbformat.read(path, as_version=4)
     first, last = nb.cells[0], nb.cells[-1]

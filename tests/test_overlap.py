@@ -243,8 +243,8 @@ def test_async_llm_streams_overlapped_as_offline_and_aborts():
 
 
 def test_timeline_puts_the_forward_on_the_model_thread_and_close_stops_it(fleet_model):
+    from fleetlab.lab.viz import draw_overlap
     from fleetlab.overlap import Timeline
-    from fleetlab.viz import draw_overlap
 
     timelines = {}
     for name, overlapped in (("sync", False), ("overlap", True)):

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PARAMS = ["fleetlab.engine.sampling_params", "fleetlab.structured_output.params", "fleetlab.errors"]
+PARAMS = ["fleetlab.engine.sampling_params", "fleetlab.engine.structured_outputs_params", "fleetlab.errors"]
 
 
 @pytest.mark.parametrize("module", PARAMS)
 def test_a_params_module_imports_no_paddle_in_a_fresh_interpreter(module):
     code = (f"import sys, {module}; heavy = sorted(m for m in sys.modules if m.split('.')[0] == 'paddle' "
-            "or m in ('fleetlab.validation', 'fleetlab.llm', 'fleetlab.engine.input_batch')); print(heavy)")
+            "or m in ('fleetlab.edge.sampling', 'fleetlab.llm', 'fleetlab.engine.input_batch')); print(heavy)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
                           env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
@@ -35,8 +35,8 @@ def _fleetlab_imports(module: str) -> set[str]:
 
 
 def test_no_import_cycle_through_the_edge():
-    graph = {m: _fleetlab_imports(m) for m in [*PARAMS, "fleetlab.validation"]}
+    graph = {m: _fleetlab_imports(m) for m in [*PARAMS, "fleetlab.edge.sampling"]}
     for module in PARAMS:  # the params reach only each other and the errors, never the edge's checks
         assert graph[module] <= set(PARAMS), (module, graph[module])
     assert graph["fleetlab.errors"] == set()
-    assert {"fleetlab.structured_output.params", "fleetlab.errors"} <= graph["fleetlab.validation"]
+    assert {"fleetlab.engine.structured_outputs_params", "fleetlab.errors"} <= graph["fleetlab.edge.sampling"]

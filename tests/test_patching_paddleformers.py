@@ -11,9 +11,9 @@ import paddle
 import pytest
 
 import fleetlab.patching
+from fleetlab.attention.context import forward_context, get_forward_context
 from fleetlab.attention.metadata import AttentionMetadata
 from fleetlab.attention.tiled import TiledBackend
-from fleetlab.context import forward_context, get_forward_context
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.models.small import TINY_FAMILIES, tiny_paddleformers
 from fleetlab.patching import patch_model

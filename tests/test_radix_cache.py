@@ -230,8 +230,8 @@ test_radix_cache_state_machine = RadixMachine.TestCase
 def test_the_tree_drawn_beside_the_hash_chain_on_the_same_requests():
     from matplotlib.figure import Figure
 
+    from fleetlab.lab.viz import draw_prefix_tree, hash_chain_nodes, radix_nodes
     from fleetlab.prefix_cache.hash_chain import HashChainCache
-    from fleetlab.viz import draw_prefix_tree, hash_chain_nodes, radix_nodes
 
     trees = {}
     for cache in (RadixCache(2), HashChainCache(2)):

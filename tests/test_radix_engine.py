@@ -8,6 +8,7 @@ import pytest
 from conftest import random_prompts
 
 from fleetlab import LLM, SamplingParams
+from fleetlab.engine.longest_prefix_match import LongestPrefixMatch
 from fleetlab.engine.request import Request
 from fleetlab.engine.scheduler import Scheduler
 from fleetlab.inspect.pool import check_kv_manager, check_pool
@@ -15,7 +16,6 @@ from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.manager import KVCacheManager
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.patching.parity import reference_greedy
-from fleetlab.prefix_cache.policy import LongestPrefixMatch
 from fleetlab.prefix_cache.radix import RadixCache
 
 MAX_NEW = 6

@@ -76,7 +76,7 @@ def test_blocks_are_all_there_and_known():
 def test_a_benchmark_not_run_yet_says_so_and_a_new_run_is_rendered_with_its_load(tmp_path, monkeypatch):
     """attention.json and reorder.json: a block without its file quotes no figure; the file a
     ``--tiny`` run writes renders with its command, threads and load."""
-    from fleetlab.bench.cli import main
+    from fleetlab.lab.bench.cli import main
 
     tool = load_tool()
     monkeypatch.setitem(tool.BLOCKS, "attention", (tmp_path / "attention.json", tool.attention_block))

@@ -12,7 +12,7 @@ from conftest import random_prompts
 from fleetlab import LLM, Field, InputBatch, SamplingParams
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS
 from fleetlab.engine.sampler import SamplingTensors
-from fleetlab.lessons.row_moves import swap_rows
+from fleetlab.lab.lessons.row_moves import swap_rows
 from fleetlab.patching.parity import full_forward_logits, reference_greedy
 from fleetlab.processors.penalties import PenaltiesProcessor
 

@@ -12,7 +12,7 @@ import pytest
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from fleetlab.bench.serving import RequestRecord, poisson_offsets, summarize
+from fleetlab.lab.bench.serving import RequestRecord, poisson_offsets, summarize
 from fleetlab.serving.cli import build_parser, engine_config
 from fleetlab.serving.launch import ServerProcess
 
@@ -50,7 +50,7 @@ UNCLEAN = re.compile(r"Traceback|Exception|ERROR|Cancel|Task was destroyed|Task 
 
 
 def test_serve_process_bench_serve_and_ctrl_c_with_200_open_streams(tmp_path):
-    from fleetlab.bench.cli import main as bench_main
+    from fleetlab.lab.bench.cli import main as bench_main
 
     args = ["--model", "tiny", "--model-impl", "paddlefleet", "--max-num-seqs", "8", "--block-size", "8",
             "--max-model-len", "4096"]

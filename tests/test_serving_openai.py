@@ -17,7 +17,7 @@ httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families
 
 from fleetlab import LLM, SamplingParams
-from fleetlab.demo import make_prompts
+from fleetlab.lab.demo import make_prompts
 from fleetlab.models import load_tiny
 from fleetlab.serving import AsyncLLM, ServerThread
 

@@ -1,74 +1,12 @@
-"""The serving pieces that need no server: detokenizer, stop strings, chat template, error mapping,
-and the Llama -> Fleet converter that ``serve --model-impl fleet`` uses."""
+"""The serving pieces that need no server: chat template, error mapping, and the Llama -> Fleet
+converter that ``serve --model-impl fleet`` uses (text and stop strings: ``test_detokenizer.py``)."""
 
 import numpy as np
 import pytest
 
 from fleetlab.models.tokenizer import CharTokenizer
 from fleetlab.serving.chat_template import chat_prompt_ids, render_minimal
-from fleetlab.serving.detokenizer import IncrementalDetokenizer, StopStrings, TextStream
 from fleetlab.serving.errors import bad_request_from_engine
-
-
-class ByteTokenizer:
-    """A byte-level tokenizer (one token per UTF-8 byte, ids 1..256; 0 is a special token), and
-    SentencePiece's habit of dropping the leading space of a decoded sequence."""
-
-    def encode(self, text):
-        return [b + 1 for b in text.encode("utf-8")]
-
-    def decode(self, ids, skip_special_tokens=True):
-        text = bytes(i - 1 for i in ids if i > 0).decode("utf-8", errors="replace")
-        return text[1:] if text.startswith(" ") else text
-
-
-def stream_in_pieces(tokenizer, prompt_ids, ids, sizes):
-    detok, pieces, i = IncrementalDetokenizer(tokenizer, prompt_ids), [], 0
-    for n in sizes:
-        pieces.append(detok.push(ids[i:i + n]))
-        i += n
-    pieces.append(detok.flush())
-    return pieces
-
-
-@pytest.mark.parametrize("sizes", [[1] * 40, [3] * 14, [7, 1, 2, 30]])
-def test_incremental_detokenizer_equals_decoding_everything(sizes):
-    tok = ByteTokenizer()
-    text = " héllo wörld, ünïcode ∑ ok"
-    ids = tok.encode(text)
-    pieces = stream_in_pieces(tok, tok.encode("say:"), ids, [s for s in sizes if s][: len(ids)] + [len(ids)])
-    assert "".join(pieces) == text  # the leading space survives: it decodes in the prompt's context
-    assert all("\ufffd" not in p for p in pieces)  # half characters are held back, never sent
-
-
-def test_incremental_detokenizer_on_the_char_tokenizer_skips_specials():
-    tok = CharTokenizer()
-    ids = tok.encode("19") + [tok.eos_token_id]
-    assert "".join(stream_in_pieces(tok, tok.encode("12+7="), ids[1:], [1, 1, 1])) == "19"
-
-
-def test_stop_strings_hold_back_and_cut():
-    s = StopStrings(["6 7", "xyz"])
-    sent = [s.push(p) for p in ["4 5", " 6", " 7 8"]]
-    assert "".join(sent) == "4 5 " and s.stopped and s.text == "4 5 "
-    assert s.push("more") == "" and s.flush() == ""
-    s = StopStrings(["ab"])
-    assert s.push("xa") == "x"  # "a" may start "ab"
-    assert s.push("c") == "ac" and not s.stopped
-    assert s.push("a") == "" and s.flush() == "a"
-    s = StopStrings(["b", "ab"])  # the earliest match wins
-    assert s.push("xab") == "x" and s.text == "x"
-    assert StopStrings().push("anything") == "anything"
-
-
-def test_text_stream_counts_tokens_and_finishes():
-    tok = CharTokenizer()
-    ts = TextStream(tok, tok.encode("count 3 "), stop=["6"])
-    out = ts.push(tok.encode("4 5", add_bos=False)) + ts.push(tok.encode(" 6 7", add_bos=False))
-    assert out == "4 5 " and ts.stopped and ts.num_tokens == 7 and ts.finish() == ""
-    ts = TextStream(tok, [1], stop=["zz"])
-    assert ts.push(tok.encode("abz", add_bos=False)) == "ab"
-    assert ts.finish() == "z" and ts.text == "abz"
 
 
 class TemplateTokenizer(CharTokenizer):
@@ -90,7 +28,7 @@ def test_chat_template_own_or_minimal():
 
 def test_engine_value_errors_become_400s_naming_the_field():
     from fleetlab import SamplingParams
-    from fleetlab.validation import check_sampling_params
+    from fleetlab.edge.sampling import check_sampling_params
 
     with pytest.raises(ValueError) as e:
         check_sampling_params(SamplingParams(top_p=2.0), "cmpl-1")

@@ -20,7 +20,7 @@ import fleetlab
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.inspect.pool import check_kv_manager, check_pool
-from fleetlab.lessons.row_moves import swap_rows
+from fleetlab.lab.lessons.row_moves import swap_rows
 from fleetlab.models import FAMILIES, tiny
 from fleetlab.spec_decode.proposer_batch import ProposerInputBatch, proposer_fields
 from fleetlab.spec_decode.rejection import RejectionSampler

@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-import fleetlab  # noqa: F401  (quiets library notices first)
+import fleetlab.lab  # noqa: F401  (the lab quiets library notices first)
 from fleetlab import LLM, SamplingParams
 from fleetlab.models import FAMILIES, tiny
 from fleetlab.models.json_tiny import json_tokenizer

@@ -10,8 +10,9 @@ import numpy as np
 import paddle
 import pytest
 
-import fleetlab  # noqa: F401  (quiets library notices first)
+import fleetlab.lab  # noqa: F401  (the lab quiets library notices first)
 from fleetlab.device import upload
+from fleetlab.errors import FieldTypeError
 from fleetlab.models.json_tiny import json_tokenizer
 from fleetlab.models.pretrained import WEIGHTS_DIR
 from fleetlab.models.tokenizer import CharTokenizer
@@ -26,7 +27,6 @@ from fleetlab.structured_output.bitmask import apply_token_bitmask, dead_rows
 from fleetlab.structured_output.examples import MAX_JSON_CHARS, SCHEMAS
 from fleetlab.structured_output.guidance import GuidanceBackend
 from fleetlab.structured_output.manager import StructuredOutputManager
-from fleetlab.validation import FieldTypeError
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -569,7 +569,7 @@ def test_choice_and_regex_on_the_shipped_trained_model():
 
 
 def test_the_benchmark_runs_and_reports(tmp_path, capsys):
-    from fleetlab.bench.structured import main
+    from fleetlab.lab.bench.structured import main
 
     out = tmp_path / "structured.json"
     assert main(["--repeats", "1", "--rounds", "1", "--rows", "4", "--step-runs", "1", "-q", "--out", str(out)]) == 0

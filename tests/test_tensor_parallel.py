@@ -1,6 +1,6 @@
 """Tensor parallelism: the split (in one process), then real 2-process launches on CPU (gloo).
 
-The launched tests start ``fleetlab.distributed.worker`` through ``paddle.distributed.launch``:
+The launched tests start ``fleetlab.lab.tp_worker`` through ``paddle.distributed.launch``:
 the greedy tokens of 2 ranks must equal one process's and the oracle's (with chunked
 prefill and preemption in the run), each rank's pool must be whole afterwards, and a rank
 that dies -- or serves different prompts -- must end the job with a clear error in seconds.
@@ -20,9 +20,9 @@ import pytest
 from fleetlab import LLM
 from fleetlab.distributed import plan_shards
 from fleetlab.distributed.shard import plan_for, shard_model, sharded_info
-from fleetlab.distributed.worker import PARITY, prompts_for, run_family
+from fleetlab.engine.config import engine_config
+from fleetlab.lab.tp_worker import PARITY, prompts_for, run_family
 from fleetlab.models import tiny
-from fleetlab.validation import engine_config
 
 
 class FakeGroup:
@@ -143,7 +143,7 @@ def test_families_without_a_plan_say_so():
 # ----- real launches: 2 processes on CPU, gloo -----
 
 def _launch(tmp_path, *extra, check_every="1", families="fleet,llama,llama:sampled,fleet:radix",
-            module="fleetlab.distributed.worker"):
+            module="fleetlab.lab.tp_worker"):
     """Two ranks of ``module`` (``tp_faults``, beside this file, wraps the worker with failures)."""
     from fleetlab.distributed.launch import launch
 
@@ -263,11 +263,11 @@ def test_ranks_that_disagree_are_stopped_by_the_agreement_check(tmp_path):
 
 @pytest.mark.slow
 def test_bench_tp_tiny_runs_one_and_two_processes_and_draws(tmp_path):
-    from fleetlab.bench.cli import BENCHES
-    from fleetlab.bench.tp import run, table
+    from fleetlab.lab.bench.cli import BENCHES
+    from fleetlab.lab.bench.tp import run, table
 
-    assert BENCHES["tp"] == "fleetlab.bench.tp"
-    from fleetlab.bench.tp import RUNS
+    assert BENCHES["tp"] == "fleetlab.lab.bench.tp"
+    from fleetlab.lab.bench.tp import RUNS
 
     result = run("tiny", tmp_path, runs=RUNS[::2])  # the 2-thread baseline adds nothing to check here
     assert [r["name"] for r in result["runs"]] == ["tp1 x 1 thread", "tp2 x 1 thread"]
@@ -281,7 +281,7 @@ def test_bench_tp_tiny_runs_one_and_two_processes_and_draws(tmp_path):
 
 
 def test_shard_plan_drawing_colours_each_item_by_its_ranks():
-    from fleetlab.viz.tp import draw_shard_plan, rank_color
+    from fleetlab.lab.viz.tp import draw_shard_plan, rank_color
 
     fig = draw_shard_plan([plan_shards(8, 2, 4, 64, 4)])
     cells = {}

@@ -23,7 +23,7 @@ def test_triton_backend_needs_a_gpu(fleet_model):
 
 
 def test_kernel_source_reads_the_kernels_without_triton():
-    from fleetlab.viz.source import source_excerpt
+    from fleetlab.lab.viz.source import source_excerpt
 
     text = "\n".join(source_excerpt("_decode_kernel", "fleetlab.attention.triton_kernels").lines)
     assert text.startswith("@triton.jit") and "def _decode_kernel(" in text and "block_tables_ptr" in text

@@ -1,4 +1,4 @@
-"""fleetlab.viz on the Agg backend: what each drawing puts on its figure, and widgets driven
+"""fleetlab.lab.viz on the Agg backend: what each drawing puts on its figure, and widgets driven
 by setting their values (as a reader dragging a slider would)."""
 
 import json
@@ -15,8 +15,8 @@ from fleetlab.engine.outputs import RequestOutput
 from fleetlab.inspect.batch import batch_snapshot
 from fleetlab.inspect.pool import pool_snapshot
 from fleetlab.inspect.recorder import RowTrace, StepTrace
+from fleetlab.lab.viz._style import CACHED_FREE_COLOR, FREE_COLOR, PALETTE
 from fleetlab.prefix_cache.hash_chain import HashChainCache
-from fleetlab.viz._style import CACHED_FREE_COLOR, FREE_COLOR, PALETTE
 
 
 def by_gid(artists, prefix):
@@ -211,7 +211,7 @@ def test_gather_map_moves_no_row_and_points_slots_at_rows():
     batch = make_batch()
     batch.condense()
     before = batch.req_ids
-    from fleetlab.lessons.reorder import decode_first_order
+    from fleetlab.lab.lessons.reorder import decode_first_order
 
     order, num_decodes = decode_first_order(batch)
     fig = viz.draw_gather_map(batch_snapshot(batch), order, num_decodes)
@@ -458,7 +458,7 @@ def test_decode_bandwidth_colours_follow_the_implementation_not_the_file():
     must not shift them."""
     from matplotlib.colors import to_hex
 
-    from fleetlab.viz.results import IMPLEMENTATION_COLORS
+    from fleetlab.lab.viz.results import IMPLEMENTATION_COLORS
 
     def colours(impls):
         rows = [{"batch": 1, "context": 512, **{f"{i}_tbps": 1.0 for i in impls}}]
@@ -473,7 +473,7 @@ def test_decode_bandwidth_colours_follow_the_implementation_not_the_file():
 def test_decode_bandwidth_draws_one_clock_and_names_every_line():
     """The eager columns of the kernel benchmark (``<impl>_eager_tbps``) are a clock, not more
     implementations: the graph figure leaves them out, the eager one draws them under the same names."""
-    from fleetlab.viz.results import IMPLEMENTATION_NAMES
+    from fleetlab.lab.viz.results import IMPLEMENTATION_NAMES
 
     rows = [{"batch": 1, "context": c, "triton_tbps": 3.0, "triton_eager_tbps": 1.0, "sdpa_tbps": 2.0,
              "sdpa_eager_tbps": 0.5, "before_eager_tbps": 0.2} for c in (512, 2048)]
@@ -637,7 +637,7 @@ def test_bandwidth_legend_names_implementations_in_words_and_explains_reference_
                                      "environment": {"device": "NVIDIA H200"}})
     assert sum(ax.get_visible() for ax in fig.axes) == 4 and len(fig.axes) == 6  # two rows of three
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
-    from fleetlab.viz.results import IMPLEMENTATION_NAMES
+    from fleetlab.lab.viz.results import IMPLEMENTATION_NAMES
 
     assert IMPLEMENTATION_NAMES["triton"] in labels
     assert any("spec-sheet peak, 4.8 TB/s" in t for t in labels)
@@ -805,7 +805,7 @@ def test_attention_pattern_and_cost_drawings():
 
 # ----------------------------------------------------------------- repeated runs
 def test_latency_bars_over_repeated_runs_show_the_median_and_the_spread():
-    from fleetlab.bench.latency import LatencyStats, Percentiles
+    from fleetlab.inspect.latency import LatencyStats, Percentiles
 
     def stats(ms, steps):
         p = Percentiles(ms, ms, ms, ms, 3)
@@ -842,7 +842,7 @@ def test_row_usage_names_each_request_where_it_enters_its_row(traces):
 
 def test_shard_plan_labels_every_band_of_a_replicated_kv_head_and_the_mlp_columns():
     from fleetlab.distributed import plan_shards
-    from fleetlab.viz import tp as tpviz
+    from fleetlab.lab.viz import tp as tpviz
 
     plan = plan_shards(num_heads=8, num_kv_heads=2, head_dim=16, intermediate_size=128, tp_size=4)
     ax = tpviz.draw_shard_plan([plan]).axes[0]

@@ -1,9 +1,9 @@
-"""Parallel sampling's block tables drawn two ways (fleetlab.viz.forks), on tables of the
+"""Parallel sampling's block tables drawn two ways (fleetlab.lab.viz.forks), on tables of the
 shape the engine produces: three children of a 10-token prompt in blocks of 4."""
 
 import pytest
 
-from fleetlab import viz
+from fleetlab.lab import viz
 
 AT_PROMPT = {"0_r": [0, 1, 2], "1_r": [0, 1, 3], "2_r": [0, 1, 4]}
 NOW = {"0_r": [0, 1, 2, 5], "1_r": [0, 1, 3, 6], "2_r": [0, 1, 4, 7]}

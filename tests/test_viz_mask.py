@@ -1,4 +1,4 @@
-"""fleetlab.viz.mask: the packed step's mask, read from real AttentionMetadata, is block-diagonal
+"""fleetlab.lab.viz.mask: the packed step's mask, read from real AttentionMetadata, is block-diagonal
 over rows, causal within a row, sees each row's cached prefix, and names the slots the step writes."""
 
 import numpy as np
@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fleetlab
-from fleetlab import viz
+from fleetlab.lab import viz
 
 ROWS = st.lists(st.tuples(st.integers(1, 9), st.integers(0, 12)), min_size=1, max_size=5)  # (query_len, computed)
 

@@ -1,4 +1,4 @@
-"""fleetlab.viz.spec on the Agg backend: what each speculative-decoding drawing puts on its
+"""fleetlab.lab.viz.spec on the Agg backend: what each speculative-decoding drawing puts on its
 figure, checked on hand-built traces and batches and on a real engine run."""
 
 import numpy as np
@@ -9,9 +9,9 @@ from matplotlib.figure import Figure
 from fleetlab import LLM, InputBatch, SamplingParams, viz
 from fleetlab.engine.batch_fields import DEFAULT_FIELDS
 from fleetlab.inspect.recorder import RowTrace, StepTrace
+from fleetlab.lab.viz._style import ALERT_COLOR
+from fleetlab.lab.viz.spec import TOKEN_KINDS
 from fleetlab.spec_decode.proposer_batch import NAMES, ProposerInputBatch, proposer_fields
-from fleetlab.viz._style import ALERT_COLOR
-from fleetlab.viz.spec import TOKEN_KINDS
 
 
 def by_gid(artists, prefix):

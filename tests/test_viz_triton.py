@@ -1,6 +1,6 @@
 """The Triton benchmark's launch-cost figure, drawn from a results dict of the benchmark's layout."""
 
-from fleetlab.viz.triton import draw_launch_costs
+from fleetlab.lab.viz.triton import draw_launch_costs
 
 ROW = {"batch": 4, "context": 4096, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128}
 RESULTS = {

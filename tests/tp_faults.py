@@ -4,7 +4,7 @@
         --kill-rank 1 --kill-at-step 3 --out OUT ...   # rank 1 SIGKILLs itself before step 3
     ... python -m tp_faults --diverge-rank 1 --out OUT ...  # rank 1 serves other prompts
 
-Everything else is ``fleetlab.distributed.worker``'s; ``tests/`` must be on ``PYTHONPATH``.
+Everything else is ``fleetlab.lab.tp_worker``'s; ``tests/`` must be on ``PYTHONPATH``.
 """
 
 import argparse
@@ -15,8 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from fleetlab.distributed import worker
 from fleetlab.distributed.group import launched_rank
+from fleetlab.lab import tp_worker as worker
 
 
 def main() -> int:

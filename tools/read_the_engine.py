@@ -23,7 +23,7 @@ START, END = "<!-- read-the-engine -->", "<!-- /read-the-engine -->"
 # (file, where the request is in it) in the order a request meets them.
 PATH = [
     ("fleetlab/llm.py", "`LLM.add_request`: the front door takes a prompt"),
-    ("fleetlab/validation.py", "`InputProcessor.process`: every check, once, at the edge"),
+    ("fleetlab/edge/input_processor.py", "`InputProcessor.process`: every check, once, at the edge"),
     ("fleetlab/engine/request.py", "`Request`: the scheduler's record of it"),
     ("fleetlab/engine/core.py", "`EngineCore.step`: schedule, execute, update"),
     ("fleetlab/engine/scheduler.py", "`Scheduler.schedule`: admitted under the token budget"),
@@ -34,7 +34,7 @@ PATH = [
     ("fleetlab/engine/input_batch.py", "`InputBatch`: its row, condensed and reordered decode-first"),
     ("fleetlab/engine/batch_fields.py", "`Field`: every per-request buffer, declared once"),
     ("fleetlab/attention/metadata.py", "`AttentionMetadata.from_batch`: positions, `slot_mapping`, `block_tables`"),
-    ("fleetlab/context.py", "`forward_context`: how attention deep in the model finds the step"),
+    ("fleetlab/attention/context.py", "`forward_context`: how attention deep in the model finds the step"),
     ("fleetlab/attention/backend.py", "`AttentionBackend.forward`: write K/V, then `attend`"),
     ("fleetlab/kv/paged_cache.py", "`PagedKVCache.write`: K/V into their slots"),
     ("fleetlab/attention/naive.py", "`naive_paged_attention`: the attention to read (`tiled.py` batches it)"),
@@ -42,6 +42,8 @@ PATH = [
     ("fleetlab/engine/outputs.py", "`RequestOutput`: what `Scheduler.update` hands back"),
     ("fleetlab/engine/hooks.py", "`StepHooks`: where observers see the step"),
     ("fleetlab/output/processor.py", "`OutputProcessor`: stop strings, logprobs, fan-in, text (beside the core)"),
+    ("fleetlab/output/text.py", "`TextStream`: its text token by token, cut at a stop string"),
+    ("fleetlab/output/detokenizer.py", "incremental detokenization: `DecodeStream`, or prefix and read offsets"),
     ("fleetlab/inspect/recorder.py", "`StepRecorder`: a trace of every step (beside the core)"),
 ]
 # A request asking for more than one sequence, logprobs, penalties or stop strings also passes through these.
@@ -49,7 +51,7 @@ SAMPLING_PATH = [
     ("fleetlab/output/parallel_sampling.py", "`ParentRequest`: `n` children sharing the prompt's blocks"),
     ("fleetlab/processors/penalties.py", "`PenaltiesProcessor`: penalties and `logit_bias`, a logits processor"),
     ("fleetlab/engine/logprobs.py", "log-probabilities, in the step's one read"),
-    ("fleetlab/output/stop.py", "stop strings, where the text is decoded"),
+    ("fleetlab/output/stop.py", "stop strings: the search, and what a stream holds back"),
 ]
 # With speculative decoding, the request also passes through these.
 SPEC_PATH = [
@@ -61,9 +63,9 @@ SPEC_PATH = [
     ("fleetlab/spec_decode/rejection.py", "`RejectionSampler`: drafts verified, the target's distribution kept"),
 ]
 # The core as issue 31 counts it: engine/, kv/, attention/ (naive, metadata, backend; the tiled and
-# Triton backends are plug-ins beside it, picked by name), context.py, spec_decode/, the front door.
+# Triton backends are plug-ins beside it, picked by name), its context.py, spec_decode/, the front door.
 CORE = ["fleetlab/engine", "fleetlab/kv", "fleetlab/attention/naive.py",
-        "fleetlab/attention/metadata.py", "fleetlab/attention/backend.py", "fleetlab/context.py",
+        "fleetlab/attention/metadata.py", "fleetlab/attention/backend.py", "fleetlab/attention/context.py",
         "fleetlab/spec_decode", "fleetlab/llm.py", "fleetlab/registry.py"]
 
 
@@ -108,9 +110,9 @@ def table() -> str:
                     f"{len(path.read_text(encoding='utf-8').splitlines())} |")
     files = core_files()
     total = sum(code_lines(p) for p in files)
-    rows.append(f"\nThe whole core (engine/, kv/, attention's naive, metadata and backend, context.py, "
+    rows.append(f"\nThe whole core (engine/, kv/, attention's naive, metadata, backend and context, "
                 f"spec_decode/, the front door and its registry): **{total} code lines in {len(files)} files**; the "
-                f"checks at the edge (`fleetlab/validation.py`) add {code_lines(ROOT / 'fleetlab/validation.py')}; "
+                f"checks at the edge (`fleetlab/edge/`) add {package_lines('fleetlab/edge')}; "
                 f"beside it, the output side (`fleetlab/output/`) {package_lines('fleetlab/output')} and inspection "
                 f"(`fleetlab/inspect/`) {package_lines('fleetlab/inspect')}, the tiled backend "
                 f"(`fleetlab/attention/tiled.py`) {code_lines(ROOT / 'fleetlab/attention/tiled.py')} and the "

@@ -30,7 +30,7 @@ WIDTH = 115  # README's prose line length
 
 sys.path.insert(0, str(ROOT))  # run from anywhere: this checkout's fleetlab, not an installed one
 
-from fleetlab.bench.machine import describe  # noqa: E402
+from fleetlab.lab.bench.machine import describe  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -73,7 +73,7 @@ def not_measured(title: str, cmd: str, file: str) -> str:
 
 # ----------------------------------------------------------------------------- the blocks
 def engine_block(r: dict | None) -> str:
-    from fleetlab.bench.report import headline_table
+    from fleetlab.lab.bench.report import headline_table
 
     intro = fill(
         f"**Engine vs PaddleFormers `generate`** — `{command(r, 'python -m fleetlab bench engine')}` "
@@ -158,7 +158,7 @@ def tiny_model_block(t: dict) -> str:
 
 
 def tp_block(r: dict) -> str:
-    from fleetlab.bench.tp import table
+    from fleetlab.lab.bench.tp import table
 
     m, wl = r["model"], r["workload"]
     runs = {run["name"]: run for run in r["runs"]}
@@ -307,7 +307,7 @@ def prefix_block(r: dict | None) -> str:
                  f"a random-init tiny Llama, block size {r['block_size']}, greedy, {r['params']['max_tokens']} "
                  f"output tokens a request; medians of {r['params']['rounds']} rounds, every configuration once a "
                  f"round on a fresh engine, in turns. Measured on {describe(r['machine'])}:")
-    from fleetlab.bench.prefix import table  # the bench prints the same rows
+    from fleetlab.lab.bench.prefix import table  # the bench prints the same rows
     pb = r["partial_block"]
     after = fill(f"few_shot: {r['params']['num_requests']} requests sharing a {r['params']['prefix_len']}-token "
                  f"prefix (not a block boundary); multi_turn: {r['params']['chats']} chats of {r['params']['turns']} "

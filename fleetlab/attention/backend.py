@@ -14,8 +14,8 @@ from typing import ClassVar
 
 import paddle
 
+from fleetlab.attention.context import current_kv_connector
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.context import current_kv_connector
 from fleetlab.errors import refuse
 from fleetlab.registry import Registry
 

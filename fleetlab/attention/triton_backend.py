@@ -15,7 +15,7 @@ Triton launches on Paddle tensors through Paddle's PyTorch proxy
 asks for streams and devices. The kernels module itself imports neither framework.
 
 Status: the kernels and their plans are verified and timed on an H200 with torch tensors
-(``tests/test_triton_kernels.py``, ``fleetlab/bench/triton_attention.py``). This Paddle
+(``tests/test_triton_kernels.py``, ``fleetlab/lab/bench/triton_attention.py``). This Paddle
 path could not be run where it was written (no GPU build of Paddle there).
 """
 
@@ -28,8 +28,8 @@ from typing import Any, ClassVar
 import paddle
 
 from fleetlab.attention.backend import AttentionBackend
+from fleetlab.attention.context import current_kv_connector
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.context import current_kv_connector
 
 
 @dataclass(slots=True)

@@ -1010,7 +1010,7 @@ def decode_config(head_dim: int, group: int, num_kv_heads: int, elem_bytes: int,
                   max_query_len: int = 1, kv_heads_contiguous: bool = True, num_rows: int = 1024,
                   max_span: int = 0, num_sms: int = 132, latency_path: bool = True) -> DecodeConfig:
     """The decode kernels' default knobs for a shape, chosen by timing every setting on an
-    H200 in bf16 (``python -m fleetlab.bench.triton_attention --tune decode``; the
+    H200 in bf16 (``python -m fleetlab.lab.bench.triton_attention --tune decode``; the
     figures behind each rule are in the README's Triton section).
 
     ``latency_path=False``: never the latency path (``_decode_kernel``'s knobs only).

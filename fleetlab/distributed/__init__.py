@@ -12,7 +12,7 @@ block ids and tables are identical everywhere (see :mod:`fleetlab.distributed.en
 - :mod:`~fleetlab.distributed.layers`: column- and row-parallel layers (manual, or Paddle's fleet layers);
 - :mod:`~fleetlab.distributed.shard`: sharding a Fleet-style model or a PaddleFormers Llama in place;
 - :mod:`~fleetlab.distributed.engine`: the hooks ``LLM`` calls, and the rank-agreement check;
-- :mod:`~fleetlab.distributed.launch`: starting a job from Python; :mod:`~fleetlab.distributed.worker`:
+- :mod:`~fleetlab.distributed.launch`: starting a job from Python; :mod:`~fleetlab.lab.tp_worker`:
   the reporting rank that tests, notebook and benchmark launch.
 """
 

@@ -108,7 +108,7 @@ class AgreementCheckedRunner:
 
 def step_fingerprint(sched, last_sampled: dict[str, tuple[int, ...]]) -> int:
     """A 64-bit fingerprint of a step's message (who runs how many tokens, which drafts, the
-    block ids it hands out) and of the tokens sampled just before it.
+    block ids it hands out, the blocks it copies) and of the tokens sampled just before it.
 
     Deterministic across processes (CRC32s, not Python's salted ``hash``).
     """
@@ -117,6 +117,6 @@ def step_fingerprint(sched, last_sampled: dict[str, tuple[int, ...]]) -> int:
     blocks.update({rid: (cached.num_blocks[i], *cached.new_block_ids[i]) for i, rid in enumerate(cached.req_ids)})
     rows = sorted((rid, n, blocks.get(rid, ()), tuple(sched.scheduled_spec_decode_tokens.get(rid, ())))
                   for rid, n in sched.num_scheduled_tokens.items())
-    a = zlib.crc32(repr(rows).encode())
+    a = zlib.crc32(repr((rows, [tuple(c) for c in sched.kv_copies])).encode())
     b = zlib.crc32(repr(sorted(last_sampled.items())).encode())
     return (a << 32) | b

@@ -15,7 +15,7 @@ without dying trips gloo's own 30 s timeout).
 
 What the launcher and the ranks print besides the program's own output says nothing to a
 fleetlab user, so it is kept out unless ``FLEETLAB_LIBRARY_NOTICES=1`` asks for every library
-notice (as :mod:`fleetlab.quiet` does in one process): Paddle's C++ INFO lines (glog, the
+notice (as :mod:`fleetlab.lab.quiet` does in one process): Paddle's C++ INFO lines (glog, the
 gloo store connecting), the launcher's own ``import paddle`` warning about ``ccache``, and the
 "Modified FLAGS detected" block ``init_parallel_env`` writes. Every rank's log keeps the rest.
 """
@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fleetlab.quiet import NOTICES_ENV
+# Set (not "0"): show every library notice, in the ranks too (the lab's quiet mode, fleetlab.lab.quiet, reads it).
+NOTICES_ENV = "FLEETLAB_LIBRARY_NOTICES"
 
 # Environment that silences the launcher's and the ranks' notices at their source.
 QUIET_ENV = {"GLOG_minloglevel": "1"}  # glog: WARNING and up
@@ -84,7 +85,7 @@ def launch(module_args: list[str], nproc: int, *, log_dir: str | os.PathLike | N
     # Its own session: on a timeout the launcher and every rank it started go down together.
     proc = subprocess.Popen(cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    reader = _Reader(proc.stdout, NoticeFilter(sys.stdout, drop=quiet) if stream else None)
+    reader = OutputReader(proc.stdout, NoticeFilter(sys.stdout, drop=quiet) if stream else None)
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -126,7 +127,7 @@ def last_error(log: str) -> str | None:
     return lines[-1] if found and lines else None
 
 
-class _Reader(threading.Thread):
+class OutputReader(threading.Thread):
     """Reads a pipe to its end on a thread of its own, keeping everything and passing it on
     to ``show`` (a :class:`NoticeFilter`, or None) as it arrives."""
 

@@ -154,3 +154,30 @@ DEFAULT_FIELDS = FieldRegistry([
           "side data bound to the request: (positions, embeddings) replacing prompt token embeddings"),
 ])
 DEFAULT_FIELDS._owners = dict.fromkeys(DEFAULT_FIELDS.names(), "the engine (fleetlab DEFAULT_FIELDS)")
+
+
+def check_field_value(field, where: str, value, sizes: Mapping[str, int]):
+    """``value`` as one row of batch ``field``: a numpy value of its dtype and exactly its row's
+    shape (``sizes`` resolves named dimensions; a scalar is never broadcast over a row); an object
+    field takes anything. Otherwise ``ValueError`` naming the field: a value of another kind (text
+    for a number, a float for an int) or out of the dtype's range is never coerced."""
+    if field.dtype == "object":
+        return value
+    try:
+        raw = np.asarray(value)
+    except ValueError:  # a ragged nesting ([None, []]) is no array: it fits no field
+        raw = np.empty((), object)
+    kinds = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}.get(np.dtype(field.dtype).kind, "")
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = raw.astype(field.dtype) if raw.dtype.kind in kinds else None
+    # A float may round (to float32), but never overflow; an int must stay the same int.
+    same = cast is not None and (np.isfinite(cast) | ~np.isfinite(raw) if cast.dtype.kind == "f"
+                                 else cast == raw).all()
+    if not same or raw.ndim != len(field.per_row_shape):
+        raise ValueError(f"{where} {field.name}={value!r:.60} does not fit the field: {field.dtype} values of "
+                         f"shape {field.per_row_shape} per row")
+    shape = field.resolve_shape(sizes)
+    if tuple(cast.shape) != shape:
+        raise ValueError(f"{where} {field.name} has shape {list(cast.shape)}; the field holds "
+                         f"{field.dtype} values of shape {list(shape)} per row")
+    return cast

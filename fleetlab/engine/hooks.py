@@ -4,7 +4,9 @@ Three points, each a list of listeners (:meth:`StepHooks.attach` puts an observe
 point it has a method for):
 
 - ``on_step(scheduler_output, runner_output, outputs)``: the step's three messages, once the
-  scheduler has committed it (``LLM.observers`` is this list);
+  scheduler has committed it (``LLM.observers`` is this list). An observer that raises takes
+  nothing back: every other observer still sees the step, then
+  :class:`~fleetlab.errors.ObserverError` names it and carries the step's outputs;
 - ``on_phase(name, seconds)``: each part of the step (``with hooks.phase(name):`` in the
   engine core and the model runner; the names are ``PHASES``), timed only while someone listens;
 - ``on_batch_order(req_ids)``: the runner's rows, condensed, before the decode-first reorder.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import time
+
+from fleetlab.errors import ObserverError, extension_name
 
 # The parts of a step, in the order they run.
 PHASES = ("schedule", "batch_update", "metadata", "forward", "sample", "propose", "update")
@@ -67,3 +71,22 @@ class StepHooks:
     def batch_order(self, req_ids) -> None:
         for listener in self.listeners["on_batch_order"]:
             listener.on_batch_order(list(req_ids))
+
+
+def notify_observers(hooks: StepHooks, steps: list) -> None:
+    """Show every observer each committed ``(scheduler_output, runner_output, outputs)``; if any
+    raised, raise :class:`ObserverError` naming the first, once all have seen every step (it
+    carries the steps' outputs: they are committed, and must still reach the user)."""
+    failed = None
+    for step in steps:
+        for observer in list(hooks.observers):
+            try:
+                observer.on_step(*step)
+            except Exception as exc:
+                failed = failed or (observer, exc)
+    if failed is not None:
+        observer, exc = failed
+        outputs = [o for _, _, outs in steps for o in outs]
+        raise ObserverError(f"{extension_name('step observer', observer)}.on_step raised {type(exc).__name__}: "
+                            f"{exc} (the step is committed: its outputs come with the next step)",
+                            outputs, steps[-1][1]) from exc

@@ -18,7 +18,7 @@ field can be forgotten. Access: ``batch.token_ids`` (a typed accessor for each d
 as of the last ``sync_to_device()``. Row order is internal: results leave keyed by request
 id. Drawing and checking a batch (``batch_snapshot``, ``check_batch``) and moving its rows by
 hand (``swap_rows``, ``permute_rows``) live beside it, in :mod:`fleetlab.inspect.batch` and
-:mod:`fleetlab.lessons.row_moves`.
+:mod:`fleetlab.lab.lessons.row_moves`.
 
 A speculative proposer's state (its ``ProposerInputBatch``) is a group of fields in this
 registry, so it moves with the rows like every other field.
@@ -181,7 +181,7 @@ class InputBatch:
 
     def _check_new_request(self, req_id, prompt, output, num_computed, blocks, stop, extra) -> None:
         """The batch's one check at its public entry (learners call ``add_request`` directly; the
-        engine's requests passed ``fleetlab.validation`` already). It runs before the row is touched,
+        engine's requests passed the edge, ``fleetlab.edge``, already). It runs before the row is touched,
         so a rejected add leaves no trace."""
         sizes, num_tokens = self.sizes, len(prompt) + len(output)
         unknown = [name for name in extra if name not in self.fields or name == "req_id"]
@@ -330,7 +330,7 @@ class InputBatch:
 
         ``perm[new_row] = old_row`` over rows ``[0, num_reqs)``. The two-pointer scan
         (:func:`two_pointer_swaps`): the fewest swaps, NOT stable within the decode or
-        prefill group (``fleetlab.lessons.reorder`` shows the stable partition and the
+        prefill group (``fleetlab.lab.lessons.reorder`` shows the stable partition and the
         no-move gather map beside it). The batch must be condensed first.
         """
         assert not self.has_holes, "reorder needs a dense batch: call condense() first"
@@ -369,7 +369,7 @@ for _name in DEFAULT_FIELDS.names():
 
 def _fits(field, value) -> bool:
     """Whether ``value`` can be written to one row of ``field`` (so that a write cannot fail halfway;
-    what a value means is the edge's to check, :func:`fleetlab.validation.check_field_value`)."""
+    what a value means is the edge's to check, :func:`fleetlab.engine.batch_fields.check_field_value`)."""
     try:
         return field.dtype == "object" or np.asarray(value, dtype=field.dtype).ndim == len(field.per_row_shape)
     except (TypeError, ValueError, OverflowError):

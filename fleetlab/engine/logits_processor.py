@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import numpy as np
 import paddle
 
 
@@ -32,3 +33,28 @@ class LogitsProcessor:
 
     def __call__(self, logits: paddle.Tensor, st) -> paddle.Tensor:
         raise NotImplementedError(f"logits processor {type(self).__name__} must implement __call__(logits, st)")
+
+
+def apply_processor(processor, logits, st):
+    """``processor(logits, st)``, checked where the sampler receives it.
+
+    A result that is not a tensor of the shape and dtype it was given (``[P, vocab]``: a column
+    more would let an id outside the vocabulary out, one less shifts nothing visibly) raises
+    ``ValueError`` naming the processor (the step is rolled back). A processor that is not
+    fleetlab's own is also checked for NaN: a position it made NaN stops that request with an
+    error naming the processor (``st.row_errors``), the others go on. That check costs one
+    device-to-host read of ``[P]`` flags per such processor and step.
+    """
+    out = processor(logits, st)
+    name = f"logits processor {type(processor).__name__}"
+    if not isinstance(out, paddle.Tensor):
+        raise ValueError(f"{name} returned {type(out).__name__}; it must return the logits tensor it was given "
+                         f"({list(logits.shape)}), changed")
+    if list(out.shape) != list(logits.shape) or out.dtype != logits.dtype:
+        raise ValueError(f"{name} returned logits {list(out.shape)} {out.dtype}; it was given {list(logits.shape)} "
+                         f"{logits.dtype} ([scored positions, vocab]) and must return that shape and dtype")
+    if not type(processor).__module__.startswith("fleetlab.") and out.shape[0]:
+        for p in np.flatnonzero(paddle.isnan(out).any(axis=-1).numpy()).tolist():
+            row = int(st.pos_row[p]) if st.pos_row is not None else p
+            st.row_errors.setdefault(row, f"{name} returned NaN logits for this request")
+    return out

@@ -77,6 +77,9 @@ class SchedulerOutput:
       ``len(drafts)`` of its scheduled tokens).
     finished_req_ids: requests that finished or were aborted since the last step.
     preempted_req_ids: requests preempted while this step was planned.
+    kv_copies: :class:`~fleetlab.kv.copies.BlockCopy` s the runner applies to the paged cache before
+      the forward (the head of a cached block into a request's own block: a prefix-cache match that
+      ends inside a block), in order.
     kv_connector_metadata: the KV connector's plan of the step's loads and saves (None without one).
     """
 
@@ -87,6 +90,7 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: list[str] = field(default_factory=list)
+    kv_copies: list = field(default_factory=list)
     kv_connector_metadata: object = None
 
     @property

@@ -21,21 +21,23 @@ survives.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import paddle
 
+from fleetlab.attention.context import forward_context
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.context import forward_context
 from fleetlab.device import upload, upload_packed
 from fleetlab.engine.hooks import StepHooks
 from fleetlab.engine.input_batch import InputBatch
 from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.sampler import Sampler, SamplingTensors
 from fleetlab.engine.side_data import chunk_embeds
-from fleetlab.kv_transfer.base import NULL_CONNECTOR
-from fleetlab.validation import check_drafts
+from fleetlab.errors import FieldTypeError, refuse
+from fleetlab.fields import token_ids_field
+from fleetlab.kv_transfer.base import NULL_CONNECTOR, checked_finished, connector_call
 
 
 @dataclass(slots=True)
@@ -132,10 +134,12 @@ class ModelRunner:
         :mod:`fleetlab.overlap.frozen`) and the KV cache."""
         phase, so, out = self.hooks.phase, p.so, p.out
         with phase("forward"):
+            self.copy_blocks(so.kv_copies)
             self.kv_connector.start_load_kv(so.kv_connector_metadata, self.kv_cache)
             logits = self.forward(p.inputs)  # each attention layer: wait_for_layer_load, write, save_kv_layer
             self.kv_connector.wait_for_save()
-            out.finished_sending, out.kv_load_failed_block_ids = self.kv_connector.get_finished(so.finished_req_ids)
+            out.finished_sending, out.kv_load_failed_block_ids = checked_finished(
+                self.kv_connector, connector_call(self.kv_connector, "get_finished", so.finished_req_ids))
         with phase("sample"):
             self.sample(logits, p.inputs, out, p.sampling)
         if self.proposer is not None:
@@ -143,6 +147,14 @@ class ModelRunner:
                 drafts = self.proposer.propose(self.batch, out.sampled_token_ids)
                 out.spec_token_ids = check_drafts(self.proposer, drafts, self.batch.req_ids, self.handle.vocab_size)
         return out
+
+    def copy_blocks(self, copies) -> None:
+        """The step's copies of partial prefix-cache hits (:mod:`fleetlab.kv.copies`), into every
+        paged cache addressed by the step's block ids (the proposer's too), before anything reads them."""
+        if copies:
+            self.kv_cache.copy_blocks(copies)
+            if self.proposer is not None:
+                self.proposer.copy_blocks(copies)
 
     def reset(self) -> None:
         """Drop every row (and the proposer's state): the scheduler will resend them in full."""
@@ -309,3 +321,26 @@ class ModelRunner:
             st.prompt_targets = b.token_ids[inputs.prompt_rows, inputs.prompt_positions + 1]
             st.prompt_num_logprobs = b.num_prompt_logprobs[inputs.prompt_rows]
         return st
+
+
+def check_drafts(proposer, drafts, req_ids, vocab_size: int) -> dict[str, list[int]]:
+    """What ``proposer.propose`` returned, checked where the runner receives it: a dict from
+    ids of the batch's requests (``req_ids``) to at most ``k`` int token ids in
+    ``[0, vocab_size)``. Anything else raises ``ValueError`` naming the proposer and the
+    request (the step is rolled back)."""
+    name = f"proposer {getattr(proposer, 'name', '?')!r} ({type(proposer).__name__})"
+    if not isinstance(drafts, Mapping):
+        raise FieldTypeError(f"{name}: propose returned {type(drafts).__name__}; it must return a dict "
+                             "{request id: [draft token ids]}")
+    live, k = set(req_ids) - {None}, proposer.num_speculative_tokens
+    out = {}
+    for rid, ids in drafts.items():
+        if rid not in live:
+            raise ValueError(f"{name}: propose returned drafts for request {rid!r:.60}, which is not in the batch")
+        ids = token_ids_field(f"{name}: request {rid!r}:", "drafts", ids)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        refuse([(len(ids) > k, f"{len(ids)} drafts, more than num_speculative_tokens={k}"),
+                (bad, f"draft ids {bad[:5]} outside the vocabulary [0, {vocab_size})")],
+               prefix=f"{name}: request {rid!r}: ")
+        out[rid] = ids
+    return out

@@ -12,8 +12,12 @@ class RequestOutput:
     token_ids: the generated ids (a final EOS or stop token is included).
     new_token_ids: the ids this step added (what a stream sends); all of ``token_ids`` in
       the outputs ``generate`` returns.
-    text: ``token_ids`` decoded without special tokens, once the request has finished and
-      when the engine has a tokenizer (a stream decodes its ``new_token_ids`` itself).
+    text: when the engine has a tokenizer: the text so far (``token_ids`` decoded without special
+      tokens, incrementally: see :mod:`fleetlab.output.text`), less what is held back for now (half a
+      character; the end of the text while it may begin a stop string); once finished, all of it
+      (cut at a stop string; without the text of the stop token that ended it). None without a tokenizer.
+    new_text: what this step added to ``text`` (what a stream sends; ``""`` when the new tokens
+      complete no character yet); all of ``text`` in the outputs ``generate`` returns.
     finish_reason: ``"stop"`` (EOS, a stop token or a stop string), ``"length"`` (max_tokens or the
       model's maximum length), ``"abort"`` (``LLM.abort``), ``"error"`` (see ``error``),
       or None while unfinished.
@@ -41,6 +45,7 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     cumulative_logprob: float | None = None
     stop_reason: int | str | None = None
+    new_text: str = ""
 
     @property
     def finished(self) -> bool:

@@ -8,6 +8,7 @@ A policy is a small object with two methods, chosen in the engine config by name
 from __future__ import annotations
 
 from fleetlab.engine.request import Request
+from fleetlab.errors import FieldTypeError, short
 from fleetlab.registry import Registry
 
 
@@ -70,6 +71,20 @@ POLICIES = Registry("scheduling_policy", SchedulingPolicy, {
     "fcfs": "fleetlab.engine.policies:SchedulingPolicy",
     "spf": "fleetlab.engine.policies:ShortestPromptFirst",
     "priority": "fleetlab.engine.policies:PriorityPolicy",
-    "lpm": "fleetlab.prefix_cache.policy:LongestPrefixMatch",
+    "lpm": "fleetlab.engine.longest_prefix_match:LongestPrefixMatch",
 })
 register_policy = POLICIES.register
+
+
+def check_victim(policy, victim, running: list):
+    """What ``policy.pick_victim(running)`` returned, checked where the scheduler receives it:
+    one of the ``running`` requests themselves (not an id, a copy or None), else a
+    ``TypeError`` / ``ValueError`` naming the policy (raised before anything is preempted)."""
+    if any(victim is r for r in running):
+        return victim
+    name = f"scheduling policy {getattr(policy, 'name', '?')!r} ({type(policy).__name__})"
+    if not isinstance(victim, Request):
+        raise FieldTypeError(f"{name}: pick_victim returned {short(victim)} ({type(victim).__name__}); it must "
+                             "return one of the Request objects in the list it is given")
+    raise ValueError(f"{name}: pick_victim returned request {victim.request_id!r}, which is not running; it must "
+                     "return one of the requests in the list it is given")

@@ -22,7 +22,7 @@ import paddle
 
 from fleetlab.device import upload
 from fleetlab.engine import logprobs as lp
-from fleetlab.validation import apply_processor
+from fleetlab.engine.logits_processor import apply_processor
 
 
 @dataclass(slots=True)

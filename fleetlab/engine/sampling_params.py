@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from fleetlab.structured_output.params import StructuredOutputsParams
+    from fleetlab.engine.structured_outputs_params import StructuredOutputsParams
 
 
 @dataclass(slots=True)
@@ -70,7 +70,7 @@ class SamplingParams:
     numpy scalars count as the numbers they hold (``temperature=np.float32(0.7)``); a
     ``bool`` is not an int, and nothing else is converted: a wrong type raises
     ``TypeError`` (``fleetlab.errors.FieldTypeError``, also a ``ValueError``). The engine
-    checks them when a request is added (``fleetlab.validation.check_sampling_params``).
+    checks them when a request is added (``fleetlab.edge.sampling.check_sampling_params``).
 
     fleetlab defaults to greedy decoding (temperature 0) so that every output can be
     checked against the model's own forward pass.

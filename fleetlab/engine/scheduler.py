@@ -32,11 +32,11 @@ import time
 
 from fleetlab.engine.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from fleetlab.engine.outputs import RequestOutput
-from fleetlab.engine.policies import POLICIES, SchedulingPolicy
+from fleetlab.engine.policies import POLICIES, SchedulingPolicy, check_victim
 from fleetlab.engine.request import Request, RequestStatus
 from fleetlab.kv.manager import KVCacheManager
-from fleetlab.kv_transfer.base import NULL_CONNECTOR, KVConnector, requests_to_recompute
-from fleetlab.validation import check_victim
+from fleetlab.kv_transfer.base import (NULL_CONNECTOR, KVConnector, checked_arrival, checked_holds,
+                                       checked_num_matched, connector_call, requests_to_recompute)
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,7 @@ class Scheduler:
         self._sent: dict[str, tuple[int, int]] = {}
         self._finished_ids: set[str] = set()
         self.admitted: list[Request] = []  # the last plan's admissions, which rollback sends back
+        self.planned: SchedulerOutput | None = None  # the last plan, whole or (if planning failed) partial
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: Request) -> None:
@@ -96,32 +97,42 @@ class Scheduler:
     def abort(self, request_ids) -> list[Request]:
         """Finish the named waiting or running requests with reason ``"abort"`` (their
         ``finish_time`` now) and free their blocks at once; ids of finished or unknown requests
-        are skipped."""
+        are skipped. If the KV connector's ``request_finished`` raises, nothing is aborted."""
         aborted = [self.requests[rid] for rid in dict.fromkeys(request_ids) if rid in self.requests]
+        holds = [self._connector_holds(req) for req in aborted]  # may raise: before anything changes
         now = time.perf_counter()
-        for req in aborted:
-            self._finish(req, "abort", now)
+        for req, hold in zip(aborted, holds):
+            self._finish(req, "abort", now, hold)
         return aborted
 
     # ------------------------------------------------------------------ planning
     def schedule(self) -> SchedulerOutput:
-        """Plan one step: running requests first (preempting on a dry pool), then admissions."""
-        out = SchedulerOutput(step=self.step_count)
+        """Plan one step: running requests first (preempting on a dry pool), then admissions.
+
+        If anything raises while planning (a policy, the prefix cache, the KV connector), the
+        partial plan is ``self.planned``: the engine core hands it to :meth:`rollback`."""
+        out = self.planned = SchedulerOutput(step=self.step_count)
+        self.step_count += 1  # now, so that rolling back a partial plan takes it back
         self.admitted = []
         self._take_remote_kvs(out)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted_req_ids:  # after a preemption the pool is tight: admit nobody new
             self._schedule_waiting(out, budget)
         self._fill_request_data(out)
+        out.kv_copies = self.kv.take_copies(out.num_scheduled_tokens)  # partial prefix hits, copied first
         out.finished_req_ids, self._finished_ids = self._finished_ids, set()
-        out.kv_connector_metadata = self.connector.build_connector_meta(out, self)
-        self.step_count += 1
+        out.kv_connector_metadata = connector_call(self.connector, "build_connector_meta", out, self)
         return out
 
     def _take_remote_kvs(self, out: SchedulerOutput) -> None:
-        """Requests whose remote K/V arrived join the batch; a failed transfer is recomputed."""
+        """Requests whose remote K/V arrived join the batch; a failed transfer (False, or an
+        exception out of the future) is recomputed."""
         for req in [r for r in self.running if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS and r.is_ready]:
-            arrived, req.waiting_on, req.status = req.waiting_on.result(), None, RequestStatus.RUNNING
+            if req.waiting_on.exception() is not None:
+                logger.warning("KV connector %s: the transfer of request %s failed (%r); it will be recomputed",
+                               self.connector.name, req.request_id, req.waiting_on.exception())
+            arrived = req.waiting_on.exception() is None and req.waiting_on.result() is True
+            req.waiting_on, req.status = None, RequestStatus.RUNNING
             if not arrived:
                 self._preempt(req, out)
 
@@ -178,9 +189,10 @@ class Scheduler:
             ready = [r for r in self.waiting if r.is_ready]  # a request whose grammar compiles waits
             if not ready:
                 break
-            req = min(ready, key=lambda r: self.policy.admission_key(r, self.step_count))
+            req = min(ready, key=lambda r: self.policy.admission_key(r, out.step))
             hits, num_hit_tokens = self.kv.get_computed_blocks(req)
-            num_external = self.connector.get_num_new_matched_tokens(req, num_hit_tokens)  # loaded, not computed
+            num_external = checked_num_matched(self.connector, connector_call(  # loaded, not computed
+                self.connector, "get_num_new_matched_tokens", req, num_hit_tokens), req, num_hit_tokens)
             remaining = req.num_tokens - num_hit_tokens - num_external
             if remaining > budget and not self.enable_chunked_prefill:
                 break
@@ -189,19 +201,24 @@ class Scheduler:
             # Waiting, it holds its slots as lookahead: no block enters the prefix cache before its K/V is there.
             new, ahead = ((0, num_external + remaining + self.num_lookahead_tokens) if wait else
                           (num_external + n, self._lookahead(req, n + num_hit_tokens + num_external)))
-            if self.kv.allocate_slots(req, new, ahead, hits, max_num_tokens=self.max_model_len) is None:
-                break
+            try:
+                if self.kv.allocate_slots(req, new, ahead, hits, max_num_tokens=self.max_model_len) is None:
+                    break
+            except BaseException:  # (the prefix cache failed) not admitted: it holds no block
+                self.kv.free(req)
+                raise
             if self.kv.prefix_cache is not None:  # counted once per admission, not once per retry
                 self.kv.record_lookup(req, num_hit_tokens)
             req.num_computed_tokens = num_hit_tokens + num_external
-            arrival = self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id),
-                                                              num_hit_tokens, num_external)
-            req.first_scheduled_time = req.first_scheduled_time or time.perf_counter()
-            self.waiting.remove(req)
+            self.waiting.remove(req)  # admitted now: a rollback from here on sends it back with its blocks
             req.status = RequestStatus.WAITING_FOR_REMOTE_KVS if wait else RequestStatus.RUNNING
-            req.waiting_on = arrival if wait else req.waiting_on
             self.running.append(req)
             self.admitted.append(req)
+            arrival = checked_arrival(self.connector, connector_call(
+                self.connector, "update_state_after_alloc", req, self.kv.get_block_ids(req.request_id),
+                num_hit_tokens, num_external), wait)
+            req.first_scheduled_time = req.first_scheduled_time or time.perf_counter()
+            req.waiting_on = arrival if wait else req.waiting_on
             if not wait:
                 budget -= self._schedule(req, n, out)
 
@@ -248,36 +265,62 @@ class Scheduler:
         end are freed). Tokens are appended one at a time, so a stop token, EOS,
         ``max_tokens`` or the model's length inside an accepted run ends the request exactly
         where plain decoding would. Finished requests free their blocks.
+
+        Two phases: first what the step does to each request is worked out and the KV connector
+        is told which requests retire (``request_finished``, the one extension called here);
+        only then is anything changed. So if the connector raises, nothing is committed and the
+        engine core rolls the whole step back (held blocks whose save is done are freed first,
+        whatever happens: that news comes once).
         """
         now = time.perf_counter() if now is None else now
+        for rid in result.finished_sending & self._held.keys():  # the connector's save is done: free what it kept
+            self.kv.free(self._held.pop(rid))
         redo = requests_to_recompute(self.kv, out.num_scheduled_tokens, result.kv_load_failed_block_ids)
+        plan = [(self.requests[rid], n, *self._outcome(self.requests[rid], out, result, rid))
+                for rid, n in out.num_scheduled_tokens.items() if rid not in redo]
+        holds = {req.request_id: self._connector_holds(req) for req, _, _, reason, _ in plan if reason}
         for rid in redo:  # a KV load failed: recompute, as after a preemption (before commit drops its cache entries)
             self._preempt(self.requests[rid], out)
         self.kv.commit_step()
-        for rid in result.finished_sending & self._held.keys():  # the connector's save is done: free what it kept
-            self.kv.free(self._held.pop(rid))
-        outputs = []
-        for rid, n in out.num_scheduled_tokens.items():
-            req = self.requests[rid]
-            if rid in redo:
-                continue
-            req.num_computed_tokens += n
-            tokens = result.sampled_token_ids.get(rid)
-            if rid in result.errors:
-                req.error = result.errors[rid]
-                self._finish(req, "error", now)
-            elif tokens is None:
-                continue  # a prefill chunk that did not reach the prompt's end
-            else:
-                num_rejected = len(out.scheduled_spec_decode_tokens.get(rid, ())) + 1 - len(tokens)
-                req.num_computed_tokens -= num_rejected
-                tokens = self._append_tokens(req, tokens, now)
-                if req.status is not RequestStatus.FINISHED:
-                    req.spec_token_ids = result.spec_token_ids.get(rid, [])
-                    if num_rejected:
-                        self._free_rejected_slots(req)
-            outputs.append(RequestOutput.from_request(req, tokens or []))
-        return outputs
+        outputs = [self._commit(req, n, tokens, reason, num_rejected, result, holds.get(req.request_id), now)
+                   for req, n, tokens, reason, num_rejected in plan]
+        return [o for o in outputs if o is not None]
+
+    def _outcome(self, req: Request, out: SchedulerOutput, result: ModelRunnerOutput, rid: str):
+        """What the step does to a request, changing nothing: ``(tokens it keeps or None, why it
+        finishes or None, drafts rejected)``."""
+        if rid in result.errors:
+            return None, "error", 0
+        tokens = result.sampled_token_ids.get(rid)
+        if tokens is None:
+            return None, None, 0  # a prefill chunk that did not reach the prompt's end
+        num_rejected = len(out.scheduled_spec_decode_tokens.get(rid, ())) + 1 - len(tokens)
+        n_out, num_tokens = len(req.output_token_ids), req.num_tokens
+        for i, token in enumerate(tokens):  # one at a time: a stop inside an accepted run ends it there
+            if reason := self._stop_reason(req.sampling_params, req.eos_token_id, token, n_out + i + 1,
+                                           num_tokens + i + 1):
+                return tokens[: i + 1], reason, num_rejected
+        return tokens, None, num_rejected
+
+    def _commit(self, req: Request, n: int, tokens, reason, num_rejected: int, result: ModelRunnerOutput,
+                hold, now: float) -> RequestOutput | None:
+        """Advance one request as :meth:`_outcome` worked out (nothing here calls an extension); its
+        output, or None for a prefill chunk short of the prompt's end."""
+        rid = req.request_id
+        req.num_computed_tokens += n - num_rejected
+        if rid in result.errors:
+            req.error = result.errors[rid]
+        if tokens is not None:
+            req.first_token_time = req.first_token_time or now
+            req.output_token_ids.extend(tokens)
+            self.num_generated_tokens += len(tokens)
+        if reason is not None:
+            self._finish(req, reason, now, hold)
+        elif tokens is not None:
+            req.spec_token_ids = result.spec_token_ids.get(rid, [])
+            if num_rejected:
+                self._free_rejected_slots(req)
+        return None if tokens is None and reason is None else RequestOutput.from_request(req, tokens or [])
 
     def _free_rejected_slots(self, req: Request) -> None:
         """Give back the blocks past the request's new end (and its lookahead), and tell the
@@ -286,38 +329,31 @@ class Scheduler:
         if self.kv.free_blocks_beyond(req, min(req.num_tokens + self.num_lookahead_tokens, self.max_model_len)):
             self._sent[rid] = (self._sent[rid][0], len(self.kv.get_block_ids(rid)))
 
-    def _append_tokens(self, req: Request, tokens: list[int], now: float) -> list[int]:
-        """Append ``tokens`` until one stops the request; returns those kept."""
-        if req.first_token_time is None:
-            req.first_token_time = now
-        for i, token in enumerate(tokens):
-            self.num_generated_tokens += 1
-            req.output_token_ids.append(token)
-            if reason := self._stop_reason(req):
-                self._finish(req, reason, now)
-                return tokens[: i + 1]
-        return tokens
-
-    def _stop_reason(self, req: Request) -> str | None:
-        """Why the request ends at its last token: ``"stop"`` (a stop token or EOS, once ``min_tokens`` are out),
-        ``"length"`` (``max_tokens`` or the model's length), or None."""
-        sp, token, n_out = req.sampling_params, req.output_token_ids[-1], len(req.output_token_ids)
-        at_stop = token in sp.stop_token_ids or (not sp.ignore_eos and token == req.eos_token_id)  # EOS unless ignored
+    def _stop_reason(self, sp, eos_token_id, token: int, n_out: int, num_tokens: int) -> str | None:
+        """Why a request ends at ``token``, its ``n_out``-th output and ``num_tokens``-th token:
+        ``"stop"`` (a stop token or EOS, once ``min_tokens`` are out), ``"length"`` (``max_tokens``
+        or the model's length), or None."""
+        at_stop = token in sp.stop_token_ids or (not sp.ignore_eos and token == eos_token_id)  # EOS unless ignored
         if n_out >= sp.min_tokens and at_stop:
             return "stop"
-        if n_out >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+        if n_out >= sp.max_tokens or num_tokens >= self.max_model_len:
             return "length"
         return None
 
-    def _finish(self, req: Request, reason: str, now: float) -> None:
-        """End a running request (or a waiting one, aborted): free its blocks and forget it (the
-        engine keeps no history)."""
+    def _connector_holds(self, req: Request) -> bool:
+        """Tell the KV connector the request retires; True: it keeps the blocks until its save is done."""
+        return checked_holds(self.connector, connector_call(
+            self.connector, "request_finished", req, self.kv.get_block_ids(req.request_id)))
+
+    def _finish(self, req: Request, reason: str, now: float, hold: bool) -> None:
+        """End a running request (or a waiting one, aborted): free its blocks (or hold them, if
+        the connector asked, ``hold``) and forget it (the engine keeps no history)."""
         req.finish_time = now
         (self.running if req in self.running else self.waiting).remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.spec_token_ids = []
-        if self.connector.request_finished(req, self.kv.get_block_ids(req.request_id)):
+        if hold:
             self._held[req.request_id] = req  # freed once get_finished names it
         else:
             self.kv.free(req)
@@ -345,3 +381,4 @@ class Scheduler:
         self._sent.clear()
         self._finished_ids |= set(out.finished_req_ids)
         self.step_count -= 1
+        connector_call(self.connector, "rollback", out)

@@ -2,7 +2,7 @@
 
 A vision-language request carries image features bound to prompt positions (the image's
 placeholder tokens), ``(positions int64 [m], embeddings float32 [m, hidden])`` once checked
-(``fleetlab.validation.normalize_prompt_embeds``). The engine keeps them with the request
+(``fleetlab.edge.input_processor.normalize_prompt_embeds``). The engine keeps them with the request
 and in its InputBatch row (an object field, moved by every condense and reorder like any
 other field), slices them to each prefill chunk, and, after a preemption, recomputes with
 them again. Blocks from the first replaced position on are never shared through the prefix

@@ -5,7 +5,7 @@ own step needs neither).
 - :func:`check_batch`: the id <-> row map, ``num_rows`` and empty rows agree (tests, debugging).
 
 The row moves a lesson makes by hand (``swap_rows``, ``permute_rows``, ``append_tokens``...)
-are :mod:`fleetlab.lessons.row_moves`.
+are :mod:`fleetlab.lab.lessons.row_moves`.
 """
 
 from __future__ import annotations

@@ -82,9 +82,11 @@ def check_pool(pool) -> None:
 
 def check_kv_manager(kv, live_request_ids) -> None:
     """Raise RuntimeError unless exactly the live requests hold blocks in a
-    :class:`~fleetlab.kv.manager.KVCacheManager` and its pool's reference counts equal the holders."""
+    :class:`~fleetlab.kv.manager.KVCacheManager` and its pool's reference counts equal the holders
+    (a request, or a partial prefix hit's copy pinning its source until the step that copies ends)."""
     stale = sorted(set(kv._blocks) - set(live_request_ids))
     counts = Counter(b for blocks in kv._blocks.values() for b in blocks)
+    counts.update(c.src_block for c in kv.pinned_copies())
     wrong = [b for b in range(kv.pool.num_blocks) if kv.pool.ref_count(b) != counts[b]]
     refuse([(stale, f"finished requests still hold blocks: {stale}"),
             (wrong, lambda: f"block {wrong[0]}: reference count {kv.pool.ref_count(wrong[0])}, held by "

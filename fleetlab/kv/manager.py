@@ -18,6 +18,15 @@ those registrations back, so no cached block ever points at K/V that was never w
 An overlapped loop (:mod:`fleetlab.overlap`) plans a step while the one before is in flight:
 :meth:`KVCacheManager.open_step` starts the next step's log, so two steps' registrations are
 open at once; ``commit_step`` closes the oldest, ``rollback_step`` takes back all of them.
+
+A match that ends inside a block (:meth:`~fleetlab.prefix_cache.PrefixCache.lookup_partial`, the
+radix tree's) is served by a copy: ``get_computed_blocks`` returns the whole-block hits with the
+block to copy from (:class:`ComputedBlocks`), ``allocate_slots`` pins that block (a reference,
+so no allocation can reuse it) and plans a :class:`~fleetlab.kv.copies.BlockCopy` of its head into
+the request's first new block; :meth:`KVCacheManager.take_copies` hands the copy to the first
+step that schedules the request (the runner copies before that step's forward), and the pin is
+released when that step commits. A block registered in the step being planned is never a source:
+its K/V are written by that step's forward, after the copy.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fleetlab.kv.block_pool import BlockPool
+from fleetlab.kv.copies import BlockCopy
+from fleetlab.prefix_cache import cache_call, check_partial_hit, checked_hits, checked_num_cached
 
 
 @dataclass(slots=True)
@@ -37,11 +48,26 @@ class _Registration:
 
 @dataclass(slots=True)
 class _StepLog:
-    """One open step's undo log: its registrations per request, and the hit-rate counters
-    before its first admission (None: it admitted nobody with prefix caching on)."""
+    """One open step's undo log: its registrations per request, the hit-rate counters before its
+    first admission (None: it admitted nobody with prefix caching on), and the copies it carries
+    (their source blocks pinned until it commits)."""
 
     registrations: dict[str, _Registration] = field(default_factory=dict)
     counters_before: object = None
+    copies: list[BlockCopy] = field(default_factory=list)
+
+
+class ComputedBlocks(tuple):
+    """A new request's prefix-cache hits: the whole blocks to share (the tuple's items), then
+    ``num_copy_tokens`` tokens to copy from the head of block ``copy_from`` (None: no copy)."""
+
+    copy_from: int | None
+    num_copy_tokens: int
+
+    def __new__(cls, block_ids=(), copy_from: int | None = None, num_copy_tokens: int = 0):
+        self = super().__new__(cls, block_ids)
+        self.copy_from, self.num_copy_tokens = copy_from, num_copy_tokens
+        return self
 
 
 class KVCacheManager:
@@ -62,6 +88,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}  # leading blocks already in the prefix cache
         self._step_logs: list[_StepLog] = [_StepLog()]  # open steps, oldest first; the last one plans now
+        self._pending_copies: dict[str, BlockCopy] = {}  # planned, not yet in a step (source pinned)
 
     # ------------------------------------------------------------------ queries
     def blocks_needed(self, num_tokens: int) -> int:
@@ -73,8 +100,9 @@ class KVCacheManager:
         return list(self._blocks.get(request_id, ()))
 
     # ------------------------------------------------------------------ allocation
-    def get_computed_blocks(self, request) -> tuple[tuple[int, ...], int]:
-        """Cached blocks holding a prefix of a new request, and the tokens they cover.
+    def get_computed_blocks(self, request) -> tuple[ComputedBlocks, int]:
+        """Cached blocks holding a prefix of a new request (with the partial block to copy, if the
+        cache matches inside one), and the tokens they cover.
 
         Never the whole request: at least one token is always computed. No hits for a
         request that ``skip_reading_prefix_cache`` (its blocks are still cached for others). Counts
@@ -82,15 +110,26 @@ class KVCacheManager:
         step); the scheduler counts the query once, on admission, with :meth:`record_lookup`.
         """
         if self.prefix_cache is None or getattr(request, "skip_reading_prefix_cache", False):
-            return (), 0
-        hits = self.prefix_cache.lookup(request.all_token_ids[: request.num_cacheable_tokens], record_stats=False)
-        return tuple(hits), len(hits) * self.block_size
+            return ComputedBlocks(), 0
+        tokens = request.all_token_ids[: request.num_cacheable_tokens]
+        hits = checked_hits(self.prefix_cache, cache_call(self.prefix_cache, "lookup", tokens, record_stats=False),
+                            len(tokens), self.pool.num_blocks)
+        partial = check_partial_hit(self.prefix_cache, cache_call(self.prefix_cache, "lookup_partial", tokens,
+                                                                  len(hits)), tokens, len(hits))
+        if partial is None or self._written_after_copy(partial[0]):
+            return ComputedBlocks(hits), len(hits) * self.block_size
+        return ComputedBlocks(hits, *partial), len(hits) * self.block_size + partial[1]
+
+    def _written_after_copy(self, block_id: int) -> bool:
+        """The block was registered in the step being planned: its K/V are written by that step's
+        forward, after the step's copies, so it cannot be copied from yet."""
+        return any(block_id in r.block_ids for r in self._step_logs[-1].registrations.values())
 
     def record_lookup(self, request, num_hit_tokens: int) -> None:
         """Count one admission's prefix-cache query in the hit rate (undone if the step fails)."""
         log = self._step_logs[-1]
         log.counters_before = log.counters_before or self.prefix_cache.lookup_counters()
-        self.prefix_cache.record_lookup(request.num_tokens, num_hit_tokens // self.block_size)
+        self.prefix_cache.record_lookup(request.num_tokens, *divmod(num_hit_tokens, self.block_size))
 
     def allocate_slots(self, request, num_new_tokens: int, num_lookahead_tokens: int = 0,
                        hits: tuple[int, ...] = (), max_num_tokens: int | None = None) -> tuple[int, ...] | None:
@@ -104,14 +143,16 @@ class KVCacheManager:
 
         ``hits`` (first admission only; vLLM's ``new_computed_blocks``) are the prefix-cache hits of
         :meth:`get_computed_blocks`: the request takes a reference on them and its
-        ``num_computed_tokens`` moves past them (the caller sets it).
+        ``num_computed_tokens`` moves past them (the caller sets it); a partial hit
+        (``hits.copy_from``) is pinned and its copy into the first new block planned.
         ``num_lookahead_tokens`` reserves slots past this step's tokens (a draft model writes its
         proposals there); ``max_num_tokens`` caps the slots (the model's length). Returns None,
         changing nothing, when the pool cannot supply the blocks.
         """
         rid = request.request_id
         held = self._blocks.get(rid, [])
-        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        copy_from = getattr(hits, "copy_from", None)
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size + getattr(hits, "num_copy_tokens", 0)
         num_slots = num_computed + num_new_tokens + num_lookahead_tokens
         if max_num_tokens is not None:
             num_slots = min(num_slots, max_num_tokens)
@@ -120,15 +161,18 @@ class KVCacheManager:
             self._cache_known_blocks(request, num_computed + num_new_tokens)
             return ()
         # A hit on a block nobody holds takes it out of the free queue: it costs a free block too.
-        revived = sum(1 for b in hits if self.pool.ref_count(b) == 0)
+        pinned = [copy_from] if copy_from is not None else []
+        revived = sum(1 for b in (*hits, *pinned) if self.pool.ref_count(b) == 0)
         if num_new_blocks + revived > self.pool.num_free_blocks:
             return None
-        self.pool.touch(hits)
+        self.pool.touch([*hits, *pinned])  # before allocating: the allocation may not hand these out
         new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks else []
         blocks = self._blocks.setdefault(rid, [])
         blocks += [*hits, *new_blocks]
         if hits:
             self._num_cached[rid] = len(blocks) - len(new_blocks)
+        if pinned:  # (a partial hit leaves at least one token to compute: there is a new block)
+            self._pending_copies[rid] = BlockCopy(rid, copy_from, new_blocks[0], hits.num_copy_tokens)
         self._cache_known_blocks(request, num_computed + num_new_tokens)
         return (*hits, *new_blocks)
 
@@ -143,7 +187,13 @@ class KVCacheManager:
         if num_full <= num_cached:
             return
         blocks = self._blocks[rid]
-        self._num_cached[rid] = self.prefix_cache.cache_blocks(request.all_token_ids, blocks, num_cached, num_full)
+        try:
+            self._num_cached[rid] = checked_num_cached(self.prefix_cache, cache_call(
+                self.prefix_cache, "cache_blocks", request.all_token_ids, blocks, num_cached, num_full),
+                num_cached, num_full)
+        except BaseException:  # whatever it registered before it failed is not to be trusted
+            self.pool.uncache(blocks[num_cached:num_full])
+            raise
         # Fresh blocks have no key, so the keyed ones are this call's (a block whose content is
         # already cached under another block stays unkeyed).
         log = self._step_logs[-1].registrations.setdefault(rid, _Registration(num_cached))
@@ -162,6 +212,9 @@ class KVCacheManager:
                 self.pool.uncache(log.block_ids)
         self.pool.free(self._blocks.pop(rid, []))
         self._num_cached.pop(rid, None)
+        copy = self._pending_copies.pop(rid, None)  # (one a step carries stays pinned until that step ends)
+        if copy is not None:
+            self.pool.free([copy.src_block])
 
     def free_blocks_beyond(self, request, num_tokens: int) -> int:
         """Free the request's blocks past the first ``num_tokens`` slots (after rejected
@@ -173,20 +226,35 @@ class KVCacheManager:
         self.pool.free(tail)  # (none when it holds no more than it keeps)
         return len(tail)
 
-    # ------------------------------------------------------------------ step transactions
+    # ------------------------------------------------------------------ copies and step transactions
+    def take_copies(self, scheduled_req_ids) -> list[BlockCopy]:
+        """The planned copies of the requests this step schedules (``SchedulerOutput.kv_copies``):
+        the runner applies them before the step's forward; their sources stay pinned until the
+        step commits. A request not scheduled yet (its K/V still arriving) keeps its copy."""
+        copies = [self._pending_copies.pop(rid) for rid in scheduled_req_ids if rid in self._pending_copies]
+        self._step_logs[-1].copies += copies
+        return copies
+
+    def pinned_copies(self) -> list[BlockCopy]:
+        """Every copy whose source block is pinned: planned, or carried by an open step."""
+        return [*self._pending_copies.values(), *(c for log in self._step_logs for c in log.copies)]
+
     def open_step(self) -> None:
         """The step just planned stays open (in flight); the next one plans into a log of its own."""
         self._step_logs.append(_StepLog())
 
     def commit_step(self) -> None:
-        """The oldest open step ran: its registrations stand."""
-        self._step_logs.pop(0)
+        """The oldest open step ran: its registrations stand, its copies are done (unpin their sources)."""
+        done = self._step_logs.pop(0)
+        if done.copies:
+            self.pool.free([c.src_block for c in done.copies])
         if not self._step_logs:
             self._step_logs.append(_StepLog())
 
     def rollback_step(self) -> None:
         """The step failed: drop every prefix-cache registration of every open step (newest first,
-        so each request's cached count ends as it was before the oldest), and their queries' counts."""
+        so each request's cached count ends as it was before the oldest), and their queries' counts;
+        their copies are due again (pending, the source still pinned) for requests still held."""
         counters = next((log.counters_before for log in self._step_logs if log.counters_before is not None), None)
         if counters is not None:
             self.prefix_cache.restore_lookup_counters(counters)
@@ -195,4 +263,9 @@ class KVCacheManager:
                 self.pool.uncache(log.block_ids)
                 if rid in self._num_cached:
                     self._num_cached[rid] = log.num_cached_before
+            for copy in step_log.copies:  # not done (or undone with the step): due again, pin and all
+                if copy.dst_block in self._blocks.get(copy.req_id, ()):
+                    self._pending_copies[copy.req_id] = copy
+                else:
+                    self.pool.free([copy.src_block])
         self._step_logs = [_StepLog()]

@@ -13,7 +13,11 @@ from __future__ import annotations
 import logging
 import operator
 
+import numpy as np
 import paddle
+
+from fleetlab.device import upload
+from fleetlab.kv.copies import copy_slots
 
 logger = logging.getLogger(__name__)
 
@@ -142,10 +146,32 @@ class PagedKVCache:
             rows = paddle.concat([new.astype(self.dtype), cache[:1, 0]])
             paddle.index_put_(cache, (block, offset), gather_rows(rows, source))
 
+    def copy_blocks(self, copies) -> None:
+        """Apply a step's :class:`~fleetlab.kv.copies.BlockCopy` s to the K and V of every layer, in
+        order: slots ``[0, num_tokens)`` of each ``src_block`` to the same slots of its ``dst_block``
+        (a prefix-cache match that ends inside a block). Two indexed ops per tensor, whatever the
+        number of copies; with tensor parallelism each rank copies its own heads."""
+        if not copies:
+            return
+        src, dst = copy_slots(copies, self.block_size)
+        bs = self.block_size
+        read = upload(np.stack([src // bs, src % bs], axis=1))
+        block, offset = upload(dst // bs), upload(dst % bs)
+        for cache in (*self._k, *self._v):
+            paddle.index_put_(cache, (block, offset), _gather_slots(cache, read))
+
     def _check_layer(self, layer_id) -> int:
         if not (hasattr(layer_id, "__index__") and 0 <= operator.index(layer_id) < self.num_layers):
             raise ValueError(f"layer_id {layer_id!r} out of range: the cache has {self.num_layers} layers")
         return operator.index(layer_id)
+
+
+def _gather_slots(cache: paddle.Tensor, index: paddle.Tensor) -> paddle.Tensor:
+    """``cache[index[:, 0], index[:, 1]]`` (``[n, heads, head_dim]``) for every cache dtype (Paddle's
+    CPU ``gather_nd`` has no float16 kernel: those rows move as their int16 bits)."""
+    if cache.dtype == paddle.float16:
+        return paddle.gather_nd(cache.view(paddle.int16), index).view(paddle.float16)
+    return paddle.gather_nd(cache, index)
 
 
 def _skip_plan(slots: paddle.Tensor):

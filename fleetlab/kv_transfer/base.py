@@ -44,9 +44,12 @@ A connector is built by :func:`make_kv_connector` from a checked
 
 from __future__ import annotations
 
+import operator
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from fleetlab.errors import bad_return, call_extension
 from fleetlab.registry import Registry
 
 
@@ -158,8 +161,17 @@ class KVConnector:
         return None
 
     def request_finished(self, request, block_ids: list[int]) -> bool:
-        """The request retired. True: keep its blocks until :meth:`get_finished` names it."""
+        """The request retired. True: keep its blocks until :meth:`get_finished` names it.
+
+        Called before the step that retires it commits: if the step is then rolled back, the
+        request runs on and retires again later (this is called again)."""
         return False
+
+    def rollback(self, scheduler_output) -> None:
+        """The step ``scheduler_output`` planned never happened (something in it failed): forget
+        what planning it recorded (loads queued by its admissions, saves it planned), so that
+        planning the step again starts from where it started. ``kv_connector_metadata`` is what
+        :meth:`build_connector_meta` returned (None if planning failed before it)."""
 
     # ------------------------------------------------------------------ worker side
     def start_load_kv(self, metadata, kv_cache) -> None:
@@ -191,6 +203,62 @@ KV_CONNECTORS = Registry("KV connector", KVConnector, {
 })
 register_kv_connector = KV_CONNECTORS.register
 NULL_CONNECTOR = KVConnector()
+
+
+KIND = "KV connector"
+
+
+def connector_call(connector, method: str, *args):
+    """``connector.method(*args)``, an exception it raises named (:class:`~fleetlab.errors.ExtensionError`)."""
+    return call_extension(KIND, connector, method, *args)
+
+
+def checked_num_matched(connector, value, request, num_computed_tokens: int) -> int:
+    """What ``get_num_new_matched_tokens`` returned: an int in ``[0, tokens left - 1]`` (one token
+    always runs through the model), else ExtensionError naming the connector and the request."""
+    most = request.num_tokens - num_computed_tokens - 1
+    if not isinstance(value, bool):
+        try:
+            if 0 <= operator.index(value) <= most:
+                return operator.index(value)
+        except TypeError:
+            pass
+    raise bad_return(KIND, connector, "get_num_new_matched_tokens", value,
+                     f"request {request.request_id!r} has {request.num_tokens} tokens, {num_computed_tokens} of "
+                     f"them computed: it must return an int in [0, {most}] (one token always runs)")
+
+
+def checked_arrival(connector, value, waits: bool):
+    """What ``update_state_after_alloc`` returned: a ``Future`` for a connector that
+    ``load_kv_async`` (for a request that loads), None otherwise."""
+    if waits and not isinstance(value, Future):
+        raise bad_return(KIND, connector, "update_state_after_alloc", value,
+                         "with load_kv_async it must return a concurrent.futures.Future (done when the K/V arrived)")
+    if not waits and value is not None:
+        raise bad_return(KIND, connector, "update_state_after_alloc", value,
+                         "it must return None unless the connector load_kv_async and the request loads tokens")
+    return value
+
+
+def checked_holds(connector, value) -> bool:
+    """What ``request_finished`` returned: True (keep the blocks) or False."""
+    if not isinstance(value, bool):
+        raise bad_return(KIND, connector, "request_finished", value,
+                         "it must return True (keep the blocks until get_finished names the request) or False")
+    return value
+
+
+def checked_finished(connector, value) -> tuple[set, set]:
+    """What ``get_finished`` returned: ``(request ids whose saves are done, block ids whose load failed)``."""
+    if isinstance(value, tuple) and len(value) == 2:
+        try:
+            sending, failed = set(value[0]), {operator.index(b) for b in value[1]}
+            if all(isinstance(r, str) for r in sending):
+                return sending, failed
+        except TypeError:
+            pass
+    raise bad_return(KIND, connector, "get_finished", value,
+                     "it must return (set of request ids whose saves are done, set of block ids whose load failed)")
 
 
 def requests_to_recompute(kv, scheduled_req_ids, failed_block_ids: set[int]) -> list[str]:

@@ -10,14 +10,27 @@ The scheduler side counts, at admission, the blocks past the pool's own prefix h
 store holds (consecutive from there: a gap ends the match); the worker side copies them into
 the blocks the scheduler allocated, layer by layer, before each layer reads the cache, and
 saves each newly full block of known tokens layer by layer, right after the layer wrote it.
-A load that fails (a file gone, a token mismatch, a geometry that differs) is reported and the
-request recomputed: a connector never serves K/V it cannot vouch for.
+A load that fails (a file gone, a token mismatch, a dtype or geometry that differs) is reported
+and the request recomputed: a connector never serves K/V it cannot vouch for. Nor does it store
+any: a save that depends on a block whose load failed in that step (the request's own, or one it
+shares) is skipped, layer by layer from the failure on, so the block never becomes whole in the
+store. Saves are planned with the step (so the overlapped plan of the next step does not plan
+them again) and taken back if the step is rolled back (:meth:`KVConnector.rollback`) or a save
+is skipped: they are planned again. Stats count what arrived (``loaded_tokens``: blocks loaded
+through every layer).
+
+A request's load is done, layer by layer, inside the first step that runs it: a load waits in
+``_arriving`` until the request is scheduled (at once, unless the connector ``load_kv_async``:
+then the request waits outside the batch for the future ``update_state_after_alloc`` returns,
+done at once here; a subclass may return one of its own, as a slower store would) and is
+dropped if the request is preempted or retires first; a rolled-back step's loads wait again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,26 +59,31 @@ class LoadError(RuntimeError):
 
 @dataclass(slots=True)
 class BlockTransfer:
-    """Blocks of one request to load or save: store keys, pool block ids, their token ids."""
+    """Blocks of one request to load or save: store keys, pool block ids, their token ids.
+    A save also has ``first`` (the request's block index of its first block) and ``table`` (the
+    request's blocks up to its last: what its K/V was computed from)."""
 
     req_id: str
     keys: list[str]
     block_ids: list[int]
     token_ids: list[list[int]]
+    first: int = 0
+    table: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class BlockStoreMeta:
-    """One step's work for the worker side."""
+    """One step's work for the worker side, and the admissions it counts (``(tokens, loaded)`` each)."""
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    lookups: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class _ReqState:
     keys: list[str] = field(default_factory=list)  # chain keys computed so far
-    num_saved: int = 0  # leading blocks already saved (or found in the store)
+    num_saved: int = 0  # leading blocks saved, found in the store, or planned to be saved by a step in flight
 
 
 class BlockStoreConnector(KVConnector):
@@ -77,7 +95,8 @@ class BlockStoreConnector(KVConnector):
     def __init__(self, config=None, spec=None):
         super().__init__(config, spec)
         self._reqs: dict[str, _ReqState] = {}
-        self._pending_loads: list[BlockTransfer] = []
+        self._arriving: dict[str, BlockTransfer] = {}  # loads of admitted requests, done in their first step that runs
+        self._pending_lookups: list[tuple[int, int]] = []
         self._failed_reqs: set[str] = set()  # never offered again: recomputed instead
         self._meta = BlockStoreMeta()
         self._kv_cache = None
@@ -119,30 +138,63 @@ class BlockStoreConnector(KVConnector):
         return (end - start) * bs
 
     def update_state_after_alloc(self, request, block_ids, num_computed_tokens, num_external_tokens):
+        self._arriving.pop(request.request_id, None)  # (one left from a rolled-back admission is stale)
         if not self.loads:
-            return
-        self.stats.lookups += 1
-        self.stats.query_tokens += request.num_tokens
+            return None
+        self._pending_lookups.append((request.num_tokens, num_external_tokens))  # counted when the plan is made
         if not num_external_tokens:
-            return
+            return None
         bs = self.spec.block_size
         first, last = num_computed_tokens // bs, (num_computed_tokens + num_external_tokens) // bs
         tokens = request.all_token_ids
-        self._pending_loads.append(BlockTransfer(
+        self._arriving[request.request_id] = BlockTransfer(
             request.request_id, self._keys(request, last)[first:], list(block_ids[first:last]),
-            [tokens[i * bs:(i + 1) * bs] for i in range(first, last)]))
-        self.stats.hit_lookups += 1
-        self.stats.loaded_tokens += num_external_tokens
+            [tokens[i * bs:(i + 1) * bs] for i in range(first, last)])
+        if self.load_kv_async:  # the store is at hand: it may join at once (a subclass may return its own future)
+            arrived = Future()
+            arrived.set_result(True)
+            return arrived
+        return None
 
     def build_connector_meta(self, scheduler_output, scheduler) -> BlockStoreMeta:
-        meta = BlockStoreMeta(loads=self._pending_loads)
-        self._pending_loads = []
+        for rid in scheduler_output.preempted_req_ids:
+            self._arriving.pop(rid, None)  # preempted before its first step ran: it asks again when re-admitted
+        meta = BlockStoreMeta(lookups=self._pending_lookups)
+        meta.loads = [self._arriving.pop(rid) for rid in scheduler_output.num_scheduled_tokens if rid in self._arriving]
         if self.saves:
             for rid, n in scheduler_output.num_scheduled_tokens.items():
                 save = self._blocks_to_save(scheduler.requests[rid], n, scheduler.kv.get_block_ids(rid))
                 if save is not None:
                     meta.saves.append(save)
+        for save in meta.saves:  # planned: a step planned before this one runs does not plan them again
+            self._reqs[save.req_id].num_saved = max(self._reqs[save.req_id].num_saved, save.first + len(save.keys))
+        self._pending_lookups = []
+        self._count_lookups(meta.lookups, 1)
         return meta
+
+    def _count_lookups(self, lookups: list[tuple[int, int]], sign: int) -> None:
+        self.stats.lookups += sign * len(lookups)
+        self.stats.query_tokens += sign * sum(n for n, _ in lookups)
+        self.stats.hit_lookups += sign * sum(1 for _, loaded in lookups if loaded)
+
+    def rollback(self, scheduler_output) -> None:
+        """The step never happened: its lookups are uncounted, its loads wait for the next step
+        that runs their request (one sent back to the queue is looked up again when re-admitted),
+        and the saves it planned are planned again."""
+        self._pending_lookups = []
+        meta = scheduler_output.kv_connector_metadata
+        if isinstance(meta, BlockStoreMeta):
+            self._count_lookups(meta.lookups, -1)
+            for load in meta.loads:
+                self._arriving.setdefault(load.req_id, load)
+            self._unplan(meta.saves)
+
+    def _unplan(self, saves: list[BlockTransfer]) -> None:
+        """These saves did not happen: their blocks are planned again (if the store still lacks them)."""
+        for save in saves:
+            state = self._reqs.get(save.req_id)
+            if state is not None:
+                state.num_saved = min(state.num_saved, save.first)
 
     def _blocks_to_save(self, req, num_new_tokens: int, block_ids: list[int]) -> BlockTransfer | None:
         """The request's blocks that this step fills with known tokens and the store lacks."""
@@ -152,15 +204,19 @@ class BlockStoreConnector(KVConnector):
         if num_full <= state.num_saved:
             return None
         keys = self._keys(req, num_full)
-        wanted = [i for i in range(state.num_saved, num_full) if not self.has(keys[i])]
-        state.num_saved = num_full
-        if not wanted:
+        first = state.num_saved
+        while first < num_full and self.has(keys[first]):  # found in the store: nothing to save
+            first += 1
+        state.num_saved = first
+        if first == num_full:
             return None
         tokens = req.all_token_ids
-        return BlockTransfer(req.request_id, [keys[i] for i in wanted], [block_ids[i] for i in wanted],
-                             [tokens[i * bs:(i + 1) * bs] for i in wanted])
+        return BlockTransfer(req.request_id, keys[first:num_full], block_ids[first:num_full],
+                             [tokens[i * bs:(i + 1) * bs] for i in range(first, num_full)], first,
+                             block_ids[:num_full])
 
     def request_finished(self, request, block_ids) -> bool:
+        self._arriving.pop(request.request_id, None)
         self._reqs.pop(request.request_id, None)
         self._failed_reqs.discard(request.request_id)
         return False
@@ -185,14 +241,19 @@ class BlockStoreConnector(KVConnector):
                 self.stats.failed_loads += 1
                 continue
             self._write_blocks(layer_id, load.block_ids, np.stack(ks), np.stack(vs))
-            if layer_id == self.spec.num_layers - 1:
+            if layer_id == self.spec.num_layers - 1:  # it arrived whole: count it now
                 self.stats.loaded_blocks += len(load.block_ids)
+                self.stats.loaded_tokens += len(load.block_ids) * self.spec.block_size
 
     def _read_checked(self, key, layer_id, tokens):
         k, v, stored_tokens = self.read(key, layer_id)
         want = (self.spec.block_size, self.spec.num_kv_heads, self.spec.head_dim)
-        if tuple(k.shape) != want or tuple(v.shape) != want:
-            raise LoadError(f"block {key} holds K/V {list(k.shape)}, the cache wants {list(want)}")
+        dtype = np.dtype(np.uint16 if self.spec.dtype == "bfloat16" else self.spec.dtype)  # bfloat16: its bits
+        if tuple(np.shape(k)) != want or tuple(np.shape(v)) != want:
+            raise LoadError(f"block {key} holds K/V {list(np.shape(k))}, the cache wants {list(want)}")
+        if getattr(k, "dtype", None) != dtype or getattr(v, "dtype", None) != dtype:
+            raise LoadError(f"block {key} holds K/V of dtype {getattr(k, 'dtype', type(k).__name__)}, the cache "
+                            f"is {self.spec.dtype}")
         if list(stored_tokens) != list(tokens):
             raise LoadError(f"block {key} holds other tokens (hash collision?)")
         self.stats.bytes_loaded += k.nbytes + v.nbytes
@@ -209,7 +270,10 @@ class BlockStoreConnector(KVConnector):
     def save_kv_layer(self, layer_id: int, kv_cache, attn_metadata) -> None:
         if not self._meta.saves:
             return
-        saves = self._meta.saves
+        # K/V computed on top of a block whose load failed (this layer or before) is not to be stored.
+        saves = [s for s in self._meta.saves if not self._failed_blocks.intersection(s.table)]
+        if not saves:
+            return
         index = paddle.to_tensor([b for s in saves for b in s.block_ids], dtype="int64")
         k = _to_numpy(gather_rows(kv_cache.key_cache(layer_id), index))
         v = _to_numpy(gather_rows(kv_cache.value_cache(layer_id), index))
@@ -224,6 +288,7 @@ class BlockStoreConnector(KVConnector):
 
     def wait_for_save(self) -> None:
         self.flush()
+        self._unplan([s for s in self._meta.saves if self._failed_blocks.intersection(s.table)])  # skipped
         self._meta = BlockStoreMeta()
 
     def get_finished(self, finished_req_ids):

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from fleetlab.fields import int_field
 from fleetlab.kv_transfer.block_store import BlockStoreConnector, LoadError
-from fleetlab.validation import int_field
 
 
 class OffloadConnector(BlockStoreConnector):

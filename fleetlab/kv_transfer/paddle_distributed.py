@@ -50,9 +50,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import paddle
 
+from fleetlab.fields import int_field
 from fleetlab.kv.paged_cache import gather_rows
 from fleetlab.kv_transfer.base import KVConnector
-from fleetlab.validation import int_field
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,10 @@ class PaddleDistributedConnector(KVConnector):
     def recv_handshake(self) -> tuple[int, list[int]]:
         kind, n = self._recv([2], "int64").numpy().tolist()
         return kind, (self._recv([n], "int64").numpy().tolist() if n else [])
+
+    def answer_stop(self, num_free_blocks: int, num_blocks: int) -> None:
+        """Prefill side: answer the decode side's stop with this pool's ``[num_free_blocks, num_blocks]``."""
+        self._send(np.asarray([num_free_blocks, num_blocks], dtype=np.int64))
 
     # ------------------------------------------------------------------ decode side: the link thread
     def _run_link(self) -> None:
@@ -346,39 +350,3 @@ class PaddleDistributedConnector(KVConnector):
             if self._link.is_alive():
                 logger.warning("paddle_distributed: the prefill rank did not answer the stop")
         self.peer_alive = False
-
-
-def serve(llm, *, max_handshakes: int | None = None, delay_s: float = 0.0) -> None:
-    """The prefill rank's loop: take each handshake, run its requests, send their K/V (from
-    inside the steps: :meth:`PaddleDistributedConnector.save_kv_layer`), until told to stop.
-    ``delay_s``: wait that long before each handshake's work (a slow peer, for demonstrations)."""
-    from fleetlab.engine.sampling_params import SamplingParams
-
-    conn = llm.kv_connector
-    sp = SamplingParams(max_tokens=1, ignore_eos=True)
-    seq = 0
-    while max_handshakes is None or seq < max_handshakes:
-        kind, payload = conn.recv_handshake()
-        if kind == STOP:
-            conn._send(np.asarray([llm.pool.num_free_blocks, llm.pool.num_blocks], dtype=np.int64))
-            return
-        if kind == PING:
-            continue
-        time.sleep(delay_s)
-        pos = 1
-        for index in range(payload[0]):
-            num_tokens, start, count, num_blocks = payload[pos:pos + 4]
-            tokens = payload[pos + 4:pos + 4 + num_tokens]
-            blocks = payload[pos + 4 + num_tokens:pos + 4 + num_tokens + num_blocks]
-            pos += 4 + num_tokens + num_blocks
-            rid = f"pd{seq}-{index}"
-            try:
-                llm.add_request(prompt_token_ids=tokens, sampling_params=sp, request_id=rid)
-            except ValueError as exc:
-                logger.warning("prefill side: refusing request %d of handshake %d: %s", index, seq, exc)
-                conn.refuse(index)
-                continue
-            conn.expect(rid, index, start, count, blocks)
-        while llm.has_unfinished_requests():
-            llm.step()
-        seq += 1

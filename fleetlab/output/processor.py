@@ -4,17 +4,18 @@ The core's step returns each request's progress as token ids (``RequestOutput`` 
 ``Scheduler.update``) and the runner's message. The front door (``LLM``) hands both here, and
 this turns them into what the user gets, in order:
 
-1. **stop strings** (:mod:`fleetlab.output.stop`): an output whose text now holds one is cut
-   there and finished (``finish_reason="stop"``, ``stop_reason`` the string); its id is
-   returned so that the front door aborts it in the scheduler;
+1. **text and stop strings** (:class:`~fleetlab.output.text.TextStream`, one per sequence, when
+   the engine has a tokenizer): the step's new tokens are detokenized incrementally into
+   ``new_text`` (and ``text``, all of it so far); an output whose text now holds a stop string is
+   cut there and finished (``finish_reason="stop"``, ``stop_reason`` the string); its id is
+   returned so that the front door aborts it in the scheduler. As in vLLM, the text of the stop
+   token that ended a request (EOS, or one of ``stop_token_ids``) is left out unless
+   ``include_stop_str_in_output`` (the token stays in ``token_ids``);
 2. **logprobs** (:class:`~fleetlab.output.logprobs.LogprobsCollector`): each request's lists,
    kept across steps, put on its outputs;
 3. **stop reasons**: a request stopped by one of its ``stop_token_ids`` names it;
 4. **parallel-sampling fan-in** (:mod:`fleetlab.output.parallel_sampling`): a child's output
-   becomes its parent's, with ``index``; with ``best_of``, the best ``n`` at the end;
-5. **text**: a finished output is detokenized (a stream decodes its own deltas); as in vLLM,
-   the text of the stop token that ended it (EOS, or one of ``stop_token_ids``) is left out
-   unless ``include_stop_str_in_output`` (the token stays in ``token_ids``).
+   becomes its parent's, with ``index``; with ``best_of``, the best ``n`` at the end.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from fleetlab.engine.outputs import RequestOutput
 from fleetlab.output.logprobs import LogprobsCollector
 from fleetlab.output.parallel_sampling import ParentRequest
-from fleetlab.output.stop import StopStrings
+from fleetlab.output.text import TextStream
 
 
 class OutputProcessor:
@@ -41,7 +42,7 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}  # parent id -> parent, while a child runs
         self._parent_of: dict[str, ParentRequest] = {}  # child request id -> its parent
         self._requests: dict[str, object] = {}  # request id -> its SamplingParams, while it runs
-        self._stops: dict[str, StopStrings] = {}
+        self._texts: dict[str, TextStream] = {}
 
     def add(self, request, parent: ParentRequest | None = None) -> None:
         """Follow ``request`` (a checked scheduler ``Request``; ``parent``: the request it is a child of)."""
@@ -49,49 +50,55 @@ class OutputProcessor:
         if parent is not None:
             self.parents[parent.request_id] = parent
             self._parent_of[rid] = parent
-        if sp.stop:
-            self._stops[rid] = StopStrings(self.tokenizer, sp)
+        if self.tokenizer is not None:
+            self._texts[rid] = TextStream(self.tokenizer, request.prompt_token_ids, sp.stop,
+                                          sp.include_stop_str_in_output, sp.min_tokens)
         self._requests[rid] = sp
         self.logprobs.add(request)
 
     def process(self, outputs: list[RequestOutput], result=None) -> tuple[list[RequestOutput], list[str]]:
         """The user's outputs of a step (``result``: its ``ModelRunnerOutput``; None for aborts),
         and the ids of the requests a stop string ended (still running in the scheduler)."""
-        stopped = [out.request_id for out in outputs if self._apply_stop_strings(out)]
+        stopped = [out.request_id for out in outputs if self._add_text(out)]
         self.logprobs.collect(outputs, result)
         for out in outputs:
             if out.finished:
                 self._finish(out)
         return self._fan_in(outputs), stopped
 
-    def _apply_stop_strings(self, out: RequestOutput) -> bool:
-        """Cut ``out`` at a stop string its new tokens complete; True if the scheduler still runs it."""
-        stops = self._stops.get(out.request_id)
-        found = stops.check(out.token_ids, len(out.new_token_ids)) if stops is not None else None
-        if found is None:
+    def _add_text(self, out: RequestOutput) -> bool:
+        """``out``'s new text; cut at a stop string its new tokens complete. True if that
+        ended a request the scheduler still runs."""
+        stream = self._texts.get(out.request_id)
+        if stream is None:
             return False
         running = not out.finished
-        stop, num_tokens, text = found
-        del out.new_token_ids[len(out.new_token_ids) - (len(out.token_ids) - num_tokens):]
-        del out.token_ids[num_tokens:]
-        out.finish_reason, out.stop_reason, out.text, out.error = "stop", stop, text, None
+        # the scheduler's "stop" is always its last token's (EOS or a stop token)
+        out.new_text = stream.push(out.new_token_ids, stopped_on_token=out.finish_reason == "stop")
+        if out.finished or stream.stopped:
+            out.new_text += stream.finish()
+        out.text = stream.text[:stream.sent]
+        if not stream.stopped:
+            return False
+        drop = len(out.token_ids) - stream.num_kept_tokens
+        if drop:
+            del out.new_token_ids[len(out.new_token_ids) - drop:]
+            del out.token_ids[stream.num_kept_tokens:]
+        out.finish_reason, out.stop_reason, out.error = "stop", stream.stop_reason, None
         if running:
             out.metrics["finish_time"] = time.perf_counter()
         return running
 
     def _finish(self, out: RequestOutput) -> None:
-        """Its stop reason and text; the request is forgotten."""
+        """Its stop reason; the request is forgotten."""
         sp = self._requests.pop(out.request_id, None)
-        if self._stops.pop(out.request_id, None) is not None and out.stop_reason is not None:
-            return  # a stop string ended it: its text and stop reason are set already
+        stream = self._texts.pop(out.request_id, None)
+        if stream is not None and stream.stopped:
+            return  # a stop string ended it: its stop reason is set already
         last = out.token_ids[-1] if out.token_ids else None
-        # The scheduler's "stop" is its last token's (EOS or a stop token); a stop string returned above.
         by_token = out.finish_reason == "stop" and sp is not None
         if by_token and last in sp.stop_token_ids and (last != self.eos_token_id or sp.ignore_eos):
             out.stop_reason = last
-        if self.tokenizer is not None:  # as vLLM: a stop token's text is not output unless asked for
-            ids = out.token_ids[:-1] if by_token and not sp.include_stop_str_in_output else out.token_ids
-            out.text = self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _fan_in(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Children's outputs as their parents'."""

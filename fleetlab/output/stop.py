@@ -5,10 +5,12 @@ string to appear ends the request with ``finish_reason="stop"`` and ``stop_reaso
 string, and the text is cut before it (``include_stop_str_in_output=False``, the default) or
 after it. The token that completed it stays in ``token_ids``; tokens after it (a verify step
 gains several) are dropped. Stop strings are not looked for before ``min_tokens`` tokens exist.
+A stop string may end inside a token (``"\\n\\n"`` inside a token ``"\\n\\n\\n"``, or a
+character whose bytes two tokens share): the text is still cut exactly at it.
 
-:func:`find_stop_string` is the one search, over text that grows: the output processor calls
-it offline (:class:`StopStrings`), and a server that detokenizes its own stream can call it on
-each delta.
+:func:`find_stop_string` is the one search, over text that grows (each request's
+:class:`~fleetlab.output.text.TextStream` calls it on what each token adds), and
+:func:`partial_stop_length` says how much of the end to hold back while it may begin one.
 """
 
 from __future__ import annotations
@@ -28,27 +30,12 @@ def find_stop_string(text: str, stop: Sequence[str], num_new_chars: int,
     return s, at + len(s) if include_in_output else at
 
 
-class StopStrings:
-    """One request's stop strings, checked on each step's new tokens.
-
-    Args:
-      tokenizer: what the engine decodes with; sampling_params: the request's checked
-        ``SamplingParams`` (``stop``, ``include_stop_str_in_output``, ``min_tokens``).
-    """
-
-    def __init__(self, tokenizer, sampling_params):
-        self.tokenizer, self.sp = tokenizer, sampling_params
-        self.num_chars = 0  # of the text already searched
-
-    def check(self, token_ids: list[int], num_new: int) -> tuple[str, int, str] | None:
-        """For output ``token_ids`` whose last ``num_new`` arrived this step: None, or
-        ``(stop string, tokens to keep, text to keep)`` for the first token that completes one."""
-        for n in range(len(token_ids) - num_new + 1, len(token_ids) + 1):
-            text = self.tokenizer.decode(token_ids[:n], skip_special_tokens=True)
-            new_chars, self.num_chars = len(text) - self.num_chars, len(text)
-            if n < self.sp.min_tokens:
-                continue
-            found = find_stop_string(text, self.sp.stop, max(new_chars, 0), self.sp.include_stop_str_in_output)
-            if found is not None:
-                return found[0], n, text[: found[1]]
-        return None
+def partial_stop_length(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that begins some stop string but is not one: what a
+    stream holds back, so that a stop string split over two steps is never half sent."""
+    longest = max((len(s) for s in stop), default=1) - 1
+    for n in range(min(longest, len(text)), 0, -1):
+        tail = text[-n:]
+        if any(s.startswith(tail) for s in stop):
+            return n
+    return 0

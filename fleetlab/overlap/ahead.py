@@ -34,6 +34,7 @@ class Ahead:
 
     advances: dict[str, _Advance] = field(default_factory=dict)
     admitted: list[Request] = field(default_factory=list)
+    undone: bool = False  # the advance was taken back (settled, or rolled back): never twice
 
     @classmethod
     def take(cls, scheduler, sched: SchedulerOutput) -> Ahead:
@@ -57,6 +58,9 @@ class Ahead:
 
     def undo(self, scheduler) -> None:
         """Take back the advance of every request still running as planned."""
+        if self.undone:
+            return
+        self.undone = True
         for rid, a in self.advances.items():
             if self.is_live(scheduler, rid):
                 a.request.num_computed_tokens -= a.num_tokens

@@ -21,8 +21,10 @@ still the three moves, one step apart::
   back and left out requests that stopped running since they were planned).
 
 So outputs come one call late (the first call returns none), and a request that finishes in
-step N has one wasted slot in N+1, never an extra token. If anything fails, both steps in
-flight are rolled back (the KV manager keeps an undo log per open step) and the runner reset.
+step N has one wasted slot in N+1, never an extra token. If anything fails (planning N+1,
+preparing or running either step, committing N), both steps in flight are rolled back (the KV
+manager keeps an undo log per open step; the advances are taken back) and the runner reset.
+Observers see step N once it is committed, as in the synchronous loop.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fleetlab.engine.core import EngineCore
-from fleetlab.engine.hooks import StepHooks
+from fleetlab.engine.hooks import StepHooks, notify_observers
 from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.request import RequestStatus
@@ -42,6 +44,7 @@ from fleetlab.overlap.frozen import freeze
 from fleetlab.overlap.placeholders import fill
 
 logger = logging.getLogger(__name__)
+_ADMITTED = (RequestStatus.RUNNING, RequestStatus.WAITING_FOR_REMOTE_KVS)  # still as admitted (not preempted since)
 
 
 @dataclass(slots=True)
@@ -66,28 +69,39 @@ class OverlapEngineCore(EngineCore):
     def step(self) -> tuple[list[RequestOutput], ModelRunnerOutput]:
         """Plan step N+1, start it once step N is done, commit step N: the outputs of step N's
         requests that gained tokens or finished (none on the first call), and step N's message."""
-        with self.hooks.phase("schedule"):
-            sched = self.scheduler.schedule()
-            planned = _Step(sched, Ahead.take(self.scheduler, sched))
+        try:
+            with self.hooks.phase("schedule"):
+                sched = self.scheduler.schedule()
+        except BaseException:
+            self._rollback(None, partial=self.scheduler.planned)
+            raise
+        planned = _Step(sched, Ahead.take(self.scheduler, sched))
         done, result = self._execute(planned)
         if done is None:
             return [], ModelRunnerOutput()
-        outputs, result = self._update(done, result)
+        committed = []  # what the observers see, once every commit of this call is done
+        outputs, result = self._update(done, result, committed)
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             # Nothing runs any more: what is in flight holds wasted slots only. Finish it now,
             # so no forward outlives the loop's last request (another engine may run next).
             last, self._in_flight = self._in_flight, None
-            more, _ = self._update(last, self._result(last, planned=None))
+            more, _ = self._update(last, self._result(last, planned=None), committed)
             outputs += more
+        notify_observers(self.hooks, committed)
         return outputs, result
 
-    def _update(self, done: _Step, result: ModelRunnerOutput) -> tuple[list[RequestOutput], ModelRunnerOutput]:
-        """Commit ``done`` (its live requests only) and let the observers see it."""
-        with self.hooks.phase("update"):
-            sched, result = done.ahead.settle(self.scheduler, done.sched, result)
-            outputs = self.scheduler.update(sched, result)
-        for observer in self.hooks.observers:
-            observer.on_step(sched, result, outputs)
+    def _update(self, done: _Step, result: ModelRunnerOutput,
+                committed: list) -> tuple[list[RequestOutput], ModelRunnerOutput]:
+        """Commit ``done`` (its live requests only) and add ``(scheduler output, runner output,
+        outputs)`` to ``committed``. If the commit fails, ``done`` and the step in flight are rolled back."""
+        try:
+            with self.hooks.phase("update"):
+                sched, result = done.ahead.settle(self.scheduler, done.sched, result)
+                outputs = self.scheduler.update(sched, result)
+        except BaseException:
+            self._rollback(None, done=done)
+            raise
+        committed.append((sched, result, outputs))
         return outputs, result
 
     def _result(self, step: _Step, planned: _Step | None) -> ModelRunnerOutput:
@@ -139,19 +153,25 @@ class OverlapEngineCore(EngineCore):
             freeze(prepared, self.runner.batch)
         return prepared
 
-    def _rollback(self, planned: _Step | None) -> None:
-        """Undo the step in flight and ``planned``: the scheduler's plans (newest first), the
-        advances, the KV manager's open logs; reset the runner (it resends every row)."""
-        steps = [s for s in (self._in_flight, planned) if s is not None]
+    def _rollback(self, planned: _Step | None, partial: SchedulerOutput | None = None,
+                  done: _Step | None = None) -> None:
+        """Undo ``done`` (a step whose commit failed), the step in flight, ``planned`` and
+        ``partial`` (a plan that failed half way: no advance taken), newest last in the list and
+        undone first: the scheduler's plans, the advances, the KV manager's open logs; reset the
+        runner (it resends every row)."""
+        steps = [s for s in (done, self._in_flight, planned) if s is not None]
         self._in_flight = None
         for s in steps:
             self.drain(s)
-        logger.debug("steps %s failed: rolling them back", [s.sched.step for s in steps])
-        for s in reversed(steps):
-            s.ahead.undo(self.scheduler)
-            # Only admissions still running go back to the queue (one preempted since is there already).
-            self.scheduler.rollback(s.sched, [r for r in s.ahead.admitted if r.status is RequestStatus.RUNNING])
-        self.runner.reset()
+        for s in steps:
+            s.ahead.undo(self.scheduler)  # (a step already settled is not undone twice)
+        # Only admissions still running go back to the queue (one preempted since is there already).
+        admitted = [[r for r in s.ahead.admitted if r.status in _ADMITTED] for s in steps]
+        plans = [s.sched for s in steps]
+        if partial is not None:
+            plans.append(partial)
+            admitted.append(list(self.scheduler.admitted))
+        self.roll_back(plans, admitted)
 
     @staticmethod
     def drain(step: _Step | None) -> None:

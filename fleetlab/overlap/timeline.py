@@ -4,7 +4,7 @@ An observer of the engine's ``on_phase`` point (:class:`~fleetlab.engine.hooks.S
 a listener is called as a phase ends, so the end is the time of the call and the start is
 the end less the phase's duration. The thread is the one that called (the host, or the
 overlapped loop's model thread), which is what a timeline of the overlap draws
-(:func:`fleetlab.viz.overlap.draw_overlap`).
+(:func:`fleetlab.lab.viz.overlap.draw_overlap`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import paddle
 from paddle import nn
 
 from fleetlab.attention.backend import AttentionBackend, make_attention_backend
-from fleetlab.context import get_forward_context
+from fleetlab.attention.context import get_forward_context
 from fleetlab.patching.handle import PatchHandle
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import paddle
 
-from fleetlab.context import get_forward_context
+from fleetlab.attention.context import get_forward_context
 
 PATCH_ATTR = "_fleetlab_patch"  # the live patch's root, kept on the patched model
 

@@ -6,7 +6,7 @@ PaddleFormers looks up each layer's attention function by name in
 library's own KV cache off, and tags every attention module with its 0-based layer id,
 its sliding window and the backend instance. The model still embeds, applies RoPE,
 projects and runs its MLPs itself; only the attention core is fleetlab's, reading the
-step's metadata and paged cache from :func:`fleetlab.context.get_forward_context`.
+step's metadata and paged cache from :func:`fleetlab.attention.context.get_forward_context`.
 
 Everything patching changes is recorded, and ``handle.unpatch()`` puts it back.
 """
@@ -18,7 +18,7 @@ import logging
 import paddle
 
 from fleetlab.attention.backend import AttentionBackend, make_attention_backend
-from fleetlab.context import get_forward_context
+from fleetlab.attention.context import get_forward_context
 from fleetlab.patching.families import (
     FamilySpec,
     apply_fixes,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from fleetlab.attention.context import forward_context
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.context import forward_context
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.patching.families import library_fixes
 from fleetlab.patching.handle import has_core_attention

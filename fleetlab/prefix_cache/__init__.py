@@ -2,15 +2,18 @@
 
 A prefix cache remembers which blocks of the pool hold the K/V of which token prefix, so a new
 request starting with the same tokens shares those blocks instead of recomputing them.
-Both designs match at *page granularity*: a page is one KV block (``block_size`` tokens), and
-only a block whose tokens are all written is ever shared.
+Both designs share *whole pages*: a page is one KV block (``block_size`` tokens), and only a
+block whose tokens are all written is ever shared. Where a match ends inside a page they differ:
 
 - ``"hash"`` (:class:`~fleetlab.prefix_cache.hash_chain.HashChainCache`, vLLM's design): each
   full block is keyed by a chain of its parent's key and its own tokens; cached blocks with no
-  owner wait in the pool's LRU free queue and lose their key when the pool reuses them.
+  owner wait in the pool's LRU free queue and lose their key when the pool reuses them. A match
+  ends on a block boundary: the tokens of a partly matching block are recomputed.
 - ``"radix"`` (:class:`~fleetlab.prefix_cache.radix.RadixCache`, SGLang's RadixAttention): a
   radix tree over token ids whose edges are runs of whole pages; it keeps its unreferenced
-  blocks itself and gives back least-recently-released leaves when the pool runs short.
+  blocks itself and gives back least-recently-released leaves when the pool runs short. It
+  matches token by token: the matched head of a partly matching page is copied into the
+  request's own block (:meth:`PrefixCache.lookup_partial`, :mod:`fleetlab.kv.copies`).
 
 The cache plugs into :class:`~fleetlab.BlockPool` at three named hooks (``keeps``,
 ``forget``, ``evict``; see :class:`PrefixCache`) and is asked by the
@@ -23,13 +26,17 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 
+from fleetlab.errors import bad_return, call_extension
 from fleetlab.registry import Registry
+
+KIND = "prefix cache"
 
 
 class PrefixCache:
     """The interface a prefix-cache design implements (and its hit-rate counters).
 
-    Called by the KV manager: :meth:`lookup` (hits for a new prompt), :meth:`cache_blocks`
+    Called by the KV manager: :meth:`lookup` (hits for a new prompt), :meth:`lookup_partial` (a
+    block whose head continues the match, to copy; none by default), :meth:`cache_blocks`
     (blocks that became full), :meth:`uncache` (registrations of a step that never ran),
     :meth:`is_cached`. Called by the pool, at its hooks:
 
@@ -47,9 +54,15 @@ class PrefixCache:
         self._ref_count = lambda block_id: 0  # the pool's, once attached
 
     def attach(self, pool) -> None:
-        """Called by the pool this cache serves (the cache reads its reference counts)."""
+        """Called by the pool this cache serves (the cache reads its reference counts). One cache
+        serves one pool: a second pool is refused (two engines would share its entries, each
+        naming blocks of the other's pool)."""
         if pool.block_size != self.block_size:
             raise ValueError(f"{type(self).__name__} has block_size {self.block_size}, the pool {pool.block_size}")
+        serving = getattr(self._ref_count, "__self__", None)
+        if serving is not None and serving is not pool:
+            raise ValueError(f"prefix_cache: this {type(self).__name__} instance already serves another pool (another "
+                             "engine's); give each engine its own: a name or a class, or a new instance")
         self._ref_count = pool.ref_count
 
     # ----- pool hooks (defaults: a cache that keeps nothing of its own)
@@ -65,6 +78,13 @@ class PrefixCache:
     # ----- what the manager asks
     def lookup(self, token_ids: Sequence[int], *, record_stats: bool = True) -> list[int]:
         raise NotImplementedError
+
+    def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int) -> tuple[int, int] | None:
+        """A cached block whose first tokens continue the match past the ``num_hit_blocks`` blocks
+        :meth:`lookup` found: ``(block_id, num_tokens)``, ``0 < num_tokens < block_size``, the
+        match never reaching the prompt's last token; None when no block does (the default: a
+        design that shares whole pages only). Takes no references, counts nothing."""
+        return None
 
     def cache_blocks(self, token_ids: Sequence[int], block_ids: Sequence[int], num_cached_blocks: int,
                      num_full_blocks: int) -> int:
@@ -93,11 +113,12 @@ class PrefixCache:
         """A hit never covers the whole prompt: one token must run to give the next logits."""
         return max(0, (num_tokens - 1) // self.block_size)
 
-    def record_lookup(self, num_tokens: int, num_hit_blocks: int) -> None:
-        """Count one query of ``num_tokens`` tokens that hit ``num_hit_blocks`` blocks."""
+    def record_lookup(self, num_tokens: int, num_hit_blocks: int, num_copied_tokens: int = 0) -> None:
+        """Count one query of ``num_tokens`` tokens that hit ``num_hit_blocks`` blocks and
+        ``num_copied_tokens`` tokens of one more (a partial hit, copied)."""
         self.queries += 1
         self.query_tokens += int(num_tokens)
-        self.hit_tokens += int(num_hit_blocks) * self.block_size
+        self.hit_tokens += int(num_hit_blocks) * self.block_size + int(num_copied_tokens)
 
     def lookup_counters(self) -> tuple[int, int, int]:
         """``(queries, query_tokens, hit_tokens)``: what :meth:`restore_lookup_counters` puts back
@@ -122,6 +143,59 @@ class PrefixCache:
             if self._ref_count(b) == 0:
                 raise ValueError(f"block {b} is free: only owned blocks can be cached")
         return num_cached_blocks, num_full_blocks
+
+
+def cache_call(cache: PrefixCache, method: str, *args, **kwargs):
+    """``cache.method(...)``, an exception it raises named (:class:`~fleetlab.errors.ExtensionError`)."""
+    return call_extension(KIND, cache, method, *args, **kwargs)
+
+
+def checked_hits(cache: PrefixCache, hits, num_tokens: int, num_blocks: int) -> list[int]:
+    """What ``lookup`` returned for ``num_tokens`` tokens: distinct block ids of the pool
+    (``[0, num_blocks)``), at most ``max_hit_blocks(num_tokens)`` of them; else ExtensionError."""
+    most = cache.max_hit_blocks(num_tokens)
+    try:
+        ids = [operator.index(b) for b in hits]
+    except TypeError:
+        ids = None
+    if ids is not None and len(ids) <= most and len(set(ids)) == len(ids) and all(0 <= b < num_blocks for b in ids):
+        return ids
+    raise bad_return(KIND, cache, "lookup", hits, f"it must return distinct block ids in [0, {num_blocks}), at "
+                     f"most {most} for {num_tokens} tokens (a hit never covers the whole prompt)")
+
+
+def checked_num_cached(cache: PrefixCache, value, num_cached_blocks: int, num_full_blocks: int) -> int:
+    """What ``cache_blocks`` returned: the request's new count of cached leading blocks, an int in
+    ``[num_cached_blocks, num_full_blocks]``; else ExtensionError."""
+    if not isinstance(value, bool):
+        try:
+            if num_cached_blocks <= operator.index(value) <= num_full_blocks:
+                return operator.index(value)
+        except TypeError:
+            pass
+    raise bad_return(KIND, cache, "cache_blocks", value,
+                     f"it must return an int in [num_cached_blocks={num_cached_blocks}, "
+                     f"num_full_blocks={num_full_blocks}] (the leading blocks now cached)")
+
+
+def check_partial_hit(cache: PrefixCache, hit, token_ids: Sequence[int], num_hit_blocks: int):
+    """What :meth:`PrefixCache.lookup_partial` returned, checked where the KV manager receives it:
+    None, or ``(block_id, num_tokens)`` of a cached block with ``0 < num_tokens < block_size``
+    and the match short of the prompt's last token. ValueError names the design and the method."""
+    if hit is None:
+        return None
+    where = f"{type(cache).__name__}.lookup_partial"
+    try:
+        block_id, num_tokens = (operator.index(x) for x in hit)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} returned {hit!r}: want None or (block_id, num_tokens), two ints") from None
+    limit = min(cache.block_size - 1, len(token_ids) - 1 - num_hit_blocks * cache.block_size)
+    if not 0 < num_tokens <= limit:
+        raise ValueError(f"{where} returned {num_tokens} tokens for a prompt of {len(token_ids)} after "
+                         f"{num_hit_blocks} whole blocks: want 1 to {limit}")
+    if not cache.is_cached(block_id):
+        raise ValueError(f"{where} returned block {block_id}, which the cache does not hold")
+    return block_id, num_tokens
 
 
 PREFIX_CACHES = Registry("prefix_cache", PrefixCache, {

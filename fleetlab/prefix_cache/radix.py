@@ -19,11 +19,13 @@ so two children of a node never start with the same page::
 - **eviction** takes unreferenced pages from the tail of the least recently released leaf,
   removing the leaf once empty (its parent may become a leaf in turn) (:meth:`RadixCache.evict`).
 
-**A match that ends inside a block** is served at page granularity, as SGLang does with
-``page_size > 1``: the pages matched whole are shared, the partial last page is recomputed (at
-most ``block_size - 1`` tokens). Copying the matched part of that block into a fresh block
-instead would save those tokens at the price of a block copy through every layer; README
-"Prefix caching" gives both costs as measured.
+**A match that ends inside a page** is token granular: the pages matched whole are shared, and
+:meth:`RadixCache.lookup_partial` names the page whose head continues the match (the next page
+of the edge the walk stopped in, or the child page sharing the most leading tokens) and how many
+of its tokens match. The KV manager copies those tokens' K/V into the request's own first new
+block (:mod:`fleetlab.kv.copies`) instead of recomputing them; the hash chain, keyed by whole
+blocks, recomputes them. README "Prefix caching" gives the copy's cost per token beside a
+recomputed token's, as measured.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ import itertools
 from collections.abc import Iterator, Sequence
 
 from fleetlab.prefix_cache import PrefixCache
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class RadixNode:
@@ -86,6 +98,24 @@ class RadixCache(PrefixCache):
         if record_stats:
             self.record_lookup(len(token_ids), len(hits))
         return hits
+
+    def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int) -> tuple[int, int] | None:
+        """The page whose head continues the match after the first ``num_hit_blocks`` pages (what
+        :meth:`lookup` found) and how many of its tokens match, short of the prompt's last token:
+        ``(block_id, num_tokens)``, or None if no page starts with the next token."""
+        bs, i = self.block_size, int(num_hit_blocks)
+        want = tuple(int(t) for t in token_ids[i * bs : min((i + 1) * bs, len(token_ids) - 1)])
+        if not want:
+            return None
+        node, j, walked = self.root, 0, 0  # the walk is after page j - 1 of node
+        for node, j in self._walk(token_ids, i):
+            j, walked = j + 1, walked + 1
+        if walked != i:  # not the pages lookup found
+            return None
+        candidates = ([(node.block_ids[j], self._page(node.token_ids, j))] if j < len(node.block_ids) else
+                      [(child.block_ids[0], first) for first, child in node.children.items()])
+        best = max(((_common_prefix(page, want), b) for b, page in candidates), default=(0, None))
+        return (best[1], best[0]) if best[0] else None
 
     # ------------------------------------------------------------------ insert
     def cache_blocks(self, token_ids, block_ids, num_cached_blocks, num_full_blocks) -> int:

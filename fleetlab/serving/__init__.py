@@ -6,7 +6,6 @@ One concept per module:
 - :mod:`~fleetlab.serving.engine_stats`: what ``/metrics`` reads of the engine beyond ``LLM.stats()``;
 - :mod:`~fleetlab.serving.protocol`: OpenAI's request models and response / chunk shapes;
 - :mod:`~fleetlab.serving.refused`: the fields the server knows but does not apply, and why;
-- :mod:`~fleetlab.serving.detokenizer`: incremental detokenization and stop strings;
 - :mod:`~fleetlab.serving.chat_template`: chat messages -> prompt token ids;
 - :mod:`~fleetlab.serving.tokenization`: ``/tokenize``, ``/detokenize``, ``/tokenizer_info`` (vLLM's shapes);
 - :mod:`~fleetlab.serving.errors`: OpenAI-style error bodies (400 / 401 / 404 / 503);

@@ -24,10 +24,10 @@ A request's life: parse the body as JSON and validate it (pydantic, then :meth:`
 a field fleetlab would not apply is refused), tokenize here on the asyncio side (so the prompt
 length is checked against ``max_model_len`` before anything is queued), queue every prompt of
 the request with one ``AsyncLLM.add_requests`` (one engine turn, however many prompts and
-choices), then turn each step's new token ids into text (:class:`~fleetlab.serving.detokenizer.TextStream`:
-incremental detokenization and stop strings). A stop string ends the choice at once and aborts
-the engine request. A client that hangs up, mid-stream or while waiting for a whole response,
-aborts its requests: their KV blocks are free before the next engine step.
+choices), then send each step's new text (``RequestOutput.new_text``: the engine's output
+processor detokenizes incrementally and cuts at stop strings, :class:`~fleetlab.output.text.TextStream`).
+A client that hangs up, mid-stream or while waiting for a whole response, aborts its requests:
+their KV blocks are free before the next engine step.
 
 Choices: each of a prompt's ``n`` (or ``best_of``) choices is its own engine request, with the
 settings of child ``i`` of :mod:`fleetlab.output.parallel_sampling` (seed ``seed + i``), so
@@ -66,13 +66,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import fleetlab
+from fleetlab.edge.sampling import check_sampling_params
 from fleetlab.engine.sampling_params import SamplingParams
 from fleetlab.output.parallel_sampling import child_sampling_params, select_best
 from fleetlab.serving import protocol as P
 from fleetlab.serving import tokenization
 from fleetlab.serving.async_llm import AsyncLLM, RequestStream
 from fleetlab.serving.chat_template import chat_prompt_ids, encode_text
-from fleetlab.serving.detokenizer import TextStream
 from fleetlab.serving.errors import (
     BadRequest,
     EngineDead,
@@ -85,7 +85,6 @@ from fleetlab.serving.errors import (
 )
 from fleetlab.serving.metrics import CONTENT_TYPE, ServerMetrics
 from fleetlab.serving.openai_logprobs import chat_logprobs, completion_logprobs
-from fleetlab.validation import check_sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +203,6 @@ class _Choice:
 
     index: int
     prompt_ids: list[int]
-    text: TextStream
     sampling: SamplingParams | None = None
     prompt_index: int = 0
     want_logprobs: bool = False
@@ -213,6 +211,7 @@ class _Choice:
     stream: RequestStream | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_tokens: int = 0  # output tokens (the usage count)
     content: list[str] = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     cumulative_logprob: float | None = None
@@ -282,11 +281,9 @@ class OpenAIServing:
     def _fan_out(self, prompts: list[_Choice], sp: SamplingParams, req) -> list[_Choice]:
         """Each prompt's ``best_of`` (default ``n``) choices, child ``i`` with its own settings."""
         best_of = sp.best_of or sp.n
-        return [_Choice(p.index * best_of + i, p.prompt_ids,
-                        TextStream(self.engine.tokenizer, p.prompt_ids, req.stop_strings,
-                                   req.include_stop_str_in_output),
-                        sampling=child_sampling_params(sp, i), prompt_index=p.index,
-                        want_logprobs=req.num_logprobs is not None, echo=p.echo, echo_only=p.echo_only)
+        return [_Choice(p.index * best_of + i, p.prompt_ids, sampling=child_sampling_params(sp, i),
+                        prompt_index=p.index, want_logprobs=req.num_logprobs is not None, echo=p.echo,
+                        echo_only=p.echo_only)
                 for p in prompts for i in range(best_of)]
 
     # ----- request checks -----
@@ -317,7 +314,7 @@ class OpenAIServing:
             raise BadRequest(f"this model's maximum context length is {limit} tokens; the {prompt_field} has "
                              f"{len(ids)} tokens, which leaves no room for an answer", prompt_field,
                              "context_length_exceeded")
-        return _Choice(index, ids, TextStream(self.engine.tokenizer, ids))  # a prompt: _fan_out makes its choices
+        return _Choice(index, ids)  # a prompt: _fan_out makes its choices
 
     def _sampling_params(self, req, max_tokens: int, choices: list[_Choice], prompt_field: str) -> SamplingParams:
         limit = self.engine.max_model_len
@@ -331,6 +328,7 @@ class OpenAIServing:
         sp = SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p,
                             top_k=0 if req.top_k in (None, -1) else req.top_k, seed=req.seed,
+                            stop=req.stop_strings, include_stop_str_in_output=req.include_stop_str_in_output,
                             stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                             min_tokens=req.min_tokens, n=req.n, best_of=req.best_of,
                             presence_penalty=req.presence_penalty or 0.0,
@@ -483,13 +481,13 @@ class OpenAIServing:
         output added (after the prompt's, with echo), when the client asked for logprobs.
 
         Sets ``finish_reason`` and ``stop_reason`` on the choice whose output finished it (the
-        engine's, or ``"stop"`` when a stop string appeared: that request is aborted at once).
+        engine's: ``"stop"`` with the stop string, the stop token's id, or None at EOS).
         """
         async for c, out in _merge(choices):
             if c.finish_reason is not None:
-                continue  # outputs after a stop string (the abort's) are dropped
-            on_token = out.finished and out.finish_reason == "stop" and bool(out.new_token_ids)
-            text = "" if c.echo_only else c.text.push(out.new_token_ids, stopped_on_token=on_token)
+                continue
+            text = "" if c.echo_only else out.new_text
+            c.num_tokens = 0 if c.echo_only else len(out.token_ids)
             positions = self._new_positions(c, out)
             if c.echo is not None:
                 text, c.echo = c.echo + text, None
@@ -497,13 +495,9 @@ class OpenAIServing:
                 c.first_seen = True
                 self.metrics.observe_first_token(c.stream.times)
             c.gaps_observed = self.metrics.observe_token_gaps(c.stream.times, c.gaps_observed)
-            if c.text.stopped:
-                c.finish_reason, c.stop_reason = "stop", c.text.stop_reason
-                c.stream.abort()
-            elif out.finished:
+            if out.finished:
                 c.finish_reason = "length" if c.echo_only else out.finish_reason
-                c.stop_reason = None if c.echo_only else out.stop_reason  # the stop token's id, None for EOS
-                text += c.text.finish()
+                c.stop_reason = None if c.echo_only else out.stop_reason
             c.content.append(text)
             yield c, text, positions
             if all(x.finish_reason is not None for x in choices):
@@ -526,7 +520,7 @@ class OpenAIServing:
     def _usage(self, choices: list[_Choice]) -> dict:
         """Each prompt's tokens once, however many choices continue it; every choice's output tokens."""
         prompts = {c.prompt_index: len(c.prompt_ids) for c in choices}
-        return P.usage(sum(prompts.values()), sum(c.text.num_tokens for c in choices))
+        return P.usage(sum(prompts.values()), sum(c.num_tokens for c in choices))
 
     def _close(self, choices: list[_Choice]) -> None:
         """Abort unfinished engine requests and record every choice's metrics (once)."""
@@ -540,7 +534,7 @@ class OpenAIServing:
             if c.finish_reason is None:
                 c.finish_reason = "abort"
             c.gaps_observed = self.metrics.observe_token_gaps(c.stream.times, c.gaps_observed)
-            self.metrics.observe_finished(c.stream.times, len(c.prompt_ids), c.text.num_tokens, c.finish_reason)
+            self.metrics.observe_finished(c.stream.times, len(c.prompt_ids), c.num_tokens, c.finish_reason)
 
     # ----- stopping -----
     async def drain(self, timeout: float, forced: Callable[[], bool] = lambda: False) -> None:

@@ -99,7 +99,7 @@ class StreamTimes:
 class RequestStream:
     """The outputs of one request, as an async iterator of :class:`~fleetlab.RequestOutput`.
 
-    Each item carries the ``new_token_ids`` since the previous item; when the consumer falls
+    Each item carries the ``new_token_ids`` (and ``new_text``) since the previous item; when the consumer falls
     behind the engine, the outputs waiting are merged into one. The last item has
     ``finish_reason`` set. Closing a stream before it finishes (``abort()``) aborts the request.
     """
@@ -136,7 +136,7 @@ class RequestStream:
             if isinstance(nxt, BaseException):
                 self._held = nxt  # raise it on the next call
                 break
-            nxt.new_token_ids = out.new_token_ids + nxt.new_token_ids
+            nxt.new_token_ids, nxt.new_text = out.new_token_ids + nxt.new_token_ids, out.new_text + nxt.new_text
             out = nxt
         self.num_output_tokens += len(out.new_token_ids)
         if out.finished:

@@ -1,7 +1,7 @@
 """Where a server listens: a bound socket, and the uvicorn server that serves an app on it.
 
 Shared by ``python -m fleetlab serve`` (:mod:`fleetlab.serving.cli`), the background servers of
-:mod:`fleetlab.serving.launch` and the disaggregated job (:mod:`fleetlab.kv_transfer.serving`). The
+:mod:`fleetlab.serving.launch` and the disaggregated job (:mod:`fleetlab.serving.disagg.cli`). The
 socket is bound before the engine is built, so a port already taken is refused at once.
 """
 

@@ -293,7 +293,33 @@ def read_json(body: bytes) -> dict:
         raise BadRequest(f"the body is not valid JSON: {e}", None, "json_invalid") from None
     if not isinstance(data, dict):
         raise BadRequest(f"the body must be a JSON object, not a JSON {type(data).__name__}", None, "invalid_type")
+    if "\\ud" in text.lower():  # only a \uD800-\uDFFF escape makes a lone surrogate (a pair is joined)
+        _refuse_lone_surrogates(data)
     return data
+
+
+def _refuse_lone_surrogates(data: dict) -> None:
+    """400 naming the first string (key or value) that holds half of a UTF-16 surrogate pair: it
+    is not text, so no tokenizer can encode it (and nothing could write it back as UTF-8)."""
+    todo: list[tuple[str, object]] = [("", data)]
+    while todo:
+        path, value = todo.pop()
+        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        for key, item in items:
+            where = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+            for text in (key, item):
+                if isinstance(text, str) and (i := _surrogate_at(text)) is not None:
+                    raise BadRequest(f"{where} is not valid UTF-8 text: a lone surrogate \\u{ord(text[i]):04x} at "
+                                     f"character {i}", where, "invalid_encoding")
+            todo.append((where, item))
+
+
+def _surrogate_at(text: str) -> int | None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
 
 
 def validate(cls: type[BaseModel], data: dict) -> BaseModel:

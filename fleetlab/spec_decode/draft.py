@@ -27,14 +27,14 @@ from __future__ import annotations
 import numpy as np
 import paddle
 
+from fleetlab.attention.context import forward_context
 from fleetlab.attention.metadata import AttentionMetadata
-from fleetlab.context import forward_context
 from fleetlab.device import check_model_dtype_runs, upload
 from fleetlab.kv.paged_cache import PagedKVCache
 from fleetlab.patching import PatchHandle, patch_model
+from fleetlab.spec_decode.config import check_draft_vocab
 from fleetlab.spec_decode.proposer import Proposer
 from fleetlab.spec_decode.proposer_batch import ProposerInputBatch, proposer_fields
-from fleetlab.validation import check_draft_vocab
 
 
 class DraftModelProposer(Proposer):
@@ -60,6 +60,10 @@ class DraftModelProposer(Proposer):
 
     def bind(self, batch) -> None:
         self.batch = ProposerInputBatch(batch)
+
+    def copy_blocks(self, copies) -> None:
+        """A partial prefix hit's copy, in the draft's cache too (it shares the target's block ids)."""
+        self.kv_cache.copy_blocks(copies)
 
     def close(self) -> None:
         """Undo the patch this proposer applied to the draft model."""

@@ -26,7 +26,7 @@ small interface; see ``backend.py``). The pieces, each in its own file:
 
 **How the engine uses it**, in the order of a request's life:
 
-1. *Arrival* (``fleetlab.validation``): ``SamplingParams(structured_outputs=...)`` is checked
+1. *Arrival* (``fleetlab.edge``): ``SamplingParams(structured_outputs=...)`` is checked
    (a ``ValueError`` naming the request and the field; ``ignore_eos`` refused beside it), the
    backend validates it, and its compile starts on the manager's thread
    (``StructuredOutputsProcessor.start``). ``LLM.generate`` and the server wait for the compile
@@ -58,7 +58,7 @@ _LAZY = {name: "fleetlab.structured_output.backend" for name in (
     "list_grammar_backends", "make_grammar_backend", "register_grammar_backend")}
 _LAZY.update(apply_token_bitmask="fleetlab.structured_output.bitmask", dead_rows="fleetlab.structured_output.bitmask",
              StructuredOutputManager="fleetlab.structured_output.manager",
-             StructuredOutputsParams="fleetlab.structured_output.params",
+             StructuredOutputsParams="fleetlab.engine.structured_outputs_params",
              StructuredOutputRequest="fleetlab.structured_output.request")
 
 

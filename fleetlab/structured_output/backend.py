@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fleetlab.structured_output.params import StructuredOutputsParams
+from fleetlab.engine.structured_outputs_params import StructuredOutputsParams
 
 
 class GrammarError(ValueError):

@@ -28,8 +28,8 @@ import time
 
 import numpy as np
 
+from fleetlab.engine.structured_outputs_params import StructuredOutputsParams
 from fleetlab.structured_output.backend import CompiledGrammar, GrammarBackend, GrammarError, GrammarMatcher
-from fleetlab.structured_output.params import StructuredOutputsParams
 from fleetlab.structured_output.vocab_check import check_vocabulary, missing_characters
 
 logger = logging.getLogger(__name__)

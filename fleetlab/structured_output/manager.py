@@ -26,8 +26,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from fleetlab.engine.structured_outputs_params import StructuredOutputsParams
 from fleetlab.structured_output.backend import CompiledGrammar, GrammarError, GrammarMatcher, make_grammar_backend
-from fleetlab.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """``StructuredOutputsProcessor``: the engine's side of structured outputs, a logits processor.
 
-**On arrival** (``fleetlab.validation.InputProcessor``): :meth:`StructuredOutputsProcessor.start`
+**On arrival** (``fleetlab.edge.input_processor.InputProcessor``): :meth:`StructuredOutputsProcessor.start`
 checks the constraint with the grammar backend (a ``ValueError`` naming the request and the
 field), starts its compile on the manager's thread and returns the request's
 :class:`~fleetlab.structured_output.request.StructuredOutputRequest`. The request carries it in

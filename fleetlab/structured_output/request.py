@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from fleetlab.engine.structured_outputs_params import StructuredOutputsParams
 from fleetlab.structured_output.backend import GrammarError, GrammarMatcher
-from fleetlab.structured_output.params import StructuredOutputsParams
 
 
 @dataclass(eq=False, slots=True)

@@ -3,7 +3,7 @@
 Selectors are JupyterLab 4 / ipywidgets 8 classes: ``.jp-CodeCell .jp-InputPrompt`` shows
 ``[*]:`` while a cell waits or runs and ``[n]:`` once it ran; ``.widget-slider .noUi-handle``
 is a slider's handle (keyboard-focusable, with ``aria-valuenow``); ``.widget-output img`` is a
-PNG shown inside an ``ipywidgets.Output``, which is where fleetlab.viz widgets draw.
+PNG shown inside an ``ipywidgets.Output``, which is where fleetlab.lab.viz widgets draw.
 """
 
 from __future__ import annotations
