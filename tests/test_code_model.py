@@ -159,3 +159,15 @@ def test_train_code_runs_and_a_rerun_gives_the_same_loss(tmp_path):
     assert (out / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
     model, tok = load(out)  # what it wrote is a PaddleFormers checkpoint
     assert model.config.num_hidden_layers == code_recipe.TARGET["num_hidden_layers"] and len(tok) == bpe.VOCAB_SIZE
+
+
+def test_serve_loads_the_code_model_its_draft_and_renders_chat_without_a_template(code):
+    from fleetlab.serving.chat_template import chat_prompt_ids, has_chat_template
+    from fleetlab.serving.loader import load_draft, load_model
+
+    model, tok = load_model("code")
+    assert type(model).__name__ == "LlamaForCausalLM" and len(tok) == bpe.VOCAB_SIZE
+    assert load_draft("code").config.num_hidden_layers == 2
+    assert not has_chat_template(tok)  # no chat training: the minimal template, messages' text on lines
+    messages = [{"role": "user", "content": "import os"}, {"role": "user", "content": "def f():"}]
+    assert chat_prompt_ids(tok, messages) == tok.encode("import os\ndef f():")

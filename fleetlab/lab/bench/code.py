@@ -14,9 +14,11 @@ held-out modules of its corpus (never trained on; :data:`fleetlab.models.code_co
   module, several hundred tokens) each followed by its own method's ``def`` line, with prefix
   caching on (radix tree) and off: prefill tokens computed, hit rate, time.
 
-Per speculative run (from :func:`fleetlab.bench.spec.measure`): acceptance rate, tokens per
+Per speculative run (from :func:`fleetlab.lab.bench.spec.measure`): acceptance rate, tokens per
 verify step, target forwards per output token (per request, from the step traces), and
-whether the tokens equal speculation off (greedy: they must). Times are single runs on a
+whether the tokens equal speculation off (greedy: they must). ``off``'s ``repeated_4gram_share``
+says how much of the output repeats itself: an undertrained model loops, and prompt lookup, which
+reads the output too, predicts loops trivially. Times are single runs on a
 fresh engine after a warm-up, so read them as indicative; the counts are exact.
 
 Results: ``<out>/code.json`` (default ``benchmarks/results``).
@@ -98,12 +100,27 @@ def spec_runs(model, draft, prompts: list[list[int]], max_tokens: int) -> list[d
     configs += [(f"draft k={k}", spec_config("draft", k, draft=draft)) for k in DRAFT_KS]
     runs = [measure(model, prompts, sampling, spec=spec, name=name, block_size=16) for name, spec in configs]
     off_tokens = runs[0]["token_ids"]
+    runs[0]["repeated_4gram_share"] = repeated_ngram_share(off_tokens, 4)
     for run in runs:
         run["identical_to_off"] = run["token_ids"] == off_tokens
         run["forwards_per_token_vs_off"] = run["forwards_per_token"] / runs[0]["forwards_per_token"]
         for key in ("token_ids", "forwards_per_token_by_request", "num_forwards_by_request", "num_tokens_by_request"):
             run.pop(key)
     return runs
+
+
+def repeated_ngram_share(outputs: list[list[int]], n: int) -> float:
+    """Share of the outputs' ``n``-grams that already occurred earlier in the same output: how
+    much of the text is loops (which prompt lookup, reading the output too, predicts trivially)."""
+    repeated = total = 0
+    for ids in outputs:
+        seen: set[tuple[int, ...]] = set()
+        for i in range(len(ids) - n + 1):
+            gram = tuple(ids[i : i + n])
+            repeated += gram in seen
+            seen.add(gram)
+            total += 1
+    return repeated / max(1, total)
 
 
 def prefix_runs(model, prompts: list[list[int]], max_tokens: int) -> list[dict]:
