@@ -176,6 +176,8 @@ def table(result: dict) -> str:
             rows.append(f"{workload:9s} {r['name']:11s} acceptance {r['acceptance_rate']:.2f}  tokens/verify "
                         f"{r['mean_acceptance_length']:.2f}  forwards/token {r['forwards_per_token']:.3f} "
                         f"({r['forwards_per_token_vs_off']:.2f}x off) same tokens {r['identical_to_off']}")  # fmt: skip
+        rows.append(f"{workload:9s} output 4-grams repeated within the output: "
+                    f"{result[workload][0]['repeated_4gram_share']:.2f}")
     for r in result["prefix"]["runs"]:
         rows.append(f"prefix    {r['prefix_cache']:6s} header {result['prefix']['header_tokens']} tokens: prefill "
                     f"{r['prefill_tokens_computed']}/{r['prompt_tokens']} tokens, hit rate {r['hit_rate']:.2f}, "
