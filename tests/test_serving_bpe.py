@@ -166,3 +166,29 @@ def test_odd_input_offline_names_the_request_and_the_field():
                 (dict(prompt_token_ids=[3, 4096]), "prompt_token_ids [4096] outside the vocabulary [0, 4096)")]:
             with pytest.raises(ValueError, match=re.escape(f"request 'odd': {words}")):
                 llm.add_request(request_id="odd", **kwargs)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_n_sampled_choices_stream_the_text_they_return_cut_at_their_stop_strings(served, route):
+    server, tok, _, _ = served
+    c, stops = client(server), [" ", "o", "é"]
+    kwargs = dict(model="code", n=3, seed=11, temperature=1.0, max_tokens=MAX_TOKENS, stop=stops,
+                  extra_body={"ignore_eos": True})
+    if route == "chat":
+        call, kwargs["messages"] = c.chat.completions.create, [{"role": "user", "content": PROMPT}]
+    else:
+        call, kwargs["prompt"] = c.completions.create, PROMPT
+
+    def text(choice):
+        return choice.message.content if route == "chat" else choice.text
+
+    whole = {ch.index: ch for ch in call(**kwargs).choices}
+    streamed = {i: "" for i in whole}
+    for chunk in call(stream=True, **kwargs):
+        for ch in chunk.choices:
+            streamed[ch.index] += (ch.delta.content or "") if route == "chat" else ch.text
+    assert streamed == {i: text(ch) for i, ch in whole.items()}
+    for ch in whole.values():
+        assert not any(s in text(ch) for s in stops)
+        assert (ch.finish_reason, getattr(ch, "stop_reason", None) in stops) in (("stop", True), ("length", False))
+    assert any(ch.finish_reason == "stop" for ch in whole.values())
