@@ -139,7 +139,8 @@ class ModelRunner:
             logits = self.forward(p.inputs)  # each attention layer: wait_for_layer_load, write, save_kv_layer
             self.kv_connector.wait_for_save()
             out.finished_sending, out.kv_load_failed_block_ids = checked_finished(
-                self.kv_connector, connector_call(self.kv_connector, "get_finished", so.finished_req_ids))
+                self.kv_connector, connector_call(self.kv_connector, "get_finished", so.finished_req_ids),
+                self.kv_cache.num_blocks)
         with phase("sample"):
             self.sample(logits, p.inputs, out, p.sampling)
         if self.proposer is not None:

@@ -248,17 +248,18 @@ def checked_holds(connector, value) -> bool:
     return value
 
 
-def checked_finished(connector, value) -> tuple[set, set]:
-    """What ``get_finished`` returned: ``(request ids whose saves are done, block ids whose load failed)``."""
+def checked_finished(connector, value, num_blocks: int) -> tuple[set, set]:
+    """What ``get_finished`` returned: ``(request ids whose saves are done, block ids whose load
+    failed)``, the block ids in ``[0, num_blocks)``."""
     if isinstance(value, tuple) and len(value) == 2:
         try:
             sending, failed = set(value[0]), {operator.index(b) for b in value[1]}
-            if all(isinstance(r, str) for r in sending):
+            if all(isinstance(r, str) for r in sending) and all(0 <= b < num_blocks for b in failed):
                 return sending, failed
         except TypeError:
             pass
-    raise bad_return(KIND, connector, "get_finished", value,
-                     "it must return (set of request ids whose saves are done, set of block ids whose load failed)")
+    raise bad_return(KIND, connector, "get_finished", value, "it must return (set of request ids whose saves are "
+                     f"done, set of block ids in [0, {num_blocks}) whose load failed)")
 
 
 def requests_to_recompute(kv, scheduled_req_ids, failed_block_ids: set[int]) -> list[str]:
