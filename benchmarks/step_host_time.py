@@ -38,9 +38,9 @@ def worker(batch: int) -> None:
     try:
         from fleetlab.lab.bench.engine import MODEL_SIZES, BenchConfig, build_model, make_llm
         from fleetlab.lab.bench.workloads import mixed_workload
-    except ImportError:  # older checkouts: the bench was fleetlab/lab/bench
-        from fleetlab.lab.bench.engine import MODEL_SIZES, BenchConfig, build_model, make_llm
-        from fleetlab.lab.bench.workloads import mixed_workload
+    except ImportError:  # older checkouts: the bench was fleetlab/bench
+        from fleetlab.bench.engine import MODEL_SIZES, BenchConfig, build_model, make_llm
+        from fleetlab.bench.workloads import mixed_workload
 
     cfg = BenchConfig()
     wl = mixed_workload(batch, cfg.breakdown_prompt_len, (1000, 1000), MODEL_SIZES["small"]["vocab_size"],
