@@ -201,6 +201,18 @@ class LLM:
         ``with LLM(...) as llm:`` does."""
         self._finalizer()
 
+    def __repr__(self) -> str:
+        """``print(llm)``: the model and backend, the pool, the batch's limits and the requests now."""
+        handle, cfg = getattr(self, "handle", None), self.config
+        model = type(getattr(handle, "model", None)).__name__ if handle is not None else "?"
+        backend = type(handle.backend).__name__ if handle is not None else "?"
+        pool = getattr(self, "pool", None)
+        sched = getattr(self, "scheduler", None)
+        now = f"; {len(sched.running)} running, {len(sched.waiting)} waiting" if sched is not None else ""
+        return (f"LLM({model}, backend {backend}, {pool!r}, max_num_seqs={cfg.max_num_seqs}, "
+                f"max_num_batched_tokens={cfg.max_num_batched_tokens}, max_model_len="
+                f"{getattr(self, 'max_model_len', '?')}, async_scheduling={cfg.async_scheduling}{now})")
+
     def __enter__(self) -> LLM:
         return self
 

@@ -61,7 +61,20 @@ class AttentionMetadata:
 
     def extend(self, cls, **extra):
         """This metadata as an instance of ``cls`` (a dataclass subclass of this class), with
-        the subclass's own fields set from ``extra``: how a backend adds its per-step plan."""
+        the subclass's own fields set from ``extra``: how a backend adds its per-step plan.
+
+        A backend's ``build_metadata(metadata)`` runs once per step, before the forward; what it
+        returns is what every layer's ``attend`` receives. To carry a plan of its own (tile
+        boundaries, a split of the decode rows...), declare the fields in a subclass and fill
+        them there; every common field is copied over (``fleetlab.TiledMetadata`` adds ``plans``):
+
+        >>> @dataclass(slots=True)
+        ... class SplitMetadata(AttentionMetadata):
+        ...     split: int = 0  # the first prefill row
+        >>> class SplitBackend(TiledBackend):
+        ...     def build_metadata(self, metadata):
+        ...         return metadata.extend(SplitMetadata, split=metadata.num_decodes)
+        """
         return cls(**{f.name: getattr(self, f.name) for f in fields(AttentionMetadata)}, **extra)
 
     @property
@@ -107,9 +120,7 @@ class AttentionMetadata:
         query_lens = np.asarray(query_lens, dtype=np.int64)
         num_computed = np.asarray(num_computed_tokens, dtype=np.int64)
         tables = _padded(block_tables)
-        assert query_lens.ndim == 1 and query_lens.shape == num_computed.shape, "one query_len per row"
-        assert tables.ndim == 2 and tables.shape[0] == query_lens.shape[0], f"block_tables {tables.shape}"
-        assert (query_lens >= 1).all(), f"every row schedules a token; got {query_lens.tolist()}"
+        _check_build_args(query_lens, num_computed, tables)
         cu = np.zeros(len(query_lens) + 1, dtype=np.int32)
         np.cumsum(query_lens, out=cu[1:])
         row_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
@@ -144,8 +155,23 @@ def _slots(tables: np.ndarray, row_of_token: np.ndarray, positions: np.ndarray, 
                          f"row's block table ({tables.shape[1]} blocks of {block_size} tokens): a position "
                          "falls beyond its row's block table")
     blocks = tables[row_of_token, block_idx] if len(positions) else np.zeros(0, np.int32)
-    assert (blocks >= 0).all(), "a scheduled position has no block allocated (block table holds -1)"
+    if (blocks < 0).any():
+        row = int(row_of_token[np.argmax(blocks < 0)])
+        raise ValueError(f"block_tables: row {row} has no block allocated for a scheduled position (its block "
+                         "table holds -1 there)")
     return blocks.astype(np.int64) * block_size + positions % block_size
+
+
+def _check_build_args(query_lens: np.ndarray, num_computed: np.ndarray, tables: np.ndarray) -> None:
+    """``build``'s shapes (learners call it directly): ValueError naming the argument."""
+    if query_lens.ndim != 1 or query_lens.shape != num_computed.shape:
+        raise ValueError(f"query_lens {list(query_lens.shape)} and num_computed_tokens {list(num_computed.shape)} "
+                         "must be 1-D, one entry per row")
+    if tables.ndim != 2 or tables.shape[0] != query_lens.shape[0]:
+        raise ValueError(f"block_tables {list(tables.shape)} must be [rows, blocks] with one row per query_len "
+                         f"({query_lens.shape[0]})")
+    if (query_lens < 1).any():
+        raise ValueError(f"query_lens: every row schedules at least one token; got {query_lens.tolist()}")
 
 
 def _padded(block_tables) -> np.ndarray:

@@ -127,6 +127,24 @@ class InputBatch:
         self._num_rows = 0
         self._synced_rows: int | None = None  # rows mirrored by the last sync; None = stale
 
+    def __repr__(self) -> str:
+        """One line for the batch, one per row in use: its request, prompt, tokens, computed and
+        scheduled tokens, blocks (``print(batch)`` in a notebook)."""
+        holes = self._holes()
+        head = (f"InputBatch({self.num_reqs} requests in rows [0, {self._num_rows}) of {self.max_num_seqs}"
+                f"{f', holes at rows {holes}' if holes else ''}; {len(self.fields)} fields)")
+        lines = [head]
+        for row, rid in enumerate(self.req_ids):
+            if rid is None:
+                lines.append(f"  row {row}: (hole)")
+                continue
+            n = {name: int(self._np[name][row]) for name in
+                 ("num_prompt_tokens", "num_tokens", "num_computed_tokens", "num_scheduled_tokens", "num_blocks")}
+            lines.append(f"  row {row}: {rid!r} prompt {n['num_prompt_tokens']}, tokens {n['num_tokens']}, computed "
+                         f"{n['num_computed_tokens']}, scheduled {n['num_scheduled_tokens']}, "
+                         f"blocks {self._np['block_table'][row][: n['num_blocks']].tolist()}")
+        return "\n".join(lines)
+
     # ------------------------------------------------------------------ access
     @property
     def num_reqs(self) -> int:
@@ -163,9 +181,14 @@ class InputBatch:
 
     def dev(self, name: str) -> paddle.Tensor:
         """Paddle mirror of device field ``name``, rows ``[0, num_reqs)`` at the last sync."""
-        assert self.fields[name].home == "device", f"field {name!r} lives on the host; use batch.np({name!r})"
-        assert self._synced_rows is not None, f"device mirror of {name!r} is stale: call sync_to_device() first"
+        if self.fields[name].home != "device":
+            raise ValueError(f"field {name!r} lives on the host: use batch.np({name!r})")
+        if self._synced_rows is None:
+            raise RuntimeError(f"the device mirror of {name!r} is stale: call sync_to_device() first")
         return self._dev[name][: self._synced_rows]
+
+    def _holes(self) -> list[int]:
+        return [row for row, rid in enumerate(self.req_ids) if rid is None]
 
     def row_of(self, req_id) -> int:
         """The row holding ``req_id``; ValueError if the request is not in the batch."""
@@ -357,7 +380,9 @@ class InputBatch:
         prefill group (``fleetlab.lab.lessons.reorder`` shows the stable partition and the
         no-move gather map beside it). The batch must be condensed first.
         """
-        assert not self.has_holes, "reorder needs a dense batch: call condense() first"
+        if self.has_holes:  # a check, not an assert: ``python -O`` would reorder around the holes
+            raise RuntimeError(f"reorder_split_prefill_and_decode needs a dense batch: rows {self._holes()} are "
+                               "holes (removed requests); call condense() first")
         mask = self.is_decode(decode_threshold)
         lefts, rights = two_pointer_swaps(mask)
         dst, src = np.concatenate([lefts, rights]), np.concatenate([rights, lefts])
@@ -378,7 +403,9 @@ class InputBatch:
         across steps (what a captured CUDA graph needs); it copies the whole
         ``[max_num_seqs, ...]`` buffer, rows past ``num_reqs`` included (they are never read).
         """
-        assert not self.has_holes, "sync_to_device needs a dense batch: call condense() first"
+        if self.has_holes:
+            raise RuntimeError(f"sync_to_device needs a dense batch: rows {self._holes()} are holes (removed "
+                               "requests); call condense() first")
         for name, mirror in self._dev.items():
             if not np.array_equal(self._np[name], self._mirrored[name]):
                 device.fill(mirror, self._np[name])  # in place: the mirror keeps its address

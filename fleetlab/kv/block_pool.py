@@ -58,6 +58,15 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(self.num_blocks))
         self._kept: set[int] = set()  # free blocks the prefix cache holds (its ``keeps`` said so)
 
+    def __repr__(self) -> str:
+        """``print(llm.pool)``: its size, blocks in use and free, and the prefix cache's share."""
+        cache = self.prefix_cache
+        cached = f", {cache.num_cached_blocks} holding a cached prefix ({type(cache).__name__})" if cache else \
+            ", no prefix cache"
+        in_use = self.num_blocks - self.num_free_blocks
+        return (f"BlockPool({self.num_blocks} blocks of {self.block_size} tokens: {in_use} in use, "
+                f"{self.num_free_blocks} free{cached})")
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be allocated now, including free blocks still holding a cached prefix."""

@@ -77,7 +77,10 @@ class PrefixCache:
 
     # ----- what the manager asks
     def lookup(self, token_ids: Sequence[int], *, record_stats: bool = True) -> list[int]:
-        raise NotImplementedError
+        """The cached blocks holding the longest prefix of ``token_ids`` in whole blocks, in order
+        (at most :meth:`max_hit_blocks`); counts the query when ``record_stats``. Takes no
+        references (the manager touches the hits)."""
+        raise self._missing("lookup")
 
     def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int,
                        exclude: Collection[int] = ()) -> tuple[int, int] | None:
@@ -97,18 +100,29 @@ class PrefixCache:
 
     def cache_blocks(self, token_ids: Sequence[int], block_ids: Sequence[int], num_cached_blocks: int,
                      num_full_blocks: int) -> int:
-        raise NotImplementedError
+        """Register a request's blocks ``[num_cached_blocks, num_full_blocks)`` of ``block_ids``,
+        each now full of the tokens ``token_ids`` holds there (:meth:`check_cache_args` checks
+        the arguments); returns the new ``num_cached_blocks`` (the request's blocks registered)."""
+        raise self._missing("cache_blocks")
 
     def uncache(self, block_ids: Sequence[int]) -> list[int]:
         """Drop these blocks' entries; returns every block that left the cache."""
-        raise NotImplementedError
+        raise self._missing("uncache")
 
     def is_cached(self, block_id: int) -> bool:
-        raise NotImplementedError
+        """True while ``block_id`` holds a prefix this cache can hand out (owned or not); the pool
+        and :func:`fleetlab.inspect.check_pool` read it."""
+        raise self._missing("is_cached")
 
     @property
     def num_cached_blocks(self) -> int:
-        raise NotImplementedError
+        """How many blocks of the pool this cache names now (what ``LLM.stats()`` reports)."""
+        raise self._missing("num_cached_blocks")
+
+    def _missing(self, method: str) -> NotImplementedError:
+        return NotImplementedError(f"prefix cache {type(self).__name__!r} does not implement {method}(): a "
+                                   f"PrefixCache subclass must define lookup, cache_blocks, uncache, is_cached "
+                                   f"and num_cached_blocks")
 
     def check_invariants(self) -> None:
         """Raise RuntimeError if the cache's bookkeeping is inconsistent (tests, debugging)."""
