@@ -86,8 +86,8 @@ class PrefixCache:
                        exclude: Collection[int] = ()) -> tuple[int, int] | None:
         """A cached block whose first tokens continue the match past the ``num_hit_blocks`` blocks
         :meth:`lookup` found: ``(block_id, num_tokens)``, ``0 < num_tokens < block_size``, the
-        match never reaching the prompt's last token; never a block in ``exclude`` (its K/V are
-        not written yet); None when no block does (the default: a design that shares whole pages
+        match never reaching the prompt's last token; never a block in ``exclude`` (a copy of this
+        step writes into it); None when no block does (the default: a design that shares whole pages
         only). Takes no references, counts nothing."""
         return None
 
@@ -187,6 +187,19 @@ def checked_hits(cache: PrefixCache, hits, num_tokens: int, num_blocks: int) -> 
                      f"most {most} for {num_tokens} tokens (a hit never covers the whole prompt)")
 
 
+def checked_evicted(cache: PrefixCache, value, n: int, kept: set) -> list[int]:
+    """What ``evict(n)`` returned: ``n`` distinct blocks among those it keeps (``kept``, the pool's
+    count of free blocks included them); else ExtensionError."""
+    try:
+        ids = [operator.index(b) for b in value]
+    except TypeError:
+        ids = None
+    if ids is not None and len(ids) == n and len(set(ids)) == n and all(b in kept for b in ids):
+        return ids
+    raise bad_return(KIND, cache, "evict", value, f"asked for {n} blocks, it must return {n} distinct blocks "
+                     "among the free ones it keeps")
+
+
 def checked_num_cached(cache: PrefixCache, value, num_cached_blocks: int, num_full_blocks: int) -> int:
     """What ``cache_blocks`` returned: the request's new count of cached leading blocks, an int in
     ``[num_cached_blocks, num_full_blocks]``; else ExtensionError."""
@@ -218,8 +231,8 @@ def check_partial_hit(cache: PrefixCache, hit, token_ids: Sequence[int], num_hit
     if num_tokens is None or not 0 < num_tokens <= limit or not cache.is_cached(block_id):
         raise bad_return(KIND, cache, "lookup_partial", hit, rule)
     if block_id in exclude:
-        raise bad_return(KIND, cache, "lookup_partial", hit, "that block was excluded: its K/V are written by the "
-                         "step being planned, after the step's copies")
+        raise bad_return(KIND, cache, "lookup_partial", hit, "that block was excluded: a copy planned in this step "
+                         "writes into it")
     return block_id, num_tokens
 
 
