@@ -109,8 +109,9 @@ def test_layout_names_every_package_and_module_of_the_tree_once():
     """README's Layout follows the tree: each folder and module directly under fleetlab/ is named exactly once."""
     layout = README.split("## Layout", 1)[1].split("```", 2)[1]
     package = ROOT / "fleetlab"
-    entries = sorted(f"{p.name}/" if p.is_dir() else p.name for p in package.iterdir()
-                     if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py"))
+    packages = [f"{p.name}/" for p in package.iterdir() if (p / "__init__.py").is_file()]
+    modules = [p.name for p in package.glob("*.py") if p.name != "__init__.py"]
+    entries = sorted(packages + modules)
     counts = {name: len(re.findall(rf"(?<![\w/.]){re.escape(name)}", layout)) for name in entries}
     assert {name: n for name, n in counts.items() if n != 1} == {}
     assert len(entries) > 20
