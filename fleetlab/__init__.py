@@ -51,6 +51,7 @@ _LAZY = {
     "LogitsProcessor": "fleetlab.engine.logits_processor",
     "SamplingTensors": "fleetlab.engine.sampler",
     "TiledBackend": "fleetlab.attention.tiled",
+    "TiledMetadata": "fleetlab.attention.tiled",
     "reference_greedy": "fleetlab.patching.parity",
     "register_policy": "fleetlab.engine.policies",
     "Proposer": "fleetlab.spec_decode.proposer",
@@ -66,6 +67,8 @@ _LAZY = {
     "KVConnector": "fleetlab.kv_transfer",
     "KVTransferConfig": "fleetlab.kv_transfer",
     "register_kv_connector": "fleetlab.kv_transfer",
+    "BlockStoreConnector": "fleetlab.kv_transfer",
+    "LoadError": "fleetlab.kv_transfer",
 }
 # name -> module; the lab's viz, bench and lessons are reachable here too (their home is fleetlab.lab).
 _SUBMODULES = {name: f"fleetlab.{name}" for name in (

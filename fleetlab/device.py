@@ -19,10 +19,20 @@ def upload(array, dtype=None) -> paddle.Tensor:
     ``dtype``: a numpy dtype to convert to first (default: the array's own).
     """
     array = np.ascontiguousarray(array, dtype=dtype)
-    tensor = paddle.empty(list(array.shape), dtype=str(array.dtype))
+    tensor = paddle.empty(list(array.shape), dtype=_paddle_dtype(array.dtype))
     if array.size:
         fill(tensor, array)
     return tensor
+
+
+_PADDLE_DTYPES: dict[np.dtype, object] = {}
+
+
+def _paddle_dtype(dtype: np.dtype):
+    """Paddle's dtype for a numpy one, remembered (converting the name costs more than a small copy)."""
+    if dtype not in _PADDLE_DTYPES:
+        _PADDLE_DTYPES[dtype] = paddle.empty([0], dtype=dtype.name).dtype
+    return _PADDLE_DTYPES[dtype]
 
 
 def fill(tensor: paddle.Tensor, array: np.ndarray) -> None:
@@ -46,23 +56,28 @@ class Packer:
     """
 
     def __init__(self) -> None:
-        self._parts: dict[str, list[np.ndarray]] = {}
-        self._flat: dict[str, paddle.Tensor] = {}
+        self._parts: dict[np.dtype, list[np.ndarray]] = {}
+        self._sizes: dict[np.dtype, int] = {}
+        self._flat: dict[np.dtype, paddle.Tensor] = {}
 
     def add(self, array) -> tuple:
         array = np.ascontiguousarray(array)
-        parts = self._parts.setdefault(str(array.dtype), [])
-        offset = sum(p.size for p in parts)
-        parts.append(array.reshape(-1))
-        return str(array.dtype), offset, array.shape
+        dtype, size = array.dtype, array.size  # keyed by the dtype object: str(dtype) costs more than a copy
+        self._parts.setdefault(dtype, []).append(array.reshape(-1))
+        offset = self._sizes.get(dtype, 0)
+        self._sizes[dtype] = offset + size
+        return dtype, offset, size, array.shape
 
     def upload(self) -> None:
-        self._flat = {dtype: upload(np.concatenate(parts)) for dtype, parts in self._parts.items()}
+        self._flat = {dtype: upload(parts[0] if len(parts) == 1 else np.concatenate(parts))
+                      for dtype, parts in self._parts.items()}
 
     def get(self, handle) -> paddle.Tensor:
-        dtype, offset, shape = handle
-        flat = self._flat[dtype][offset: offset + int(np.prod(shape))]
-        return flat if len(shape) == 1 else flat.reshape(list(shape))
+        dtype, offset, size, shape = handle
+        flat = self._flat[dtype]
+        if len(shape) != 1:
+            return flat[offset: offset + size].reshape(list(shape))
+        return flat if size == flat.shape[0] else flat[offset: offset + size]
 
 
 def upload_packed(*arrays) -> list[paddle.Tensor]:

@@ -1,16 +1,18 @@
 """How many KV blocks the pool gets: given, from a KV budget, or from memory (vLLM's way).
 
 ``LLM(memory_utilization=u)`` sizes the pool as vLLM's ``gpu_memory_utilization`` does: of the
-device's memory (on a CPU, of the ``memory_budget_bytes`` you state) the engine may use the
-share ``u``; a forward of ``max_num_batched_tokens`` prompt tokens is run once to find the peak
-of everything else (weights, activations, the forward's temporaries), and the rest goes to KV
-blocks::
+device's memory the engine may use the share ``u``; a forward of ``max_num_batched_tokens``
+prompt tokens is run once to find the peak of everything else (weights, activations, the
+forward's temporaries), and the rest goes to KV blocks::
 
     num_blocks = (u * budget - peak of the profiled forward) // bytes_per_block
     bytes_per_block = 2 (K and V) * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
-The peak is Paddle's own allocator statistic (device memory on a GPU, host memory on a CPU),
-reset just before the forward. Without ``num_blocks``, ``kv_cache_memory_bytes`` or
+The device's memory is a GPU's total memory; on a CPU, as SGLang's ``mem_fraction_static`` does
+there, the memory the machine has available (psutil's ``virtual_memory().available``, what other
+processes leave) plus the weights this engine already loaded out of it. ``memory_budget_bytes``
+overrides either. The peak is Paddle's own allocator statistic (device memory on a GPU, host
+memory on a CPU), reset just before the forward. Without ``num_blocks``, ``kv_cache_memory_bytes`` or
 ``memory_utilization`` the pool holds half of ``max_num_seqs`` full-length sequences
 (:data:`DEFAULT_SEQS_FRACTION`): every row can run a request of up to half the model's length,
 and when more than half the rows hold long ones the scheduler preempts.
@@ -80,14 +82,23 @@ def _size(handle, cfg, max_model_len: int) -> KVCacheSizing:
     return KVCacheSizing("default", seqs * -(-max_model_len // cfg.block_size), per_block)
 
 
+def device_memory_bytes(handle, on_gpu: bool) -> int:
+    """The memory ``memory_utilization`` shares out by default: a GPU's total memory; on a CPU what
+    the machine has available now plus the model's weights (loaded out of it already)."""
+    if on_gpu:
+        return int(paddle.device.cuda.get_device_properties().total_memory)
+    import psutil  # (a dependency: only sizing a CPU pool from memory asks it)
+
+    return int(psutil.virtual_memory().available) + _weight_bytes(handle)
+
+
+def _weight_bytes(handle) -> int:
+    return sum(int(p.numel()) * p.element_size() for p in handle.model.parameters())
+
+
 def _from_memory(handle, cfg, per_block: int) -> KVCacheSizing:
     on_gpu = paddle.device.get_device().startswith("gpu")
-    total = cfg.memory_budget_bytes
-    if total is None:
-        if not on_gpu:
-            raise ValueError("engine config: memory_utilization on a CPU needs memory_budget_bytes (the memory to "
-                             "share out); on a GPU it defaults to the device's total memory")
-        total = paddle.device.cuda.get_device_properties().total_memory
+    total = cfg.memory_budget_bytes if cfg.memory_budget_bytes is not None else device_memory_bytes(handle, on_gpu)
     budget = int(cfg.memory_utilization * total)
     tokens = cfg.max_num_batched_tokens
     peak = profile_forward_peak(handle, tokens, cfg.block_size, on_gpu)
@@ -116,8 +127,7 @@ def profile_forward_peak(handle, num_tokens: int, block_size: int, on_gpu: bool)
         handle.compute_logits(ids, md.positions.reshape([1, -1]), last)
     activations = _peak(on_gpu) - before
     del kv
-    weights = sum(int(p.numel()) * p.element_size() for p in handle.model.parameters())
-    return int(weights + activations)
+    return int(_weight_bytes(handle) + activations)
 
 
 def _reset_peak(on_gpu: bool) -> None:

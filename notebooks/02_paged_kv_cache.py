@@ -108,7 +108,8 @@ viz.draw_block_pool(pool, {"a": a_blocks, "b": b_blocks})
 # the installed package (the engine's `lookup` is `get_computed_blocks`, called just before
 # it). A hit on a free cached block costs a free block too (`revived`); if the pool cannot
 # supply everything it returns None and changes nothing; otherwise it takes a reference on the
-# hits (`self.pool.touch(hits)`, before allocating, so the allocation cannot evict them),
+# hits (`self.pool.touch([*hits, *pinned])`, before allocating, so the allocation cannot evict
+# them; `pinned` is the block a match that ends inside a block copies from, section 5),
 # allocates the rest (`self.pool.allocate(num_new_blocks)`) and registers the blocks this step
 # fills with known tokens (`_cache_known_blocks`, which calls `cache_blocks`).
 
@@ -271,9 +272,11 @@ for ax, (rid, text) in zip(tree_axes, tree_prompts.items()):
 tree_figure
 
 # %% [markdown]
-# The same three requests through the hash chain: the same tree, one node per block. What
-# the radix tree stores as one edge (`' sat by the road.'` over 4 blocks) is a chain of 4 keys
-# here, each naming its parent.
+# The same three requests through the hash chain: the same tree of full blocks, one node per
+# block. What the radix tree stores as one edge is a chain of keys here, each naming its
+# parent. The radix tree holds two blocks more: the *tail pages* of p and q, their partly
+# filled last blocks (p's edge ends in one of 3 tokens, q's in one of 2), kept when they
+# finished; the hash chain keys full blocks only.
 
 # %%
 draw_prefix_tree(trees["hash", "r"], decode=tokenizer.decode, title="hash chain after p, q, r")
@@ -288,32 +291,75 @@ for design, engine in engines.items():
     engine.close()
 
 # %% [markdown]
-# Both found the same blocks: fleetlab matches at **page granularity** in both designs, as
-# SGLang does with `page_size > 1`. A match that ends inside a block is served by its whole
-# blocks and the rest is recomputed: r shares 9 tokens with p (`<bos>the old `), 2 blocks and
-# one token of the third, so that token runs again (q: 17 shared, 4 blocks, 1 recomputed); at
-# most `block_size - 1` tokens a request. The alternative is to copy the matched part of the
-# block into a fresh block before the request writes the rest of it: one block copy through
-# every layer instead of a few tokens of prefill (the benchmark below measures both).
+# **Where the two differ: a match that ends inside a block.** Both designs share the same
+# whole blocks. The hash chain keys whole blocks, so its match stops at a block boundary: r
+# shares 9 tokens with p (`<bos>the old `), 2 blocks and one token of the third, and that
+# token is computed again (q: 17 shared, 4 blocks, the 17th computed again). The radix tree
+# matches token by token: past the whole pages it finds the cached page whose head continues
+# the match (`lookup_partial`), and the engine **copies** those tokens' K/V into the request's
+# own first new block, on every layer, before the step's forward. So the radix tree hit 2
+# tokens more above, one for q and one for r; at most `block_size - 1` a request.
+#
+# A request that finishes leaves its last, partly filled block in the tree too (a *tail
+# page*: in the pictures, the last node of an edge with fewer than 4 tokens per block). That
+# is what a chat's next turn passes through: its prompt is the last prompt, the answer and a
+# new message. Below, with blocks of 16 tokens: turn 1 wrote the K/V of its 29 prompt tokens
+# and 11 of its 12 answer tokens (the last one sampled is never fed back), 40 tokens, 2 full
+# blocks and 8 tokens of a third. Turn 2's prompt starts with those 40 tokens.
+
+# %%
+chat = {}
+for design in ("hash", "radix"):
+    with fleetlab.LLM(model, tokenizer, block_size=16, prefix_cache=design) as engine:
+        greedy = fleetlab.SamplingParams(max_tokens=12, ignore_eos=True)
+        first = engine.generate("the old man sat by the road.", greedy, use_tqdm=False)[0]
+        again = first.prompt_token_ids + first.token_ids + tokenizer.encode(" and then?")[1:]  # (no second <bos>)
+        before = engine.stats()["prefix_cache_hit_tokens"]
+        second = engine.generate(prompt_token_ids=[again], sampling_params=greedy, use_tqdm=False)[0]
+        hit = engine.stats()["prefix_cache_hit_tokens"] - before
+        chat[design] = (hit, len(again) - hit, second.token_ids)
+        print(f"{design:>5}: turn 2's prompt of {len(again)} tokens: {hit} from the cache, {len(again) - hit} computed")
+
+# %% [markdown]
+# The hash chain gave turn 2 the 32 tokens of the 2 full blocks; the radix tree 40: the 32,
+# and the 8 of turn 1's tail page, copied. The answers are the same tokens (the tests hold
+# every such case to the model's own full forward, under chunking, preemption, `n > 1`,
+# speculation and the overlapped loop).
+#
+# The copy happens inside the step: each layer writes the step's K/V, then applies the step's
+# copies, then attends. So requests admitted *together* copy from each other too: a block one
+# of them fills in this very step lends its head to the next, as a full block is shared whole
+# in the same step.
+#
+# **Where the two are equal**: a shared prefix that ends on a block boundary; prompts that
+# share nothing; the first request of a group (there is nothing to copy from yet). And the
+# copy is not free: two indexed operations per layer and per tensor (K, V), whatever the
+# number of tokens. On this CPU with the tiny model, a copied token cost about what a
+# recomputed one does (README "Prefix caching" gives both, measured side by side); the copy
+# saves work that grows with the model, the copy's cost does not.
 #
 # The tree's pieces, from `fleetlab/prefix_cache/radix.py`: `cache_blocks` walks the tree and
 # hangs new pages where the walk stops, `_split` cuts an edge in two, and `evict` gives back
-# unreferenced pages from the least recently released leaves, tail first.
+# unreferenced pages from the least recently released leaves, tail first; `lookup_partial`
+# picks the page to copy from.
 
 # %%
 from fleetlab.prefix_cache.radix import RadixCache
 
-display(viz.show_source(RadixCache._split, body_only=True), viz.show_source(RadixCache.evict, body_only=True))
+display(viz.show_source(RadixCache._split, body_only=True), viz.show_source(RadixCache.evict, body_only=True),
+        viz.show_source(RadixCache.lookup_partial, body_only=True))
 
 # %% [markdown]
 # **Where each design wins**, measured side by side in one run (`python -m fleetlab bench
-# prefix`, stored in `benchmarks/results/prefix.json`): on few-shot prompts sharing a long
-# prefix and on multi-turn chats both designs compute the same tokens (page granularity),
-# and on unrelated prompts neither helps (their throughputs, below, were timed on a shared
-# machine: README gives its load). What moves the numbers is the **scheduler**: with groups of
-# requests sharing a prefix arriving interleaved into a pool too small for every prefix,
-# admitting the longest cached prefix first (`scheduling_policy="lpm"`) keeps each prefix
-# in use while its group runs, where first-come-first-served evicts it between them.
+# prefix`, stored in `benchmarks/results/prefix.json`): on few-shot prompts sharing a prefix
+# of 150 tokens (9 blocks and 6 tokens) the radix tree computes fewer prompt tokens than the
+# hash chain (every request after the first copies the prefix's last 6 tokens),
+# on multi-turn chats too (each turn copies the last turn's tail page), and on unrelated
+# prompts neither helps (their throughputs, below, were timed on a shared machine: README
+# gives its load). What moves the numbers most is the **scheduler**: with groups of requests
+# sharing a prefix arriving interleaved into a pool too small for every prefix, admitting the
+# longest cached prefix first (`scheduling_policy="lpm"`) keeps each prefix in use while its
+# group runs, where first-come-first-served evicts it between them; it does so with either cache.
 
 # %%
 import json

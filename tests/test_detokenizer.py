@@ -186,3 +186,30 @@ def test_text_stream_on_the_char_tokenizer_counts_tokens_and_holds_back():
     assert ts.finish() == "z" and ts.text == "abz" and not ts.stopped
     ts = TextStream(tok, [1], stop=["b", "ab"])  # the earliest match wins
     assert ts.push(tok.encode("xab", add_bos=False)) == "x" and ts.stop_reason == "ab"
+
+
+@given(text=st.text("ab.", max_size=12), stops=st.lists(st.text("ab.", min_size=1, max_size=5), max_size=3))
+def test_what_is_held_back_is_the_longest_end_that_begins_a_stop_string(text, stops):
+    from fleetlab.output.stop import partial_stop_length
+
+    want = max((n for n in range(1, len(text) + 1) for s in stops if len(s) > n and s.startswith(text[-n:])),
+               default=0)
+    assert partial_stop_length(text, stops) == want
+
+
+def test_a_decode_stream_that_refuses_its_prefix_is_restarted_other_errors_are_not_hidden():
+    """``DecodeStream`` raises when a decoder rewrites text it already gave; vLLM starts a new stream
+    there and goes on, and so does the fast path."""
+    class Refusing:
+        def __init__(self, message):
+            self.message = message
+
+        def step(self, tokenizer, token_id):
+            raise Exception(self.message)
+
+    detok = FastIncrementalDetokenizer(TOK, [])
+    detok._stream = Refusing("Invalid prefix encountered")
+    assert detok.push(encode(TOK, "ok")) == "ok"
+    detok._stream = Refusing("something else")
+    with pytest.raises(Exception, match="something else"):
+        detok.push(encode(TOK, "x"))

@@ -50,7 +50,8 @@ def bad_once(obj, method, value):
     ("update_state_after_alloc", True, r"must return None unless the connector load_kv_async"),
     ("request_finished", None, r"returned None \(NoneType\).*True \(keep the blocks"),
     ("get_finished", None, r"returned None \(NoneType\).*set of request ids"),
-    ("get_finished", (set(), {"x"}), r"set of block ids whose load failed"),
+    ("get_finished", (set(), {"x"}), r"set of block ids in \[0, \d+\) whose load failed"),
+    ("get_finished", (set(), {10**9}), r"returned \(set\(\), \{1000000000\}\)"),
     ("build_connector_meta", RuntimeError, r"raised RuntimeError: boom"),
 ])
 def test_a_connectors_bad_return_is_named_and_rolled_back(fleet_model, oracle, method, value, words):

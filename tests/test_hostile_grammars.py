@@ -3,6 +3,8 @@ naming the request and the field, or it runs; a grammar library that gives up mi
 (a parser limit) stops only its own request, with a short message, and the other prompts of
 the same ``generate`` call finish with the model's own greedy tokens."""
 
+import re
+
 import pytest
 
 from fleetlab import LLM, SamplingParams
@@ -79,3 +81,35 @@ def test_a_parser_limit_hit_mid_output_stops_only_its_request(setup):
     assert out.error.startswith("structured_outputs field json: llguidance stopped at token") and len(out.error) < 400
     assert bystander.token_ids == want
     assert_clean(llm)
+
+
+@pytest.fixture(scope="module")
+def bpe_setup():
+    from bpe_helpers import bpe_llama
+
+    model, tok = bpe_llama(seed=0)
+    llm = LLM(model, tok, block_size=4, max_num_batched_tokens=64, max_model_len=128)
+    yield llm
+    llm.close()
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"regex": "a[^\\x00-\\U0010FFFF]"}, r"structured_outputs field regex: matches no output at all"),
+    ({"json": {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}}},
+     r"structured_outputs field json: matches no output at all"),
+    ({"choice": [f"option {i}" for i in range(2500)]}, r"structured_outputs field choice: has 2500 strings"),
+], ids=["unsatisfiable-regex", "cyclic-ref", "2500-choices"])
+def test_over_a_byte_level_bpe_too_refused_at_the_edge(bpe_setup, spec, words):
+    """A vocabulary that spells every byte needs no search for what it lacks; a constraint that no text
+    satisfies is still refused when it compiles (its first mask allows nothing), not left to run."""
+    with pytest.raises(ValueError, match=r"^request '\w+': " + words):
+        bpe_setup.generate(PROMPTS, [constrained(spec), PLAIN], use_tqdm=False)
+    assert_clean(bpe_setup)
+
+
+@pytest.mark.parametrize("spec, allowed", [({"regex": "日本[語人]{1,3}"}, r"日本[語人]{1,3}"),
+                                           ({"choice": ["héllo", "wörld", "🙂"]}, r"héllo|wörld|🙂")])
+def test_multi_byte_constraints_over_a_byte_level_bpe_write_whole_characters(bpe_setup, spec, allowed):
+    out, _ = bpe_setup.generate(PROMPTS, [constrained(spec), PLAIN], use_tqdm=False)
+    assert out.finish_reason == "stop" and re.fullmatch(allowed, out.text), out.text
+    assert_clean(bpe_setup)

@@ -3,6 +3,8 @@ scheduler (notebook 05's reference solution, read from the notebook), and names 
 the request where a wrong one first differs."""
 
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -124,3 +126,73 @@ def test_an_engine_the_toy_does_not_model_is_refused(fleet_model):
     with pytest.raises(ValueError, match="record_traces"):
         ex.check_schedule(notebook_schedule(), LLM(fleet_model, block_size=4, num_blocks=10,
                                                    enable_prefix_caching=False), {})
+
+
+# ---------------------------------------------------------------- a learner's slips, named (#45 item 9)
+def _forgets_return(state):
+    notebook_schedule()(state)  # the plan is made, and dropped
+
+
+def _returns_a_dict(state):
+    return dict(notebook_schedule()(state).num_scheduled_tokens)
+
+
+def _tokens_none(state):
+    return ex.ToyPlan(num_scheduled_tokens=None)
+
+
+def _string_counts(state):
+    plan = notebook_schedule()(state)
+    return ex.ToyPlan({rid: str(n) for rid, n in plan.num_scheduled_tokens.items()}, plan.preempted)
+
+
+def _divides_by_zero(state):
+    per_request = state.max_num_batched_tokens // len(state.running)  # no running request at step 0
+    return ex.ToyPlan({r.request_id: per_request for r in state.running})
+
+
+def _never_returns(state):
+    while True:
+        pass
+
+
+def _swallows_everything(state):
+    while True:
+        try:
+            while True:
+                pass
+        except Exception:  # a learner's catch-all does not keep the checker waiting
+            pass
+
+
+@pytest.mark.parametrize("schedule, says", [
+    (_forgets_return, "returned None: did it forget `return plan`?"),
+    (_returns_a_dict, "returned a dict, not a ToyPlan (wrap it: ToyPlan(num_scheduled_tokens=...))"),
+    (_tokens_none, "returned ToyPlan(num_scheduled_tokens=None): it must be a dict"),
+    (_string_counts, "each entry must be a request id (str) -> a number of tokens (int >= 1)"),
+    (_divides_by_zero, "raised ZeroDivisionError: integer division or modulo by zero"),
+])
+def test_a_learners_slip_is_named_not_a_crash_inside_the_checker(run, schedule, says):
+    llm, arrival_steps = run
+    found = ex.check_schedule(schedule, llm, arrival_steps)
+    assert isinstance(found, ex.Slip) and found.step == llm.traces[0].step, found
+    assert found.describe().startswith(f"step {found.step}: your schedule() ") and says in found.describe()
+
+
+def test_an_exception_is_shown_in_the_learners_lines_only(run):
+    llm, arrival_steps = run
+    text = ex.check_schedule(_divides_by_zero, llm, arrival_steps).describe()
+    assert "in _divides_by_zero: per_request = state.max_num_batched_tokens // len(state.running)" in text
+    assert "schedule_exercise.py" not in text  # none of the checker's own frames
+
+
+@pytest.mark.parametrize("schedule", [_never_returns, _swallows_everything])
+def test_a_schedule_that_never_returns_is_stopped_at_the_time_limit(run, schedule):
+    llm, arrival_steps = run
+    found = ex.check_schedule(schedule, llm, arrival_steps, time_limit=0.5)
+    assert isinstance(found, ex.Slip) and "did not return within 0.5 s" in found.describe()
+    # stopped, not left spinning: no thread of the checker is still running
+    deadline = time.monotonic() + 5
+    while any(t.name == "schedule-exercise" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "schedule-exercise" for t in threading.enumerate())

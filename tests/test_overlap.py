@@ -27,7 +27,10 @@ def oracle(fleet_model):
 
 
 def overlapped(model, **config):
-    return LLM(model, block_size=4, max_num_batched_tokens=16, async_scheduling=True, **config)
+    """An engine that overlaps every step (its gate never runs one in line): these tests are about the overlap."""
+    llm = LLM(model, block_size=4, max_num_batched_tokens=16, async_scheduling=True, **config)
+    llm.core.gate.always = True
+    return llm
 
 
 def assert_idle(llm):
@@ -249,6 +252,8 @@ def test_timeline_puts_the_forward_on_the_model_thread_and_close_stops_it(fleet_
     timelines = {}
     for name, overlapped in (("sync", False), ("overlap", True)):
         llm = LLM(fleet_model, block_size=4, max_num_batched_tokens=16, async_scheduling=overlapped)
+        if overlapped:
+            llm.core.gate.always = True
         timelines[name] = Timeline()
         llm.hooks.attach(timelines[name])
         for p in PROMPTS:

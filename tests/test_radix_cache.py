@@ -133,11 +133,13 @@ def test_the_registry_names_both_designs():
 
 
 class RadixMachine(RuleBasedStateMachine):
-    """Random requests admit with hits, decode, finish and fail a step, against what each block holds.
+    """Random requests admit with hits, decode, finish (keeping their tail page or not) and fail a step,
+    against what each block holds.
 
     ``content[b]`` is the prefix block ``b`` held when it became full; ``owners`` the live
     requests' tables. Checked after every rule: the pool's and tree's bookkeeping, every hit
-    holds the prompt's own prefix, a hit is as long as the tree allows, and an allocation
+    holds the prompt's own prefix, a hit is as long as the tree allows, a partial hit's block holds
+    the prompt's own prefix up to the tokens it lends, and an allocation
     never hands out a block a live request holds.
     """
 
@@ -174,6 +176,11 @@ class RadixMachine(RuleBasedStateMachine):
         longest = max([k for k in range(1, (len(tokens) - 1) // self.BS + 1)
                        if tuple(tokens[: k * self.BS]) in cached], default=0)
         assert len(hits) == longest
+        partial = self.cache.lookup_partial(tokens, len(hits))
+        if partial is not None:  # a block that holds the very same prefix up to the tokens it lends
+            b, k = partial
+            end = len(hits) * self.BS + k
+            assert 0 < k < self.BS and end < len(tokens) and self.content[b][:end] == tuple(tokens[:end])
         return hits
 
     @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=9))
@@ -201,9 +208,13 @@ class RadixMachine(RuleBasedStateMachine):
         self._fill(req, len(req["tokens"]) // self.BS)
 
     @precondition(lambda self: self.requests)
-    @rule(pick=st.integers(0, 100))
-    def finish(self, pick):
-        self.pool.free(self.requests.pop(sorted(self.requests)[pick % len(self.requests)])["blocks"])
+    @rule(pick=st.integers(0, 100), keep_tail=st.booleans())
+    def finish(self, pick, keep_tail):
+        req = self.requests.pop(sorted(self.requests)[pick % len(self.requests)])
+        tokens, blocks = req["tokens"], req["blocks"]
+        if keep_tail and self.cache.cache_tail(tokens, blocks, len(tokens)):  # its partly filled last page
+            self.content[blocks[len(tokens) // self.BS]] = tuple(tokens)
+        self.pool.free(blocks)
 
     @precondition(lambda self: self.requests)
     @rule(pick=st.integers(0, 100))

@@ -180,8 +180,6 @@ def test_memory_utilization_gives_what_the_profiled_forward_leaves_to_blocks(fle
     assert sizing.profile_peak_bytes > sum(int(p.numel()) * 4 for p in fleet_model.parameters())  # weights + acts
     assert sizing.num_blocks == (budget // 2 - sizing.profile_peak_bytes) // per_block == stats["num_blocks"]
     assert stats["kv_bytes_per_block"] == per_block
-    with pytest.raises(ValueError, match="memory_budget_bytes"):
-        LLM(fleet_model, memory_utilization=0.5)
     with pytest.raises(ValueError, match="no room for one KV block"):
         LLM(fleet_model, memory_utilization=0.01, memory_budget_bytes=2**20)
     with pytest.raises(ValueError, match="memory_utilization"):
@@ -190,3 +188,26 @@ def test_memory_utilization_gives_what_the_profiled_forward_leaves_to_blocks(fle
         LLM(fleet_model, memory_utilization=0.5, memory_budget_bytes=budget, num_blocks=8)
     with pytest.raises(ValueError, match="needs memory_utilization"):
         LLM(fleet_model, memory_budget_bytes=budget)
+
+
+def test_memory_utilization_on_a_cpu_shares_out_the_available_memory(fleet_model, monkeypatch):
+    """Without memory_budget_bytes a CPU pool is sized from what psutil says the machine has
+    available, plus the weights already loaded out of it (SGLang's fraction on a CPU); here psutil
+    is told 48 MiB, so the test allocates little whatever the machine holds."""
+    import psutil
+
+    available = 48 * 2**20
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": available})())
+    weights = sum(int(p.numel()) * p.element_size() for p in fleet_model.parameters())
+    with LLM(fleet_model, block_size=4, max_num_batched_tokens=64, memory_utilization=0.5) as llm:
+        z = llm.kv_sizing
+        assert z.source == "memory_utilization" and z.budget_bytes == int(0.5 * (available + weights))
+        assert z.num_blocks == (z.budget_bytes - z.profile_peak_bytes) // z.bytes_per_block == llm.stats()["num_blocks"]
+        out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=GREEDY, use_tqdm=False)
+        assert len(out[0].token_ids) == MAX_NEW
+    with LLM(fleet_model, block_size=4, max_num_batched_tokens=64, memory_utilization=0.5,
+             memory_budget_bytes=2 * available) as llm:  # the stated budget still overrides
+        assert llm.kv_sizing.budget_bytes == available
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("VM", (), {"available": 2**20})())
+    with pytest.raises(ValueError, match="no room for one KV block"):
+        LLM(fleet_model, memory_utilization=0.1)

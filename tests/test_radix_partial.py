@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.request import Request
+from fleetlab.errors import ExtensionError
 from fleetlab.inspect.pool import check_kv_manager, check_pool
 from fleetlab.kv.block_pool import BlockPool
 from fleetlab.kv.copies import BlockCopy
@@ -38,6 +39,7 @@ def tree(block_size, *prompts):
         pool.touch(hits)
         blocks = hits + pool.allocate(-(-len(tokens) // block_size) - len(hits))
         cache.cache_blocks(tokens, blocks, len(hits), len(tokens) // block_size)
+        pool.free(blocks)  # finished: the tree keeps its full pages
     return cache, pool
 
 
@@ -50,6 +52,10 @@ def test_lookup_partial_names_the_page_that_continues_the_match():
     assert n == 3 and cache._node_of[block].token_ids[:4] == (5, 6, 7, 8)
     assert cache.lookup_partial([1, 2, 3, 4, 5, 6, 0, 1, 1], 1)[1] == 3  # the other child
     assert cache.lookup_partial([1, 2, 3, 4, 9], 1) is None  # no page starts with 9
+    # a page whose K/V are not written yet is passed over for the next best
+    other = cache.lookup([1, 2, 3, 4, 5, 6, 0, 0, 9])[1]
+    assert cache.lookup_partial([1, 2, 3, 4, 5, 6, 7, 9, 9], 1, exclude={block}) == (other, 2)
+    assert cache.lookup_partial([1, 2, 3, 4, 5, 6, 7, 9, 9], 1, exclude={block, other}) is None
     # inside an edge: [9 10 11 12] is the third page of the first prompt's edge
     assert cache.lookup_partial([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 0], 2)[1] == 2
     # never the prompt's last token: a whole cached prompt leaves one token to compute
@@ -70,17 +76,19 @@ class BadPartial(RadixCache):
         super().__init__(block_size)
         self.answer = answer
 
-    def lookup_partial(self, token_ids, num_hit_blocks):
+    def lookup_partial(self, token_ids, num_hit_blocks, exclude=()):
         return self.answer
 
 
-@pytest.mark.parametrize("answer, match", [((0, 4), "want 1 to 3"), ((0, 0), "want 1 to 3"),
-                                           ((7, 2), "does not hold"), ("xy", "two ints"), ((0, 2, 1), "two ints")])
+@pytest.mark.parametrize("answer, match", [((0, 4), "1 to 3 tokens"), ((0, 0), "1 to 3 tokens"), ((1, 2), "excluded"),
+                                           ((7, 2), "cached block"), ("xy", "block_id, num_tokens"),
+                                           ((0, 2, 1), "block_id, num_tokens")])
 def test_a_bad_partial_hit_is_refused_naming_the_design(answer, match):
     cache = BadPartial(4, answer)
-    with pytest.raises(ValueError, match=f"BadPartial.lookup_partial.*{match}|{match}") as e:
-        check_partial_hit(cache, cache.lookup_partial([1] * 9, 1), [1] * 9, 1)
-    assert "BadPartial.lookup_partial" in str(e.value)
+    cache._node_of[0] = cache._node_of[1] = cache.root  # blocks 0 and 1 are cached (1 is excluded below)
+    with pytest.raises(ExtensionError, match=match) as e:
+        check_partial_hit(cache, cache.lookup_partial([1] * 9, 1), [1] * 9, 1, exclude={1})
+    assert "BadPartial" in str(e.value) and "lookup_partial" in str(e.value)
 
 
 # ---------------------------------------------------------------- the cache copies
@@ -121,7 +129,7 @@ def test_the_source_stays_pinned_until_the_step_that_copies_commits():
     admitted(kv, a)
     src = kv.get_block_ids("a")[1]
     hits, n = kv.get_computed_blocks(request("probe", [1, 2, 3, 4, 5, 6, 0, 0]))
-    assert n == 4 and hits.copy_from is None  # [5 6 7 8] is written by the step being planned: after its copies
+    assert n == 6 and hits.copy_from == src  # [5 6 7 8] is written by the step being planned: before its copies
     kv.commit_step()
     kv.free(a)
     b = request("b", [1, 2, 3, 4, 5, 6, 0, 0])
@@ -137,6 +145,26 @@ def test_the_source_stays_pinned_until_the_step_that_copies_commits():
     kv.commit_step()  # the step ran: the source is let go
     assert kv.pool.ref_count(src) == 0 and kv.pool.is_cached(src)
     check_kv_manager(kv, ["b"])
+
+
+def test_a_block_a_planned_copy_writes_into_lends_nothing():
+    kv = KVCacheManager(BlockPool(16, 4, RadixCache(4)))
+    a = request("a", range(1, 11))
+    admitted(kv, a)
+    kv.commit_step()
+    kv.free(a)
+    p1 = kv.prefix_cache.lookup([1, 2, 3, 4, 5, 6, 7, 8, 0])[1]
+    b = request("b", [1, 2, 3, 4, 5, 6, 0, 0, 0])  # copies [5 6] of p1 into its block D, fills D: [5 6 0 0]
+    hits, _ = admitted(kv, b)
+    dst = kv.get_block_ids("b")[1]
+    assert hits.copy_from == p1 and kv.pool.is_cached(dst)
+    # c matches 3 tokens of D but D's head is copied only as the step runs: c takes 2 of p1
+    hits, n = kv.get_computed_blocks(request("c", [1, 2, 3, 4, 5, 6, 0, 9, 9]))
+    assert (hits.copy_from, hits.num_copy_tokens, n) == (p1, 2, 6)
+    kv.take_copies(["b"])
+    kv.commit_step()  # b's copy ran: D lends its head now
+    hits, n = kv.get_computed_blocks(request("c", [1, 2, 3, 4, 5, 6, 0, 9, 9]))
+    assert (hits.copy_from, hits.num_copy_tokens, n) == (dst, 3, 7)
 
 
 def test_a_request_freed_before_its_copy_lets_the_source_go():
@@ -256,6 +284,17 @@ def test_kv_connectors(fleet_model, shared, connector, tmp_path):
         assert got == want and copies
 
 
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_requests_admitted_together_copy_from_each_other(fleet_model, shared, overlapped):
+    """All admitted in one step: a block one of them fills this step lends its head to the others
+    (each layer copies after it writes), as a full block is shared whole."""
+    prompts, want = shared
+    got, computed, rate, copies = run(fleet_model, prompts, "radix", block_size=4, async_scheduling=overlapped)
+    got_h, computed_h, rate_h, _ = run(fleet_model, prompts, "hash", block_size=4, async_scheduling=overlapped)
+    assert got == got_h == want
+    assert copies and computed == computed_h - sum(c.num_tokens for c in copies) and rate > rate_h
+
+
 def test_the_issues_case_a_49_token_prefix_at_block_size_16(fleet_model):
     """A 49-token shared prefix, block size 16: the hash chain recomputes the prefix's last token of
     every request after the first; the radix tree copies it."""
@@ -295,15 +334,15 @@ def test_a_step_that_fails_after_its_copies_is_redone_with_them(fleet_model, sha
     sources still pinned) and the retried step gives the full forward's tokens."""
     prompts, want = shared
     with LLM(fleet_model, prefix_cache="radix", block_size=4, max_num_seqs=2, async_scheduling=overlapped) as llm:
-        copy, failures = llm.kv_cache.copy_blocks, []
+        apply, failures, last = llm.kv_cache.apply_copies, [], llm.kv_cache.num_layers - 1
 
-        def copy_then_fail(copies):
-            copy(copies)
-            if copies and len(failures) < 2:
-                failures.append([c.req_id for c in copies])
+        def copy_then_fail(layer_id, plan):
+            apply(layer_id, plan)
+            if plan is not None and layer_id == last and len(failures) < 2:
+                failures.append([c.req_id for c in plan.copies])
                 raise RuntimeError("injected: the forward after the copies failed")
 
-        llm.kv_cache.copy_blocks = copy_then_fail
+        llm.kv_cache.apply_copies = copy_then_fail
         ids = [llm.add_request(prompt_token_ids=p, sampling_params=GREEDY) for p in prompts]
         done = {}
         while llm.has_unfinished_requests():
@@ -317,3 +356,57 @@ def test_a_step_that_fails_after_its_copies_is_redone_with_them(fleet_model, sha
         check_kv_manager(llm.scheduler.kv, [])
         assert llm.pool.num_free_blocks == llm.pool.num_blocks
     assert len(failures) == 2 and [done[i] for i in ids] == want
+
+
+# ---------------------------------------------------------------- tail pages
+def test_a_finished_requests_tail_page_is_kept_and_lent():
+    cache, pool = tree(4, [1, 2, 3, 4, 5, 6, 7, 8])
+    blocks = cache.lookup([1, 2, 3, 4, 5, 6, 7, 8, 0])
+    pool.touch(blocks)
+    own = pool.allocate(1)
+    assert cache.cache_tail([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], blocks + own, 10)  # [9 10] in its last block
+    assert not cache.cache_tail([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], blocks + own, 10)  # kept already
+    assert not cache.cache_tail([1, 2, 3, 4, 5, 6, 7, 8], blocks, 8)  # no token past a full page
+    assert not cache.cache_tail([9, 9, 9, 9, 1], [7, 8], 5)  # its full pages are not in the tree
+    pool.free(blocks + own)
+    cache.check_invariants()
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]) == blocks  # a tail page is never shared whole
+    assert cache.lookup_partial([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], 2) == (own[0], 2)
+    assert cache.lookup_partial([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 2) == (own[0], 1)  # the prompt's last stays
+    # a longer prompt that passes the tail splits the leaf there; the tail stays a leaf of its own
+    hits = cache.lookup([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0])
+    pool.touch(hits)
+    more = pool.allocate(2)
+    cache.cache_blocks([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0], hits + more, 2, 3)
+    cache.check_invariants()
+    assert cache.lookup_partial([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 0], 2) == (more[0], 3)
+    pool.free(hits + more)
+    assert pool.allocate(pool.num_blocks)  # evicting a tail page and the rest keeps the books
+    cache.check_invariants()
+    assert cache.num_cached_blocks == 0
+
+
+def test_multi_turn_chats_copy_the_last_turns_tail(fleet_model):
+    """Turn 2's prompt is turn 1's prompt, its answer and a new message: the hash chain recomputes
+    the tokens of turn 1's last, partly filled block; the radix tree copies them from its tail page."""
+    firsts = random_prompts([10, 13, 7], seed=21)
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    results = {}
+    for cache in ("hash", "radix"):
+        with LLM(fleet_model, prefix_cache=cache, block_size=4, max_num_seqs=2) as llm:
+            seen = Copies()
+            llm.observers.append(seen)
+            turn1 = llm.generate(prompt_token_ids=firsts, sampling_params=sp, use_tqdm=False)
+            seconds = [q + o.token_ids + [7, 8, 9] for q, o in zip(firsts, turn1)]
+            turn2 = llm.generate(prompt_token_ids=seconds, sampling_params=sp, use_tqdm=False)
+            s = llm.stats()
+            check_kv_manager(llm.scheduler.kv, [])
+        results[cache] = ([o.token_ids for o in turn1 + turn2], s["prefix_cache_query_tokens"]
+                          - s["prefix_cache_hit_tokens"], seen.copies, seconds)
+    (got_h, computed_h, _, seconds), (got, computed, copies, _) = results["hash"], results["radix"]
+    want, _ = reference_greedy(fleet_model, firsts + seconds, 5)
+    assert got == got_h == want
+    # each chat's turn 1 wrote len(prompt) + 4 tokens' K/V (the 5th answer token is not computed)
+    tails = [(len(q) + 4) % 4 for q in firsts]
+    assert sorted(c.num_tokens for c in copies) == sorted(t for t in tails if t)
+    assert computed == computed_h - sum(tails)

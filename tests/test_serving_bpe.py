@@ -124,10 +124,22 @@ def test_a_json_schema_on_the_bpe_vocabulary_is_valid_json_offline_and_served(co
         assert isinstance(parsed.choices[0].message.parsed, Point), parsed.choices[0].message.content
 
 
-def test_logprobs_token_strings_are_the_tokens_own_text(served):
+def test_logprobs_token_strings_are_the_tokens_own_text_and_bytes(served):
+    """Text as vLLM shows it (a piece of a character: U+FFFD); chat ``bytes`` the token's own (OpenAI's),
+    checked against the byte-level alphabet's own table."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
     server, tok, ids, ref = served
     r = client(server).completions.create(model="code", prompt=PROMPT, logprobs=2, **greedy())
     assert r.choices[0].logprobs.tokens == [tok.decode([t]) for t in ref]
+    r = client(server).chat.completions.create(model="code", messages=[{"role": "user", "content": PROMPT}],
+                                               logprobs=True, top_logprobs=2, **greedy())
+    byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
+    content = r.choices[0].logprobs.content
+    assert [e.token for e in content] == [tok.decode([t]) for t in ref]
+    assert [e.bytes for e in content] == [[byte_of[ch] for ch in tok.convert_ids_to_tokens(t)] if t > 2
+                                          else list(tok.decode([t], skip_special_tokens=False).encode()) for t in ref]
+    assert any(e.token == "\ufffd" and len(e.bytes) < 3 for e in content)  # a piece of a character, its bytes
 
 
 @pytest.mark.parametrize("body, param", [
@@ -154,3 +166,29 @@ def test_odd_input_offline_names_the_request_and_the_field():
                 (dict(prompt_token_ids=[3, 4096]), "prompt_token_ids [4096] outside the vocabulary [0, 4096)")]:
             with pytest.raises(ValueError, match=re.escape(f"request 'odd': {words}")):
                 llm.add_request(request_id="odd", **kwargs)
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_n_sampled_choices_stream_the_text_they_return_cut_at_their_stop_strings(served, route):
+    server, tok, _, _ = served
+    c, stops = client(server), [" ", "o", "é"]
+    kwargs = dict(model="code", n=3, seed=11, temperature=1.0, max_tokens=MAX_TOKENS, stop=stops,
+                  extra_body={"ignore_eos": True})
+    if route == "chat":
+        call, kwargs["messages"] = c.chat.completions.create, [{"role": "user", "content": PROMPT}]
+    else:
+        call, kwargs["prompt"] = c.completions.create, PROMPT
+
+    def text(choice):
+        return choice.message.content if route == "chat" else choice.text
+
+    whole = {ch.index: ch for ch in call(**kwargs).choices}
+    streamed = {i: "" for i in whole}
+    for chunk in call(stream=True, **kwargs):
+        for ch in chunk.choices:
+            streamed[ch.index] += (ch.delta.content or "") if route == "chat" else ch.text
+    assert streamed == {i: text(ch) for i, ch in whole.items()}
+    for ch in whole.values():
+        assert not any(s in text(ch) for s in stops)
+        assert (ch.finish_reason, getattr(ch, "stop_reason", None) in stops) in (("stop", True), ("length", False))
+    assert any(ch.finish_reason == "stop" for ch in whole.values())

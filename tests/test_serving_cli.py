@@ -127,6 +127,24 @@ def test_serve_options_reach_the_engine():
     assert cfg["max_num_seqs"] == 3 and cfg["backend"] == "triton" and cfg["enable_prefix_caching"] is False
     assert cfg["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
     assert "speculative_config" not in engine_config(build_parser().parse_args([]))
+    default = engine_config(build_parser().parse_args([]))
+    assert default["prefix_cache"] == "hash" and default["scheduling_policy"] == "fcfs"
+    radix = engine_config(build_parser().parse_args(["--prefix-cache", "radix", "--scheduling-policy", "lpm"]))
+    assert radix["prefix_cache"] == "radix" and radix["scheduling_policy"] == "lpm"
+    none = engine_config(build_parser().parse_args(["--prefix-cache", "none"]))
+    assert none["prefix_cache"] is None and none["enable_prefix_caching"] is False
+
+
+def test_serve_runs_the_radix_cache_under_lpm(fleet_model):
+    from fleetlab import LLM, SamplingParams
+
+    cfg = engine_config(build_parser().parse_args(["--prefix-cache", "radix", "--scheduling-policy", "lpm",
+                                                   "--block-size", "4", "--max-num-seqs", "2"]))
+    with LLM(fleet_model, **cfg) as llm:
+        assert type(llm.pool.prefix_cache).__name__ == "RadixCache" and llm.scheduler.policy.name == "lpm"
+        llm.generate(prompt_token_ids=[[5] * 9, [5] * 7 + [6]], sampling_params=SamplingParams(max_tokens=2),
+                     use_tqdm=False)
+        assert llm.stats()["prefix_cache_hit_tokens"] > 0
 
 
 def test_serve_refuses_a_bad_engine_option(capsys):
@@ -134,6 +152,10 @@ def test_serve_refuses_a_bad_engine_option(capsys):
 
     assert main(["serve", "--port", "0", "--scheduling-policy", "nope"]) == 2
     assert "scheduling_policy" in capsys.readouterr().err
+    assert main(["serve", "--port", "0", "--prefix-cache", "radix", "--no-enable-prefix-caching"]) == 2
+    assert "contradicts prefix_cache" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--prefix-cache", "trie"])
     assert main(["serve", "--port", "0", "--shutdown-timeout", "-1"]) == 2
     assert "--shutdown-timeout" in capsys.readouterr().err
 

@@ -24,15 +24,19 @@ class ForwardContext:
 
     ``attn_metadata(backend)`` is the backend's own metadata for the step
     (``backend.build_metadata(metadata)``), built by the first layer that asks and shared by
-    every later layer: per-step planning runs once per step, not once per layer.
+    every later layer: per-step planning runs once per step, not once per layer. ``built_by``:
+    the backend that already built ``metadata`` (the runner does, where it prepares the step).
     """
 
     metadata: AttentionMetadata
     kv_cache: Any  # fleetlab.PagedKVCache
     kv_connector: Any = NULL_CONNECTOR  # fleetlab.kv_transfer.KVConnector
+    built_by: Any = None
     _built: dict = field(default_factory=dict)
 
     def attn_metadata(self, backend) -> Any:
+        if backend is self.built_by:
+            return self.metadata
         key = id(backend)
         if key not in self._built:
             self._built[key] = (backend, backend.build_metadata(self.metadata))  # keeps backend alive
@@ -51,15 +55,17 @@ _LOCAL = _Stack()
 
 
 @contextlib.contextmanager
-def forward_context(metadata: AttentionMetadata, kv_cache, kv_connector=NULL_CONNECTOR) -> Iterator[ForwardContext]:
-    """Make ``metadata`` and ``kv_cache`` visible to patched attention for one forward.
+def forward_context(metadata: AttentionMetadata, kv_cache, kv_connector=NULL_CONNECTOR,
+                    built_by=None) -> Iterator[ForwardContext]:
+    """Make ``metadata`` and ``kv_cache`` visible to patched attention for one forward
+    (``built_by``: the backend whose ``build_metadata`` made ``metadata``, if one did).
 
     Example::
 
         with fleetlab.forward_context(metadata, kv_cache):
             logits = handle.compute_logits(input_ids, positions, logits_indices)
     """
-    ctx = ForwardContext(metadata=metadata, kv_cache=kv_cache, kv_connector=kv_connector)
+    ctx = ForwardContext(metadata=metadata, kv_cache=kv_cache, kv_connector=kv_connector, built_by=built_by)
     _LOCAL.contexts.append(ctx)
     try:
         yield ctx

@@ -56,8 +56,8 @@ def tile_limits() -> TileLimits:
 
 
 class _Tile(NamedTuple):
-    """Host plan of one batched piece of work, as it goes to the device: ``B`` rows, ``Q`` query
-    slots and ``L`` keys (whole blocks) each; int64 arrays but ``live``.
+    """Geometry of one batched piece of work on the host: ``B`` rows, ``Q`` query slots and
+    ``L`` keys (whole blocks) each; int64 arrays but ``live``.
 
     tokens: ``[B * Q]`` packed token index of each query slot (a valid token for padding too);
     cells: ``[B * L / block_size]`` block-table cells read (``row * width + column``);
@@ -72,6 +72,24 @@ class _Tile(NamedTuple):
     key_start: np.ndarray
     qpos: np.ndarray
     live: np.ndarray
+    valid: np.ndarray | None
+
+
+class _Plan(NamedTuple):
+    """What one tile's kernels read, every layer of the step alike: built on the host from a
+    :class:`_Tile` (:func:`_index_tile`), uploaded once per step.
+
+    tokens, live, valid: the tile's (tokens None: the tile is every token of the step, in
+    order); kv_index: int64 rows of the cache (seen as
+    ``[num_blocks * block_size * Hkv, D]``; whole blocks when ``Hkv == 1``) that gather into
+    ``[B, Hkv, L, D]``; visible: bool ``[B, 1, Q, 1, L]`` (its shape gives the tile's ``B``,
+    ``Q`` and padded key length ``L``).
+    """
+
+    tokens: np.ndarray
+    kv_index: np.ndarray
+    live: np.ndarray
+    visible: np.ndarray
     valid: np.ndarray | None
 
 
@@ -96,11 +114,11 @@ def paged_attention(query: paddle.Tensor, key_cache: paddle.Tensor, value_cache:
     if num_tokens == 0:
         return paddle.zeros_like(query)
     num_kv_heads = key_cache.shape[2]
-    tiles, order = _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, query.place)
+    tiles, order = _step_plan(metadata, (num_heads, num_kv_heads, head_dim, sliding_window))
     q32 = query.astype("float32") * scale
     group = num_heads // num_kv_heads
     sink_logits = None if sinks is None else sinks.astype("float32").reshape([1, num_kv_heads, 1, group, 1])
-    outs = [_attend_tile(q32, key_cache, value_cache, *plan, sink_logits) for plan in tiles]
+    outs = [_attend_tile(q32, key_cache, value_cache, plan, sink_logits) for plan in tiles]
     out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
     if order is not None:
         out = paddle.gather(out, order)  # put the tiles' tokens back in packed order
@@ -116,38 +134,51 @@ class TiledMetadata(AttentionMetadata):
     plans: dict = field(default_factory=dict)
 
 
-def _step_plan(metadata, num_heads, num_kv_heads, head_dim, sliding_window, place) -> tuple:
-    """The plan for this step and layer shape: ``(tiles, order)``, every tile's plan (see
-    :func:`_index_tile`) and the gather that restores packed order (None: already in order).
-    Memoized in a ``TiledMetadata``; planned afresh for plain ``AttentionMetadata``. However many
-    tiles, its host arrays go to the device in two copies (one per dtype)."""
+def _step_plan(metadata, shape: tuple) -> tuple:
+    """The plan for this step and layer ``shape`` ``(Hq, Hkv, D, sliding_window)``: ``(plans, order)``,
+    every tile's :class:`_Plan` and the gather that restores packed order (None: already in order).
+    Memoized in a ``TiledMetadata``; planned afresh for plain ``AttentionMetadata``. It is numpy
+    on the host from the metadata's host copies (no device op), and however many tiles, it goes
+    to Paddle's current device in two copies (one per dtype)."""
     limits = tile_limits()
-    key = (num_heads, num_kv_heads, head_dim, sliding_window, limits, str(place))
+    key = (*shape, limits)
     plans = metadata.plans if isinstance(metadata, TiledMetadata) else {}
     if key not in plans:
+        num_heads, num_kv_heads, head_dim, sliding_window = shape
         tiles = plan_tiles(metadata, num_heads, num_kv_heads * head_dim, sliding_window, limits)
-        packer = Packer()
-        staged = [[None if a is None else packer.add(a) for a in t] for t in tiles]
+        table = metadata.block_tables_host
+        table = (metadata.block_tables.numpy() if table is None else table).astype(np.int64).reshape(-1)
+        hosts = [_index_tile(t, table, metadata.block_size, num_kv_heads, sliding_window) for t in tiles]
         dest = np.concatenate([t.tokens if t.valid is None else t.tokens[t.valid] for t in tiles])
-        order = None if np.array_equal(dest, np.arange(len(dest))) else packer.add(np.argsort(dest))
+        in_order = np.array_equal(dest, np.arange(len(dest)))
+        if in_order and len(hosts) == 1 and hosts[0].valid is None:  # one tile of every token in order
+            hosts[0] = hosts[0]._replace(tokens=None)  # its queries are the step's: no gather
+        packer = Packer()
+        staged = [[None if a is None else packer.add(a) for a in h] for h in hosts]
+        order = None if in_order else packer.add(np.argsort(dest))
         packer.upload()
-        table = metadata.block_tables.astype("int64").flatten()
-        indexed = [_index_tile(_Tile(*[None if h is None else packer.get(h) for h in handles]), table,
-                               metadata.block_size, num_kv_heads, sliding_window) for handles in staged]
-        plans[key] = indexed, None if order is None else packer.get(order)
+        plans[key] = ([_Plan(*[None if h is None else packer.get(h) for h in handles]) for handles in staged],
+                      None if order is None else packer.get(order))
     return plans[key]
 
 
-def _index_tile(tile: _Tile, table, block_size, num_kv_heads, sliding_window) -> tuple:
-    """A tile's device-side plan ``(tile, kv_index, visible)``, the same for every layer of a step,
-    from its uploaded arrays (``tile`` holds tensors here). kv_index: int64 rows of the cache (seen
-    as ``[num_blocks * block_size * Hkv, D]``; whole blocks when ``Hkv == 1``) that gather into
-    ``[B, Hkv, L, D]``; visible: bool ``[B, 1, Q, 1, L]`` (its shape gives the tile's ``B``, ``Q``
-    and padded key length ``L``)."""
-    blocks = paddle.gather(table, tile.cells).clip(min=0)
-    kv_index = _kv_row_index(blocks, tile.qpos.shape[0], block_size, num_kv_heads)
-    visible = _visible(tile.key_start, tile.qpos, tile.live.shape[2], sliding_window)
-    return tile, kv_index, visible
+def _index_tile(tile: _Tile, table: np.ndarray, block_size: int, num_kv_heads: int, sliding_window) -> _Plan:
+    """A tile's :class:`_Plan` on the host: its cache rows through the flat block ``table`` (int64,
+    ``-1`` read as block 0, whose keys ``live`` hides) and its mask."""
+    num_rows, q_len = tile.qpos.shape
+    seq_len = tile.live.shape[2]
+    blocks = np.maximum(table[tile.cells], 0)
+    if num_kv_heads == 1:  # whole blocks already lie [L, 1, D]: gather them
+        kv_index = blocks
+    else:  # rows (slot * Hkv + head) that gather into [B, Hkv, L, D]
+        slots = (blocks.reshape(num_rows, -1, 1) * block_size + np.arange(block_size)).reshape(num_rows, 1, -1)
+        kv_index = (slots * num_kv_heads + np.arange(num_kv_heads).reshape(1, -1, 1)).reshape(-1)
+    key_pos = (np.arange(seq_len) + tile.key_start)[:, None, :]  # [B, 1, L]
+    query_pos = tile.qpos[:, :, None]  # [B, Q, 1]
+    visible = key_pos <= query_pos
+    if sliding_window is not None:
+        visible &= key_pos > query_pos - sliding_window
+    return _Plan(tile.tokens, kv_index, tile.live, visible.reshape(num_rows, 1, q_len, 1, seq_len), tile.valid)
 
 
 def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: int,
@@ -165,7 +196,6 @@ def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: i
     for rows in (np.flatnonzero(query_lens == 1), np.flatnonzero(query_lens > 1)):
         if len(rows) == 0:
             continue
-        rows = rows[np.argsort(seq_lens[rows], kind="stable")]  # neighbours pad to similar lengths
         max_q = int(query_lens[rows].max())
         max_kv = int(seq_lens[rows].max())
         if sliding_window is not None:
@@ -173,6 +203,8 @@ def plan_tiles(metadata: AttentionMetadata, num_heads: int, kv_token_elements: i
         q_step = max(1, min(max_q, limits.query_slots, limits.score_elements // (num_heads * max_kv)))
         row_step = max(1, min(limits.score_elements // (num_heads * max_kv * q_step),
                               limits.kv_elements // (kv_token_elements * max_kv)))
+        if row_step < len(rows):  # cut into several tiles: neighbours pad to similar lengths
+            rows = rows[np.argsort(seq_lens[rows], kind="stable")]
         for r0 in range(0, len(rows), row_step):
             for q0 in range(0, max_q, q_step):
                 tile = _make_tile(cu, query_lens, seq_lens, metadata.block_size, width, rows[r0:r0 + row_step],
@@ -207,23 +239,24 @@ def _make_tile(cu, query_lens, seq_lens, bs, width, rows, q0, q_len, sliding_win
                  None if valid.all() else np.flatnonzero(valid))
 
 
-def _attend_tile(q32, key_cache, value_cache, tile: _Tile, kv_index, visible, sink_logits):
-    """Compute one tile (its plan from :func:`_index_tile`); returns ``[num valid query slots, Hq, D]``
+def _attend_tile(q32, key_cache, value_cache, tile: _Plan, sink_logits):
+    """Compute one tile (its uploaded :class:`_Plan`); returns ``[num valid query slots, Hq, D]``
     float32 in row-major slot order."""
-    num_rows, _, q_len, _, seq_len = visible.shape
+    num_rows, _, q_len, _, seq_len = tile.visible.shape
+    visible = tile.visible
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_heads = q32.shape[1]
     group = num_heads // num_kv_heads
 
     # Queries [B, Q, Hq, D] -> [B, Hkv, Q*G, D]: each KV head's G query heads share one matmul.
-    q = paddle.gather(q32, tile.tokens)
+    q = q32 if tile.tokens is None else paddle.gather(q32, tile.tokens)
     q = q.reshape([num_rows, q_len, num_kv_heads, group, head_dim]).transpose([0, 2, 1, 3, 4])
     q = q.reshape([num_rows, num_kv_heads, q_len * group, head_dim])
-    k = _gather_kv(key_cache, kv_index, num_rows, seq_len)
+    k = _gather_kv(key_cache, tile.kv_index, num_rows, seq_len)
     # Masked keys get weight 0, but 0 x NaN is NaN: a stale slot of a reused block (or block 0,
     # read for a -1 table entry) may hold anything, so values outside the context become 0.
     # Their scores are replaced by -inf below, whatever the keys hold.
-    v = _gather_kv(value_cache, kv_index, num_rows, seq_len)
+    v = _gather_kv(value_cache, tile.kv_index, num_rows, seq_len)
     v = paddle.where(tile.live, v, paddle.zeros([], "float32"))
 
     scores = paddle.matmul(q, k, transpose_y=True)  # [B, Hkv, Q*G, L]
@@ -245,45 +278,14 @@ def _attend_tile(q32, key_cache, value_cache, tile: _Tile, kv_index, visible, si
     return out
 
 
-def _kv_row_index(blocks, num_rows, block_size, num_kv_heads):
-    """Rows of the cache seen as ``[num_blocks * block_size * Hkv, D]`` that make up ``[B, Hkv, L]``.
-
-    Gathering these rows yields keys already laid out ``[B, Hkv, L, D]``: cheaper than
-    gathering whole blocks ``[B, L, Hkv, D]`` and transposing (a strided copy, slow on CPU).
-    The block ids themselves when ``Hkv == 1``, where whole blocks already have that layout.
-    """
-    if num_kv_heads == 1:
-        return blocks
-    slots = blocks.reshape([num_rows, -1, 1]) * block_size + paddle.arange(block_size, dtype="int64")
-    heads = paddle.arange(num_kv_heads, dtype="int64").reshape([1, num_kv_heads, 1])
-    return (slots.reshape([num_rows, 1, -1]) * num_kv_heads + heads).flatten()
-
-
 def _gather_kv(cache, kv_index, num_rows, seq_len):
     """One layer's keys (or values) of the tile's rows as float32 ``[B, Hkv, L, D]``.
 
     ``kv_index``: whole blocks when ``Hkv == 1``, else rows of ``[num_slots * Hkv, D]``
-    (see ``_kv_row_index``)."""
+    (see :class:`_Plan`)."""
     _, _, num_kv_heads, head_dim = cache.shape
     x = gather_rows(cache if num_kv_heads == 1 else cache.reshape([-1, head_dim]), kv_index)
     return x.astype("float32").reshape([num_rows, num_kv_heads, seq_len, head_dim])
-
-
-def _visible(key_start, query_pos, seq_len, sliding_window):
-    """Boolean mask ``[B, 1, Q, 1, L]``: which gathered keys each query may attend to.
-
-    ``key_start [B, 1]``: position of each row's first gathered key; ``query_pos [B, Q]``.
-    Gathered key ``l`` of a row sits at position ``key_start + l``; it is visible to a query
-    at ``p`` iff ``j <= p`` (and ``j > p - w`` with a window). Every real query sees at
-    least itself, so no softmax row is all -inf.
-    """
-    num_rows, q_len = query_pos.shape
-    key_pos = (paddle.arange(seq_len, dtype="int64").unsqueeze(0) + key_start).unsqueeze(1)  # [B, 1, L]
-    query_pos = query_pos.unsqueeze(2)  # [B, Q, 1]
-    visible = key_pos <= query_pos
-    if sliding_window is not None:
-        visible = paddle.logical_and(visible, key_pos > query_pos - sliding_window)
-    return visible.reshape([num_rows, 1, q_len, 1, seq_len])
 
 
 def _check_inputs(query, key_cache, value_cache, metadata, sinks, sliding_window):
@@ -314,13 +316,28 @@ class TiledBackend(AttentionBackend):
 
     name = "tiled"  # any row order: it needs no decode-first reorder (the base's requires_reorder=False)
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer_shapes: frozenset = frozenset()  # (Hq, Hkv, D, window) of every layer attended so far
+
     def build_metadata(self, common: AttentionMetadata) -> TiledMetadata:
-        """The step's metadata with an empty plan memo the step's layers fill."""
-        return common.extend(TiledMetadata)
+        """The step's metadata with the plan of every layer shape seen so far (the first step's
+        layers plan their own): built where the step is prepared, which is the host thread in
+        the overlapped loop, not the model's."""
+        md = common.extend(TiledMetadata)
+        if common.num_tokens:
+            for shape in self.layer_shapes:
+                _step_plan(md, shape)
+        return md
 
     def attend(self, query, key_cache, value_cache, metadata, *, layer_id, scale, sliding_window=None,
                sinks=None):
         """See :func:`paged_attention`."""
-        return paged_attention(query, key_cache, value_cache, metadata, scale=scale,
-                               sliding_window=sliding_window, sinks=sinks)
+        out = paged_attention(query, key_cache, value_cache, metadata, scale=scale, sliding_window=sliding_window,
+                              sinks=sinks)
+        shape = (query.shape[1], key_cache.shape[2], query.shape[2],
+                 None if sliding_window is None else operator.index(sliding_window))
+        if shape not in self.layer_shapes:  # a new set, not a change to one build_metadata may be reading
+            self.layer_shapes = self.layer_shapes | {shape}
+        return out
 

@@ -38,11 +38,11 @@ class EngineConfig:
       radix tree), None, or a registered name / ``PrefixCache`` subclass or instance
       (:mod:`fleetlab.prefix_cache`).
     memory_utilization: with ``num_blocks`` None, size the pool from memory: this share of
-      the device's memory (on a CPU: of ``memory_budget_bytes``), less the weights and the
-      peak of a profiled forward at ``max_num_batched_tokens``, goes to KV blocks
-      (:mod:`fleetlab.kv_sizing`).
-    memory_budget_bytes: the memory ``memory_utilization`` shares out (required on a CPU;
-      on a GPU its total memory by default).
+      the device's memory (on a CPU: the machine's available memory and the loaded weights),
+      less the weights and the peak of a profiled forward at ``max_num_batched_tokens``, goes
+      to KV blocks (:mod:`fleetlab.kv_sizing`).
+    memory_budget_bytes: the memory ``memory_utilization`` shares out, overriding the default
+      (on a GPU its total memory; on a CPU what psutil reports available, plus the weights).
     enable_chunked_prefill: split long prompts over several steps.
     reorder: None = the attention backend decides; True/False forces decode-first reorder.
     backend: the attention backend: a registered name (``fleetlab.attention.backend``), an

@@ -8,7 +8,8 @@ point it has a method for):
   nothing back: every other observer still sees the step, then
   :class:`~fleetlab.errors.ObserverError` names it and carries the step's outputs;
 - ``on_phase(name, seconds)``: each part of the step (``with hooks.phase(name):`` in the
-  engine core and the model runner; the names are ``PHASES``), timed only while someone listens;
+  engine core and the model runner; the names are ``PHASES``: ``STEP_PHASES`` in either loop,
+  ``OVERLAP_PHASES`` in the overlapped one only), timed only while someone listens;
 - ``on_batch_order(req_ids)``: the runner's rows, condensed, before the decode-first reorder.
 
 ``fleetlab.inspect`` holds the observers (the ``StepRecorder`` of ``record_traces=True``, the
@@ -22,8 +23,14 @@ import time
 
 from fleetlab.errors import ObserverError, extension_name
 
-# The parts of a step, in the order they run.
-PHASES = ("schedule", "batch_update", "metadata", "forward", "sample", "propose", "update")
+# The parts of a step of the synchronous loop, in the order they run (what a ``StepTrace`` times).
+STEP_PHASES = ("schedule", "batch_update", "metadata", "forward", "sample", "propose", "update")
+# Those the overlapped loop (``fleetlab.overlap``) adds: ``freeze`` (copy step N+1's inputs away
+# from the batch the host changes next), ``fill`` (put step N's sampled tokens in N+1's
+# placeholders, on the model thread) and ``wait`` (the host waiting for step N's forward).
+OVERLAP_PHASES = ("freeze", "fill", "wait")
+# Every name ``on_phase`` is called with: either loop's parts.
+PHASES = STEP_PHASES + OVERLAP_PHASES
 _UNTIMED = contextlib.nullcontext()
 
 

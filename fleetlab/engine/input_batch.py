@@ -36,7 +36,7 @@ import paddle
 
 from fleetlab import device
 from fleetlab.attention.metadata import is_decode_row
-from fleetlab.engine.batch_fields import DEFAULT_FIELDS, FieldRegistry
+from fleetlab.engine.batch_fields import DEFAULT_FIELDS, FieldRegistry, FieldView
 from fleetlab.errors import refuse
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,30 @@ class InputBatch:
     ``sync_to_device()`` copies rows ``[0, num_reqs)`` of each device field once per step.
     """
 
+    # One typed accessor per default field: ``batch.token_ids`` is ``batch.np("token_ids")`` (the field's doc).
+    req_id = FieldView()
+    token_ids = FieldView()
+    num_tokens = FieldView()
+    num_prompt_tokens = FieldView()
+    num_computed_tokens = FieldView()
+    num_scheduled_tokens = FieldView()
+    num_spec_tokens = FieldView()
+    num_placeholders = FieldView()
+    block_table = FieldView()
+    num_blocks = FieldView()
+    temperature = FieldView()
+    top_k = FieldView()
+    top_p = FieldView()
+    seed = FieldView()
+    max_tokens = FieldView()
+    min_tokens = FieldView()
+    ignore_eos = FieldView()
+    stop_token_ids = FieldView()
+    eos_token_id = FieldView()
+    num_logprobs = FieldView()
+    num_prompt_logprobs = FieldView()
+    prompt_embeds = FieldView()
+
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, *, max_stop_ids: int = 8,
                  fields: FieldRegistry | None = None, place=None) -> None:
@@ -102,6 +126,24 @@ class InputBatch:
         self._req_id_to_row: dict[object, int] = {}
         self._num_rows = 0
         self._synced_rows: int | None = None  # rows mirrored by the last sync; None = stale
+
+    def __repr__(self) -> str:
+        """One line for the batch, one per row in use: its request, prompt, tokens, computed and
+        scheduled tokens, blocks (``print(batch)`` in a notebook)."""
+        holes = self._holes()
+        head = (f"InputBatch({self.num_reqs} requests in rows [0, {self._num_rows}) of {self.max_num_seqs}"
+                f"{f', holes at rows {holes}' if holes else ''}; {len(self.fields)} fields)")
+        lines = [head]
+        for row, rid in enumerate(self.req_ids):
+            if rid is None:
+                lines.append(f"  row {row}: (hole)")
+                continue
+            n = {name: int(self._np[name][row]) for name in
+                 ("num_prompt_tokens", "num_tokens", "num_computed_tokens", "num_scheduled_tokens", "num_blocks")}
+            lines.append(f"  row {row}: {rid!r} prompt {n['num_prompt_tokens']}, tokens {n['num_tokens']}, computed "
+                         f"{n['num_computed_tokens']}, scheduled {n['num_scheduled_tokens']}, "
+                         f"blocks {self._np['block_table'][row][: n['num_blocks']].tolist()}")
+        return "\n".join(lines)
 
     # ------------------------------------------------------------------ access
     @property
@@ -139,9 +181,14 @@ class InputBatch:
 
     def dev(self, name: str) -> paddle.Tensor:
         """Paddle mirror of device field ``name``, rows ``[0, num_reqs)`` at the last sync."""
-        assert self.fields[name].home == "device", f"field {name!r} lives on the host; use batch.np({name!r})"
-        assert self._synced_rows is not None, f"device mirror of {name!r} is stale: call sync_to_device() first"
+        if self.fields[name].home != "device":
+            raise ValueError(f"field {name!r} lives on the host: use batch.np({name!r})")
+        if self._synced_rows is None:
+            raise RuntimeError(f"the device mirror of {name!r} is stale: call sync_to_device() first")
         return self._dev[name][: self._synced_rows]
+
+    def _holes(self) -> list[int]:
+        return [row for row, rid in enumerate(self.req_ids) if rid is None]
 
     def row_of(self, req_id) -> int:
         """The row holding ``req_id``; ValueError if the request is not in the batch."""
@@ -333,7 +380,9 @@ class InputBatch:
         prefill group (``fleetlab.lab.lessons.reorder`` shows the stable partition and the
         no-move gather map beside it). The batch must be condensed first.
         """
-        assert not self.has_holes, "reorder needs a dense batch: call condense() first"
+        if self.has_holes:  # a check, not an assert: ``python -O`` would reorder around the holes
+            raise RuntimeError(f"reorder_split_prefill_and_decode needs a dense batch: rows {self._holes()} are "
+                               "holes (removed requests); call condense() first")
         mask = self.is_decode(decode_threshold)
         lefts, rights = two_pointer_swaps(mask)
         dst, src = np.concatenate([lefts, rights]), np.concatenate([rights, lefts])
@@ -354,17 +403,15 @@ class InputBatch:
         across steps (what a captured CUDA graph needs); it copies the whole
         ``[max_num_seqs, ...]`` buffer, rows past ``num_reqs`` included (they are never read).
         """
-        assert not self.has_holes, "sync_to_device needs a dense batch: call condense() first"
+        if self.has_holes:
+            raise RuntimeError(f"sync_to_device needs a dense batch: rows {self._holes()} are holes (removed "
+                               "requests); call condense() first")
         for name, mirror in self._dev.items():
             if not np.array_equal(self._np[name], self._mirrored[name]):
                 device.fill(mirror, self._np[name])  # in place: the mirror keeps its address
                 self._mirrored[name][...] = self._np[name]
         self._synced_rows = self._num_rows
 
-
-# ``batch.token_ids`` is ``batch.np("token_ids")``: a typed accessor for each default field.
-for _name in DEFAULT_FIELDS.names():
-    setattr(InputBatch, _name, property(lambda batch, name=_name: batch.np(name), doc=DEFAULT_FIELDS[_name].doc))
 
 
 def _fits(field, value) -> bool:

@@ -112,9 +112,10 @@ class Sampler:
                                     upload(st.prompt_targets, np.int64), int(st.prompt_num_logprobs.max())))
         if num == 0:  # only prompt positions this step (a chunk short of its prompt's end)
             return self._read([], {}, blocks, st, none, none)
-        ok = paddle.isfinite(logits[:num])
+        scored = logits if num == logits.shape[0] else logits[:num]
+        ok = paddle.isfinite(scored)
         lp_rows = np.flatnonzero(st.num_logprobs >= 0) if st.num_logprobs is not None else none
-        logits, raw = self._process(logits[:num], st, lp_rows)
+        logits, raw = self._process(scored, st, lp_rows)
         chosen = paddle.argmax(logits, axis=-1)
         head = [chosen, ok.all(axis=-1).astype("int64")]  # a row not finite finishes with an error
         rows, draws = np.flatnonzero(~st.greedy), {}

@@ -9,4 +9,9 @@
   and its consistency checks (:func:`check_pool`, :func:`check_kv_manager`; tests and debugging).
 
 Each observer plugs in at the engine's named hooks (:class:`~fleetlab.engine.hooks.StepHooks`).
+The pool's checks and snapshot are importable from here: ``from fleetlab.inspect import check_pool``.
 """
+
+from fleetlab.inspect.pool import BlockInfo, BlockPoolStats, check_kv_manager, check_pool, pool_snapshot, pool_stats
+
+__all__ = ["BlockInfo", "BlockPoolStats", "check_kv_manager", "check_pool", "pool_snapshot", "pool_stats"]

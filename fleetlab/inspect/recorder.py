@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from fleetlab.engine.hooks import PHASES
+from fleetlab.engine.hooks import STEP_PHASES
 from fleetlab.engine.messages import ModelRunnerOutput, SchedulerOutput
 from fleetlab.engine.outputs import RequestOutput
 from fleetlab.inspect.batch import batch_snapshot
@@ -47,7 +47,7 @@ class StepTrace:
     request ids by batch row before and after the decode-first reorder (equal when the step
     did not reorder); reordered: the reorder moved rows this step; reorder: it is on for this
     engine (a step may still find every decode first already); tokens: request id -> the
-    tokens it kept this step; timings: seconds spent in each of the step's ``PHASES``
+    tokens it kept this step; timings: seconds spent in each of the step's ``STEP_PHASES``
     (:mod:`fleetlab.engine.hooks`), and in ``"record"`` the recorder's own (building this
     trace: what the step would not spend without a recorder).
     """
@@ -80,7 +80,7 @@ class StepRecorder:
         self._order_before: list[str] = []
 
     def on_phase(self, name: str, seconds: float) -> None:
-        if name == PHASES[0]:  # a new step begins: drop what a step that raised left behind
+        if name == STEP_PHASES[0]:  # a new step begins: drop what a step that raised left behind
             self._timings = {}
         self._timings[name] = self._timings.get(name, 0.0) + seconds
 

@@ -24,9 +24,9 @@ radix tree's) is served by a copy: ``get_computed_blocks`` returns the whole-blo
 block to copy from (:class:`ComputedBlocks`), ``allocate_slots`` pins that block (a reference,
 so no allocation can reuse it) and plans a :class:`~fleetlab.kv.copies.BlockCopy` of its head into
 the request's first new block; :meth:`KVCacheManager.take_copies` hands the copy to the first
-step that schedules the request (the runner copies before that step's forward), and the pin is
-released when that step commits. A block registered in the step being planned is never a source:
-its K/V are written by that step's forward, after the copy.
+step that schedules the request (each layer of that step's forward copies right after writing the step's K/V, so a
+block the same step fills can lend its head, as it can be shared whole), and the pin is released
+when that step commits. A block that a planned copy writes into is never a source.
 """
 
 from __future__ import annotations
@@ -114,16 +114,14 @@ class KVCacheManager:
         tokens = request.all_token_ids[: request.num_cacheable_tokens]
         hits = checked_hits(self.prefix_cache, cache_call(self.prefix_cache, "lookup", tokens, record_stats=False),
                             len(tokens), self.pool.num_blocks)
+        # A step's copies are applied together (each reads its source as the layer's write left it):
+        # a block that a copy not yet applied writes into cannot lend its head.
+        copying = {c.dst_block for c in self._pending_copies.values()}
         partial = check_partial_hit(self.prefix_cache, cache_call(self.prefix_cache, "lookup_partial", tokens,
-                                                                  len(hits)), tokens, len(hits))
-        if partial is None or self._written_after_copy(partial[0]):
+                                                                  len(hits), copying), tokens, len(hits), copying)
+        if partial is None:
             return ComputedBlocks(hits), len(hits) * self.block_size
         return ComputedBlocks(hits, *partial), len(hits) * self.block_size + partial[1]
-
-    def _written_after_copy(self, block_id: int) -> bool:
-        """The block was registered in the step being planned: its K/V are written by that step's
-        forward, after the step's copies, so it cannot be copied from yet."""
-        return any(block_id in r.block_ids for r in self._step_logs[-1].registrations.values())
 
     def record_lookup(self, request, num_hit_tokens: int) -> None:
         """Count one admission's prefix-cache query in the hit rate (undone if the step fails)."""
@@ -166,7 +164,11 @@ class KVCacheManager:
         if num_new_blocks + revived > self.pool.num_free_blocks:
             return None
         self.pool.touch([*hits, *pinned])  # before allocating: the allocation may not hand these out
-        new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks else []
+        try:
+            new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks else []
+        except BaseException:  # (the prefix cache failed) nothing taken
+            self.pool.free([*hits, *pinned])
+            raise
         blocks = self._blocks.setdefault(rid, [])
         blocks += [*hits, *new_blocks]
         if hits:
@@ -203,18 +205,29 @@ class KVCacheManager:
         """Give back every block of the request (tail first, so its prefix lives longest).
 
         Blocks it registered in an open step lose their cache entry first: their K/V may
-        never be written (the request is preempted or aborted before its step runs).
+        never be written (the request is preempted or aborted before its step runs). A request
+        that finished by itself offers its partly filled last block to the cache first (``cache_tail``).
         """
         rid = request.request_id
         for step_log in self._step_logs:
             log = step_log.registrations.pop(rid, None)
             if log is not None:
                 self.pool.uncache(log.block_ids)
+        self._cache_tail(request)
         self.pool.free(self._blocks.pop(rid, []))
         self._num_cached.pop(rid, None)
         copy = self._pending_copies.pop(rid, None)  # (one a step carries stays pinned until that step ends)
         if copy is not None:
             self.pool.free([copy.src_block])
+
+    def _cache_tail(self, request) -> None:
+        """A request that finished by itself (a stop, or its length) offers the prefix cache its last,
+        partly filled block: every token but the last sampled one has its K/V written by a committed
+        step (an aborted, preempted or rolled-back request's count may run ahead of its K/V)."""
+        if self.prefix_cache is None or getattr(request, "finish_reason", None) not in ("stop", "length"):
+            return
+        num_tokens = min(request.num_computed_tokens, request.num_tokens - 1, request.num_cacheable_tokens)
+        self.prefix_cache.cache_tail(request.all_token_ids, self._blocks.get(request.request_id, []), num_tokens)
 
     def free_blocks_beyond(self, request, num_tokens: int) -> int:
         """Free the request's blocks past the first ``num_tokens`` slots (after rejected

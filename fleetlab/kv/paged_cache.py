@@ -17,7 +17,7 @@ import numpy as np
 import paddle
 
 from fleetlab.device import upload
-from fleetlab.kv.copies import copy_slots
+from fleetlab.kv.copies import CopyPlan, copy_slots
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class PagedKVCache:
         return self._v[self._check_layer(layer_id)]
 
     def write(self, layer_id: int, key: paddle.Tensor, value: paddle.Tensor,
-              slot_mapping: paddle.Tensor) -> None:
+              slot_mapping: paddle.Tensor, slot_index: tuple | None = None) -> None:
         """Store a step's K/V in their slots, in place.
 
         Args:
@@ -128,6 +128,9 @@ class PagedKVCache:
           slot_mapping: int ``[T]``; token ``t`` goes to slot ``slot_mapping[t]``; ``-1`` skips it.
             Slots must be distinct and ``< num_blocks * block_size`` (not checked: that would
             cost a device sync per layer).
+          slot_index: ``(block, offset)``, int64 ``[T]`` each, the slots already split, none of
+            them -1 (``AttentionMetadata.slot_index``, made on the host once per step): the
+            write is then one scatter per tensor, with no device op to plan it.
         """
         layer_id = self._check_layer(layer_id)
         t, h, d = key.shape[0], self.num_kv_heads, self.head_dim
@@ -139,6 +142,10 @@ class PagedKVCache:
                              f"and [T] (wrong: {', '.join(wrong)})")
         if key.shape[0] == 0:
             return
+        if slot_index is not None:
+            for cache, new in ((self._k[layer_id], key), (self._v[layer_id], value)):
+                paddle.index_put_(cache, slot_index, new.astype(self.dtype))
+            return
         target, source = _skip_plan(slot_mapping.astype("int64"))
         block, offset = target // self.block_size, target % self.block_size
         for cache, new in ((self._k[layer_id], key), (self._v[layer_id], value)):
@@ -146,19 +153,29 @@ class PagedKVCache:
             rows = paddle.concat([new.astype(self.dtype), cache[:1, 0]])
             paddle.index_put_(cache, (block, offset), gather_rows(rows, source))
 
-    def copy_blocks(self, copies) -> None:
-        """Apply a step's :class:`~fleetlab.kv.copies.BlockCopy` s to the K and V of every layer, in
-        order: slots ``[0, num_tokens)`` of each ``src_block`` to the same slots of its ``dst_block``
-        (a prefix-cache match that ends inside a block). Two indexed ops per tensor, whatever the
-        number of copies; with tensor parallelism each rank copies its own heads."""
+    def copy_plan(self, copies) -> CopyPlan | None:
+        """A step's :class:`~fleetlab.kv.copies.BlockCopy` s as device indices (None for none): slots
+        ``[0, num_tokens)`` of each ``src_block`` to the same slots of its ``dst_block``, in order."""
         if not copies:
-            return
+            return None
         src, dst = copy_slots(copies, self.block_size)
         bs = self.block_size
-        read = upload(np.stack([src // bs, src % bs], axis=1))
-        block, offset = upload(dst // bs), upload(dst % bs)
-        for cache in (*self._k, *self._v):
-            paddle.index_put_(cache, (block, offset), _gather_slots(cache, read))
+        return CopyPlan(upload(np.stack([src // bs, src % bs], axis=1)), upload(dst // bs), upload(dst % bs),
+                        tuple(copies))
+
+    def apply_copies(self, layer_id: int, plan: CopyPlan | None) -> None:
+        """Apply ``plan`` to layer ``layer_id``'s K and V: one gather and one indexed write each
+        (a copy reads its source as it is now: after the layer's write, in the engine's step)."""
+        if plan is not None:
+            for cache in (self._k[layer_id], self._v[layer_id]):
+                paddle.index_put_(cache, (plan.block, plan.offset), _gather_slots(cache, plan.read))
+
+    def copy_blocks(self, copies) -> None:
+        """Apply ``copies`` to every layer at once (outside a step: tests, benchmarks, a notebook);
+        with tensor parallelism each rank copies its own heads."""
+        plan = self.copy_plan(copies)
+        for layer_id in range(self.num_layers):
+            self.apply_copies(layer_id, plan)
 
     def _check_layer(self, layer_id) -> int:
         if not (hasattr(layer_id, "__index__") and 0 <= operator.index(layer_id) < self.num_layers):

@@ -4,6 +4,10 @@
   (the base is the null connector); :data:`KV_CONNECTORS`, :func:`register_kv_connector`.
 - :class:`KVTransferConfig` (``config.py``): ``LLM(kv_transfer_config={"connector": NAME,
   "role": "producer" | "consumer" | "both", ...})``, checked at the edge.
+- :class:`BlockStoreConnector` (``block_store.py``): the base of a connector over a store of whole
+  blocks (subclass it with ``has`` / ``read`` / ``write``); a load that fails raises
+  :class:`LoadError` inside it, and the scheduler recomputes that request. Both load Paddle when
+  first named here (``from fleetlab.kv_transfer import BlockStoreConnector``).
 - ``shared_storage`` (``shared_storage.py``): blocks in safetensors files under a directory;
   ``offload`` (``offload.py``): a host tier, LRU within a byte capacity (both over
   ``block_store.py``); ``paddle_distributed`` (``paddle_distributed.py``): a prefill rank
@@ -24,5 +28,18 @@ from fleetlab.kv_transfer.base import (
 )
 from fleetlab.kv_transfer.config import KVTransferConfig, check_kv_transfer_config, make_kv_connector
 
-__all__ = ["KV_CONNECTORS", "NULL_CONNECTOR", "KVCacheSpec", "KVConnector", "KVConnectorStats", "KVTransferConfig",
-           "check_kv_transfer_config", "make_kv_connector", "register_kv_connector"]
+__all__ = ["KV_CONNECTORS", "NULL_CONNECTOR", "BlockStoreConnector", "KVCacheSpec", "KVConnector", "KVConnectorStats", "KVTransferConfig",
+           "LoadError", "check_kv_transfer_config", "make_kv_connector", "register_kv_connector"]
+
+_LAZY = {"BlockStoreConnector": "fleetlab.kv_transfer.block_store", "LoadError": "fleetlab.kv_transfer.block_store"}
+
+
+def __getattr__(name: str):
+    """The block-store names, imported when first asked for (they load Paddle; the API above does not)."""
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fleetlab.kv_transfer' has no attribute {name!r}")

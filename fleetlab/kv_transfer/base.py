@@ -29,6 +29,12 @@ batch until its K/V arrive)    ``finished_recving``
                                load_errors`` (failed loads are recomputed)  recomputed
 =============================  ===========================================  ==========================================
 
+If a step fails anywhere (the connector itself, the runner, another extension), the engine rolls
+the whole step back and calls :meth:`KVConnector.rollback` with its plan: a connector forgets
+what it recorded while planning it. Whatever a scheduler-side call returns is checked where the
+scheduler receives it (``checked_*`` below); an exception it raises comes out as
+:class:`~fleetlab.errors.ExtensionError` naming the connector and the method.
+
 This base class is itself the *null connector*: every call does nothing, so an engine with no
 ``kv_transfer_config`` runs exactly as before, through the same calls (no ``if`` anywhere in
 the core). vLLM builds two instances, one per side (role SCHEDULER / WORKER); fleetlab's
@@ -248,17 +254,18 @@ def checked_holds(connector, value) -> bool:
     return value
 
 
-def checked_finished(connector, value) -> tuple[set, set]:
-    """What ``get_finished`` returned: ``(request ids whose saves are done, block ids whose load failed)``."""
+def checked_finished(connector, value, num_blocks: int) -> tuple[set, set]:
+    """What ``get_finished`` returned: ``(request ids whose saves are done, block ids whose load
+    failed)``, the block ids in ``[0, num_blocks)``."""
     if isinstance(value, tuple) and len(value) == 2:
         try:
             sending, failed = set(value[0]), {operator.index(b) for b in value[1]}
-            if all(isinstance(r, str) for r in sending):
+            if all(isinstance(r, str) for r in sending) and all(0 <= b < num_blocks for b in failed):
                 return sending, failed
         except TypeError:
             pass
-    raise bad_return(KIND, connector, "get_finished", value,
-                     "it must return (set of request ids whose saves are done, set of block ids whose load failed)")
+    raise bad_return(KIND, connector, "get_finished", value, "it must return (set of request ids whose saves are "
+                     f"done, set of block ids in [0, {num_blocks}) whose load failed)")
 
 
 def requests_to_recompute(kv, scheduled_req_ids, failed_block_ids: set[int]) -> list[str]:

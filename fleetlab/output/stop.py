@@ -33,9 +33,13 @@ def find_stop_string(text: str, stop: Sequence[str], num_new_chars: int,
 def partial_stop_length(text: str, stop: Sequence[str]) -> int:
     """Length of the longest end of ``text`` that begins some stop string but is not one: what a
     stream holds back, so that a stop string split over two steps is never half sent."""
-    longest = max((len(s) for s in stop), default=1) - 1
-    for n in range(min(longest, len(text)), 0, -1):
-        tail = text[-n:]
-        if any(s.startswith(tail) for s in stop):
-            return n
-    return 0
+    if not text:
+        return 0
+    last, best = text[-1], 0
+    for s in stop:  # such an end is a prefix s[:k + 1] of a stop string with s[k] == text's last character
+        k = s.find(last, best, len(s) - 1)
+        while k >= 0:
+            if text.endswith(s[:k + 1]):
+                best = k + 1
+            k = s.find(last, k + 1, len(s) - 1)
+    return best

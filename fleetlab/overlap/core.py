@@ -41,6 +41,7 @@ from fleetlab.engine.outputs import RequestOutput
 from fleetlab.engine.request import RequestStatus
 from fleetlab.overlap.ahead import Ahead
 from fleetlab.overlap.frozen import freeze
+from fleetlab.overlap.gate import OverlapGate
 from fleetlab.overlap.placeholders import fill
 
 logger = logging.getLogger(__name__)
@@ -61,14 +62,19 @@ class OverlapEngineCore(EngineCore):
     """Runs steps of ``scheduler`` on ``runner`` with step N+1's host work overlapped with step
     N's forward (see the module docstring); ``LLM(async_scheduling=True)`` builds it."""
 
-    def __init__(self, scheduler, runner, hooks: StepHooks):
+    def __init__(self, scheduler, runner, hooks: StepHooks, gate: OverlapGate | None = None):
         super().__init__(scheduler, runner, hooks)
         self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="fleetlab-model")
         self._in_flight: _Step | None = None  # the step the model thread runs (or has run)
+        self.gate = gate if gate is not None else OverlapGate()
+        hooks.attach(self.gate)  # it times the commits
 
     def step(self) -> tuple[list[RequestOutput], ModelRunnerOutput]:
         """Plan step N+1, start it once step N is done, commit step N: the outputs of step N's
-        requests that gained tokens or finished (none on the first call), and step N's message."""
+        requests that gained tokens or finished (none on the first call), and step N's message.
+        When the gate finds overlapping slower (:mod:`fleetlab.overlap.gate`), a step runs in line."""
+        if not self.gate.overlap():
+            return self._step_in_line()
         try:
             with self.hooks.phase("schedule"):
                 sched = self.scheduler.schedule()
@@ -76,7 +82,7 @@ class OverlapEngineCore(EngineCore):
             self._rollback(None, partial=self.scheduler.planned)
             raise
         planned = _Step(sched, Ahead.take(self.scheduler, sched))
-        done, result = self._execute(planned)
+        done, result = self._execute_ahead(planned)
         if done is None:
             return [], ModelRunnerOutput()
         committed = []  # what the observers see, once every commit of this call is done
@@ -87,6 +93,17 @@ class OverlapEngineCore(EngineCore):
             last, self._in_flight = self._in_flight, None
             more, _ = self._update(last, self._result(last, planned=None), committed)
             outputs += more
+        notify_observers(self.hooks, committed)
+        return outputs, result
+
+    def _step_in_line(self) -> tuple[list[RequestOutput], ModelRunnerOutput]:
+        """One step as the synchronous loop runs it; the first call after overlapped steps only
+        commits the step in flight (and plans none)."""
+        if self._in_flight is None:
+            return EngineCore.step(self)
+        last, self._in_flight = self._in_flight, None
+        committed = []
+        outputs, result = self._update(last, self._result(last, planned=None), committed)
         notify_observers(self.hooks, committed)
         return outputs, result
 
@@ -114,7 +131,7 @@ class OverlapEngineCore(EngineCore):
             self._rollback(planned)
             raise
 
-    def _execute(self, planned: _Step) -> tuple[_Step | None, ModelRunnerOutput]:
+    def _execute_ahead(self, planned: _Step) -> tuple[_Step | None, ModelRunnerOutput]:
         """Prepare ``planned`` and queue it behind the step in flight, then wait for that one;
         returns it with its result. On any exception both steps are rolled back."""
         done = self._in_flight

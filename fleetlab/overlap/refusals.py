@@ -17,6 +17,8 @@ run one step ahead without more machinery than this loop has:
 
 from __future__ import annotations
 
+import dataclasses
+
 _WHY = {
     "speculative_config": "step N+1's drafts and positions depend on how many drafts step N accepts",
     "tensor_parallel_size": "every rank checks the schedule against the last sampled tokens, one step late here",
@@ -34,8 +36,36 @@ def check_async_scheduling(cfg) -> None:
                "record_traces": cfg.record_traces}
     for name, clash in clashes.items():
         if clash:
-            raise ValueError(f"engine config: async_scheduling=True cannot go with {name}={getattr(cfg, name)!r:.60}:"
+            raise ValueError(f"engine config: async_scheduling=True cannot go with {name}={readable(getattr(cfg, name))}:"
                              f" {_WHY[name]}")
+
+
+def readable(value, limit: int = 80) -> str:
+    """A config value for a message: a dict (or a dataclass, as its non-default fields) shown
+    item by item, whole items only, ``...`` for those past ``limit`` characters; else its repr."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)
+                 if f.repr and getattr(value, f.name) != _default(f)}
+        return f"{type(value).__name__}({_items(items, limit, '=', str)})"
+    if isinstance(value, dict):
+        return "{" + _items(value, limit, ": ", repr) + "}"
+    return repr(value)
+
+
+def _default(f: dataclasses.Field):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else dataclasses.MISSING
+
+
+def _items(items: dict, limit: int, sep: str, key) -> str:
+    shown = []
+    for k, v in items.items():
+        item = f"{key(k)}{sep}{v!r}"
+        if shown and sum(len(x) + 2 for x in shown) + len(item) > limit:
+            return ", ".join(shown) + ", ..."
+        shown.append(item)
+    return ", ".join(shown)
 
 
 class RefusedStructuredOutputs:

@@ -24,7 +24,7 @@ own design with :func:`register_prefix_cache` to choose it by name.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from fleetlab.errors import bad_return, call_extension
 from fleetlab.registry import Registry
@@ -77,29 +77,52 @@ class PrefixCache:
 
     # ----- what the manager asks
     def lookup(self, token_ids: Sequence[int], *, record_stats: bool = True) -> list[int]:
-        raise NotImplementedError
+        """The cached blocks holding the longest prefix of ``token_ids`` in whole blocks, in order
+        (at most :meth:`max_hit_blocks`); counts the query when ``record_stats``. Takes no
+        references (the manager touches the hits)."""
+        raise self._missing("lookup")
 
-    def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int) -> tuple[int, int] | None:
+    def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int,
+                       exclude: Collection[int] = ()) -> tuple[int, int] | None:
         """A cached block whose first tokens continue the match past the ``num_hit_blocks`` blocks
         :meth:`lookup` found: ``(block_id, num_tokens)``, ``0 < num_tokens < block_size``, the
-        match never reaching the prompt's last token; None when no block does (the default: a
-        design that shares whole pages only). Takes no references, counts nothing."""
+        match never reaching the prompt's last token; never a block in ``exclude`` (a copy of this
+        step writes into it); None when no block does (the default: a design that shares whole pages
+        only). Takes no references, counts nothing."""
         return None
+
+    def cache_tail(self, token_ids: Sequence[int], block_ids: Sequence[int], num_tokens: int) -> bool:
+        """A finished request lets its blocks go; the first ``num_tokens`` of ``token_ids`` have their
+        K/V written, the last ``num_tokens % block_size`` of them in its partly filled block
+        ``block_ids[num_tokens // block_size]``. True if the cache keeps that block to copy from
+        (:meth:`lookup_partial`); the default keeps whole blocks only."""
+        return False
 
     def cache_blocks(self, token_ids: Sequence[int], block_ids: Sequence[int], num_cached_blocks: int,
                      num_full_blocks: int) -> int:
-        raise NotImplementedError
+        """Register a request's blocks ``[num_cached_blocks, num_full_blocks)`` of ``block_ids``,
+        each now full of the tokens ``token_ids`` holds there (:meth:`check_cache_args` checks
+        the arguments); returns the new ``num_cached_blocks`` (the request's blocks registered)."""
+        raise self._missing("cache_blocks")
 
     def uncache(self, block_ids: Sequence[int]) -> list[int]:
         """Drop these blocks' entries; returns every block that left the cache."""
-        raise NotImplementedError
+        raise self._missing("uncache")
 
     def is_cached(self, block_id: int) -> bool:
-        raise NotImplementedError
+        """True while ``block_id`` holds a prefix this cache can hand out (owned or not); the pool
+        and :func:`fleetlab.inspect.check_pool` read it."""
+        raise self._missing("is_cached")
 
     @property
     def num_cached_blocks(self) -> int:
-        raise NotImplementedError
+        """How many blocks of the pool this cache names now (what ``LLM.stats()`` reports)."""
+        raise self._missing("num_cached_blocks")
+
+    def _missing(self, method: str) -> NotImplementedError:
+        return NotImplementedError(f"prefix cache {type(self).__name__!r} does not implement {method}(): a "
+                                   f"PrefixCache subclass must define lookup, cache_blocks, uncache, is_cached "
+                                   f"and num_cached_blocks")
 
     def check_invariants(self) -> None:
         """Raise RuntimeError if the cache's bookkeeping is inconsistent (tests, debugging)."""
@@ -164,6 +187,19 @@ def checked_hits(cache: PrefixCache, hits, num_tokens: int, num_blocks: int) -> 
                      f"most {most} for {num_tokens} tokens (a hit never covers the whole prompt)")
 
 
+def checked_evicted(cache: PrefixCache, value, n: int, kept: set) -> list[int]:
+    """What ``evict(n)`` returned: ``n`` distinct blocks among those it keeps (``kept``, the pool's
+    count of free blocks included them); else ExtensionError."""
+    try:
+        ids = [operator.index(b) for b in value]
+    except TypeError:
+        ids = None
+    if ids is not None and len(ids) == n and len(set(ids)) == n and all(b in kept for b in ids):
+        return ids
+    raise bad_return(KIND, cache, "evict", value, f"asked for {n} blocks, it must return {n} distinct blocks "
+                     "among the free ones it keeps")
+
+
 def checked_num_cached(cache: PrefixCache, value, num_cached_blocks: int, num_full_blocks: int) -> int:
     """What ``cache_blocks`` returned: the request's new count of cached leading blocks, an int in
     ``[num_cached_blocks, num_full_blocks]``; else ExtensionError."""
@@ -178,23 +214,25 @@ def checked_num_cached(cache: PrefixCache, value, num_cached_blocks: int, num_fu
                      f"num_full_blocks={num_full_blocks}] (the leading blocks now cached)")
 
 
-def check_partial_hit(cache: PrefixCache, hit, token_ids: Sequence[int], num_hit_blocks: int):
+def check_partial_hit(cache: PrefixCache, hit, token_ids: Sequence[int], num_hit_blocks: int,
+                      exclude: Collection[int] = ()):
     """What :meth:`PrefixCache.lookup_partial` returned, checked where the KV manager receives it:
-    None, or ``(block_id, num_tokens)`` of a cached block with ``0 < num_tokens < block_size``
-    and the match short of the prompt's last token. ValueError names the design and the method."""
+    None, or ``(block_id, num_tokens)`` of a cached block outside ``exclude`` with ``0 < num_tokens
+    < block_size`` and the match short of the prompt's last token; else ExtensionError."""
     if hit is None:
         return None
-    where = f"{type(cache).__name__}.lookup_partial"
+    limit = min(cache.block_size - 1, len(token_ids) - 1 - num_hit_blocks * cache.block_size)
     try:
         block_id, num_tokens = (operator.index(x) for x in hit)
     except (TypeError, ValueError):
-        raise ValueError(f"{where} returned {hit!r}: want None or (block_id, num_tokens), two ints") from None
-    limit = min(cache.block_size - 1, len(token_ids) - 1 - num_hit_blocks * cache.block_size)
-    if not 0 < num_tokens <= limit:
-        raise ValueError(f"{where} returned {num_tokens} tokens for a prompt of {len(token_ids)} after "
-                         f"{num_hit_blocks} whole blocks: want 1 to {limit}")
-    if not cache.is_cached(block_id):
-        raise ValueError(f"{where} returned block {block_id}, which the cache does not hold")
+        block_id = num_tokens = None
+    rule = (f"it must return None or (block_id, num_tokens) of a cached block, 1 to {limit} tokens for a prompt "
+            f"of {len(token_ids)} after {num_hit_blocks} whole blocks")
+    if num_tokens is None or not 0 < num_tokens <= limit or not cache.is_cached(block_id):
+        raise bad_return(KIND, cache, "lookup_partial", hit, rule)
+    if block_id in exclude:
+        raise bad_return(KIND, cache, "lookup_partial", hit, "that block was excluded: a copy planned in this step "
+                         "writes into it")
     return block_id, num_tokens
 
 

@@ -3,7 +3,9 @@
 The tree is keyed by token ids. Each node's edge is a run of whole *pages* (one page = one KV
 block of ``block_size`` tokens) and holds the block id of each page; the path from the root to
 a node spells the tokens whose K/V those blocks hold. Children are keyed by their first page,
-so two children of a node never start with the same page::
+so two children of a node never start with the same page. A leaf may end in a *tail page*: the
+partly filled last block of a finished request (:meth:`RadixCache.cache_tail`), never shared
+whole, only copied from::
 
     root ── [sys prompt: 3 pages] ─┬─ [question A: 2 pages]
                                    └─ [question B: 1 page] ── [answer B: 4 pages]
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 from fleetlab.prefix_cache import PrefixCache
 
@@ -91,6 +93,14 @@ class RadixCache(PrefixCache):
                 yield node, j
                 i += 1
 
+    def _end_of_walk(self, token_ids: Sequence[int], num_pages: int) -> tuple[RadixNode, int] | None:
+        """Where the walk over the first ``num_pages`` pages of ``token_ids`` ends: ``(node, j)``, after
+        page ``j - 1`` of ``node`` (the root and 0 for no pages); None if the tree lacks one of them."""
+        end, walked = (self.root, 0), 0
+        for node, j in self._walk(token_ids, num_pages):
+            end, walked = (node, j + 1), walked + 1
+        return end if walked == num_pages else None
+
     def lookup(self, token_ids: Sequence[int], *, record_stats: bool = True) -> list[int]:
         """Blocks holding the longest cached page-granular prefix of ``token_ids`` (never the
         whole prompt); counts one query unless ``record_stats=False``; takes no references."""
@@ -99,22 +109,22 @@ class RadixCache(PrefixCache):
             self.record_lookup(len(token_ids), len(hits))
         return hits
 
-    def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int) -> tuple[int, int] | None:
+    def lookup_partial(self, token_ids: Sequence[int], num_hit_blocks: int,
+                       exclude: Collection[int] = ()) -> tuple[int, int] | None:
         """The page whose head continues the match after the first ``num_hit_blocks`` pages (what
         :meth:`lookup` found) and how many of its tokens match, short of the prompt's last token:
-        ``(block_id, num_tokens)``, or None if no page starts with the next token."""
+        ``(block_id, num_tokens)``, or None if no page (outside ``exclude``) starts with the next token."""
         bs, i = self.block_size, int(num_hit_blocks)
         want = tuple(int(t) for t in token_ids[i * bs : min((i + 1) * bs, len(token_ids) - 1)])
         if not want:
             return None
-        node, j, walked = self.root, 0, 0  # the walk is after page j - 1 of node
-        for node, j in self._walk(token_ids, i):
-            j, walked = j + 1, walked + 1
-        if walked != i:  # not the pages lookup found
+        end = self._end_of_walk(token_ids, i)
+        if end is None:  # not the pages lookup found
             return None
+        node, j = end
         candidates = ([(node.block_ids[j], self._page(node.token_ids, j))] if j < len(node.block_ids) else
                       [(child.block_ids[0], first) for first, child in node.children.items()])
-        best = max(((_common_prefix(page, want), b) for b, page in candidates), default=(0, None))
+        best = max(((_common_prefix(page, want), b) for b, page in candidates if b not in exclude), default=(0, None))
         return (best[1], best[0]) if best[0] else None
 
     # ------------------------------------------------------------------ insert
@@ -133,13 +143,33 @@ class RadixCache(PrefixCache):
                 return end
             i, j = i + 1, j + 1
         if i < end:
-            self._attach(node, j, token_ids, block_ids, i, end)
+            bs = self.block_size
+            self._attach(node, j, tuple(int(t) for t in token_ids[i * bs : end * bs]), list(block_ids[i:end]))
         return end
 
-    def _attach(self, node: RadixNode, j: int, token_ids, block_ids, i: int, end: int) -> None:
-        """Hang pages ``[i, end)`` of a request after page ``j - 1`` of ``node``."""
-        tokens, blocks = tuple(int(t) for t in token_ids[i * self.block_size : end * self.block_size]), \
-            list(block_ids[i:end])
+    def cache_tail(self, token_ids, block_ids, num_tokens: int) -> bool:
+        """Keep a finished request's last, partly filled page: block ``block_ids[num_tokens //
+        block_size]`` holds the K/V of the ``num_tokens % block_size`` tokens after its full pages.
+        It hangs where the walk over those full pages ends (all of them must be in the tree, in
+        any blocks: K/V depend on the tokens only), as a *tail page*: the last page of a leaf,
+        never matched whole, only copied from (:meth:`lookup_partial`). False if it is not kept
+        (no full-page path, no token past the last full page, or the same tail kept already)."""
+        bs, num_tokens = self.block_size, int(num_tokens)
+        i, n = divmod(num_tokens, bs)
+        if not n or i >= len(block_ids) or block_ids[i] in self._node_of:
+            return False
+        end = self._end_of_walk(token_ids, i)
+        if end is None:
+            return False
+        node, j = end
+        tail = tuple(int(t) for t in token_ids[i * bs : num_tokens])
+        if tail in node.children if j == len(node.block_ids) else self._page(node.token_ids, j) == tail:
+            return False  # the same tail is kept already
+        self._attach(node, j, tail, [block_ids[i]])
+        return True
+
+    def _attach(self, node: RadixNode, j: int, tokens: tuple[int, ...], blocks: list[int]) -> None:
+        """Hang pages ``tokens`` (in ``blocks``; the last may be a tail page) after page ``j - 1`` of ``node``."""
         if j < len(node.block_ids):  # the walk stopped inside the edge: split it there
             node = self._split(node, j)
         if node is not self.root and not node.children:  # a leaf grows in place
@@ -195,7 +225,7 @@ class RadixCache(PrefixCache):
 
     def _pop_page(self, node: RadixNode) -> int:
         block_id = node.block_ids.pop()
-        node.token_ids = node.token_ids[: -self.block_size]
+        node.token_ids = node.token_ids[: len(node.block_ids) * self.block_size]  # (a tail page is shorter)
         del self._node_of[block_id]
         return block_id
 
@@ -257,8 +287,10 @@ class RadixCache(PrefixCache):
     def check_invariants(self) -> None:
         bs, seen = self.block_size, 0
         for _, node in self.nodes():
-            if not node.block_ids or len(node.token_ids) != len(node.block_ids) * bs:
-                raise RuntimeError(f"{node!r}: {len(node.token_ids)} tokens for {len(node.block_ids)} pages")
+            last = len(node.token_ids) - (len(node.block_ids) - 1) * bs  # tokens of its last page
+            if not node.block_ids or not 0 < last <= bs or (last < bs and node.children):
+                raise RuntimeError(f"{node!r}: {len(node.token_ids)} tokens for {len(node.block_ids)} pages "
+                                   f"(only a leaf's last page may be a tail page)")
             if node.parent.children.get(node.token_ids[:bs]) is not node:
                 raise RuntimeError(f"{node!r} is not its parent's child under its first page")
             before = node.parent.block_ids[-1:]  # the page before this node's first

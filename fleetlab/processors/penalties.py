@@ -56,6 +56,8 @@ class PenaltiesProcessor(LogitsProcessor):
         return values
 
     def __call__(self, logits: paddle.Tensor, st) -> paddle.Tensor:
+        if not self._any_set(st.batch):  # the common step: nobody asked for any (a few whole-field checks)
+            return logits
         settings = np.stack([st.batch.np(name)[st.pos_row] for name in NEUTRAL], axis=1)  # [P, 3], each row's
         biased = np.not_equal(st.batch.np("logit_bias")[st.pos_row], None)
         active = np.flatnonzero(np.not_equal(settings, list(NEUTRAL.values())).any(axis=1) | biased)
@@ -63,6 +65,12 @@ class PenaltiesProcessor(LogitsProcessor):
             return logits
         ints, widths, floats = self._host_arrays(st, active, settings[active], logits.shape[-1])
         return self.apply(logits, upload(ints), widths, upload(floats))
+
+    @staticmethod
+    def _any_set(batch) -> bool:
+        """Whether any row of the batch sets a penalty or a bias (rows that do not score this step too)."""
+        return (any(np.any(batch.np(name) != off) for name, off in NEUTRAL.items())
+                or any(x is not None for x in batch.np("logit_bias").tolist()))
 
     @staticmethod
     def _host_arrays(st, active: np.ndarray, settings: np.ndarray, vocab: int):

@@ -84,7 +84,7 @@ from fleetlab.serving.errors import (
     error_body,
 )
 from fleetlab.serving.metrics import CONTENT_TYPE, ServerMetrics
-from fleetlab.serving.openai_logprobs import chat_logprobs, completion_logprobs
+from fleetlab.serving.openai_logprobs import TokenStrings, chat_logprobs, completion_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +230,7 @@ class OpenAIServing:
         self.live: set[RequestStream] = set()  # the engine requests of unfinished HTTP requests
         self.draining = False  # stopping: new requests are refused (503)
         self.closing = False  # stopped waiting: what still runs is ended with an error
+        self.tokens = TokenStrings(engine.tokenizer, engine.vocab_size)  # how logprobs show tokens
 
     def model_card(self) -> dict:
         """The served model, as ``/v1/models`` lists it."""
@@ -390,11 +391,10 @@ class OpenAIServing:
             raise ServingError(f"the engine failed request {response_id}", code="engine_error")
         chat = obj == "chat.completion"
         choices = self._best(choices, sp.n)
-        tokenizer = self.engine.tokenizer
         body = [{"index": c.index, "text": "".join(c.content), "finish_reason": c.finish_reason,
                  "stop_reason": c.stop_reason,
-                 "logprobs": None if not c.want_logprobs else chat_logprobs(tokenizer, c.logprobs) if chat
-                 else completion_logprobs(tokenizer, c.logprobs)} for c in choices]
+                 "logprobs": None if not c.want_logprobs else chat_logprobs(self.tokens, c.logprobs) if chat
+                 else completion_logprobs(self.tokens, c.logprobs)} for c in choices]
         use = self._usage(choices)
         build = P.chat_response if chat else P.completion_response
         return JSONResponse(build(response_id, created, self.model_name, body, use))
@@ -437,17 +437,15 @@ class OpenAIServing:
         chat = obj == "chat.completion"
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
 
-        tokenizer = self.engine.tokenizer
-
         def chunk(c: _Choice, text: str, finish: str | None, positions: list) -> str:
             if chat:
                 delta = {"content": text} if text or not finish else {}
-                logprobs = chat_logprobs(tokenizer, positions) if c.want_logprobs else None
+                logprobs = chat_logprobs(self.tokens, positions) if c.want_logprobs else None
                 return P.sse(P.chat_chunk(response_id, created, self.model_name, c.index, delta, finish, include_usage,
                                           logprobs, c.stop_reason))
             logprobs = None
             if c.want_logprobs:
-                logprobs = completion_logprobs(tokenizer, positions, c.text_offset)
+                logprobs = completion_logprobs(self.tokens, positions, c.text_offset)
                 c.text_offset += sum(len(t) for t in logprobs["tokens"])
             return P.sse(P.completion_chunk(response_id, created, self.model_name, c.index, text, finish,
                                             include_usage, logprobs, c.stop_reason))

@@ -2,6 +2,7 @@
 
     python -m fleetlab serve --model tiny --port 8000
     python -m fleetlab serve --model tiny --model-impl fleet --max-num-seqs 32 --max-queue-len 64
+    python -m fleetlab serve --model tiny --prefix-cache radix --scheduling-policy lpm
     python -m fleetlab serve --model /path/to/checkpoint --backend triton --api-key KEY
     python -m fleetlab -v serve --model tiny --shutdown-timeout 30
     python -m fleetlab serve --model tiny --allowed-origins '["http://localhost:3000"]'
@@ -55,8 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=512)
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--backend", default="tiled", help="attention backend name (e.g. tiled, naive, triton)")
-    e.add_argument("--scheduling-policy", default="fcfs")
+    e.add_argument("--scheduling-policy", default="fcfs",
+                   help="fcfs, spf (shortest prompt first), priority, lpm (longest cached prefix first), or a "
+                        "registered name")
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--prefix-cache", choices=("hash", "radix", "none"), default="hash",
+                   help="the prefix-cache design: hash (vLLM's hash chain, whole blocks), radix (SGLang's radix "
+                        "tree, token by token) or none")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--speculative-config", type=json.loads, default=None, metavar="JSON",
                    help="passed to LLM(speculative_config=...), e.g. "
@@ -107,7 +113,8 @@ def engine_config(args) -> dict:
     cfg = {"block_size": args.block_size, "num_blocks": args.num_blocks, "max_num_seqs": args.max_num_seqs,
            "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
            "backend": args.backend, "scheduling_policy": args.scheduling_policy,
-           "enable_prefix_caching": args.enable_prefix_caching, "seed": args.seed,
+           "enable_prefix_caching": args.enable_prefix_caching and args.prefix_cache != "none",
+           "prefix_cache": None if args.prefix_cache == "none" else args.prefix_cache, "seed": args.seed,
            "async_scheduling": args.async_scheduling}
     if args.speculative_config is not None:
         cfg["speculative_config"] = resolve_draft(args.speculative_config)

@@ -1,9 +1,12 @@
 """The engine's log-probabilities in OpenAI's two shapes.
 
 Each position comes in as ``(token id, TokenLogprobs or None)`` (None: the first prompt token,
-which nothing predicts). A token is shown as its own decoded text (``tokenizer.decode([id])``,
-as vLLM shows it; ``"token_id:<id>"`` without a tokenizer); a logprob below -9999 is sent as
--9999.0 (JSON has no -inf), as vLLM does.
+which nothing predicts). A token is shown by :class:`TokenStrings`: as its own decoded text
+(``tokenizer.decode([id])``, as vLLM shows it: a token that holds a piece of a character shows as
+U+FFFD; ``"token_id:<id>"`` without a tokenizer), and in the chat shape with its own **bytes**, as
+OpenAI means them (joined, a split character's tokens give its UTF-8 back): for a fast tokenizer the
+token's bytes as llguidance reads them from the tokenizer, else the UTF-8 of its text. A logprob
+below -9999 is sent as -9999.0 (JSON has no -inf), as vLLM does.
 
 - ``/v1/completions`` (:func:`completion_logprobs`): ``{"tokens", "token_logprobs",
   "top_logprobs", "text_offset"}``, one entry per token; ``top_logprobs[i]`` is a
@@ -16,25 +19,44 @@ as vLLM shows it; ``"token_id:<id>"`` without a tokenizer); a logprob below -999
 
 from __future__ import annotations
 
+from fleetlab.output.detokenizer import is_fast_tokenizer
+
 MIN_LOGPROB = -9999.0
 
 
-def token_text(tokenizer, token_id: int) -> str:
-    """How a token is shown: its decoded text, or ``token_id:<id>`` without a tokenizer."""
-    if tokenizer is None:
-        return f"token_id:{token_id}"
-    return tokenizer.decode([int(token_id)], skip_special_tokens=False)
+class TokenStrings:
+    """How one server shows tokens: ``text(id)`` and ``bytes(id)`` (see the module docstring).
+
+    ``vocab_size``: the model's (ids past the tokenizer's own decode to nothing)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._read_bytes = None  # built on first use: llguidance reads the whole vocabulary (~0.1 s)
+
+    def text(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([int(token_id)], skip_special_tokens=False)
+
+    def bytes(self, token_id: int) -> list[int]:
+        if self.tokenizer is None or not is_fast_tokenizer(self.tokenizer):
+            return list(self.text(token_id).encode("utf-8"))
+        if self._read_bytes is None:
+            from fleetlab.structured_output.guidance import token_bytes_reader
+
+            self._read_bytes = token_bytes_reader(self.tokenizer, max(self.vocab_size, len(self.tokenizer)))
+        return list(self._read_bytes(token_id))
 
 
 def _value(logprob: float) -> float:
     return max(float(logprob), MIN_LOGPROB)
 
 
-def completion_logprobs(tokenizer, positions: list[tuple], text_offset: int = 0) -> dict:
+def completion_logprobs(tokens: TokenStrings, positions: list[tuple], text_offset: int = 0) -> dict:
     """The ``logprobs`` object of a completion choice (or of one streamed chunk)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, item in positions:
-        text = token_text(tokenizer, token_id)
+        text = tokens.text(token_id)
         out["tokens"].append(text)
         out["text_offset"].append(text_offset)
         text_offset += len(text)
@@ -43,19 +65,18 @@ def completion_logprobs(tokenizer, positions: list[tuple], text_offset: int = 0)
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(_value(item.logprob))
-        top = {token_text(tokenizer, t): _value(v) for t, v in item.top}
+        top = {tokens.text(t): _value(v) for t, v in item.top}
         top.setdefault(text, _value(item.logprob))
         out["top_logprobs"].append(top)
     return out
 
 
-def _entry(tokenizer, token_id: int, logprob: float) -> dict:
-    text = token_text(tokenizer, token_id)
-    return {"token": text, "logprob": _value(logprob), "bytes": list(text.encode("utf-8"))}
+def _entry(tokens: TokenStrings, token_id: int, logprob: float) -> dict:
+    return {"token": tokens.text(token_id), "logprob": _value(logprob), "bytes": tokens.bytes(token_id)}
 
 
-def chat_logprobs(tokenizer, positions: list[tuple]) -> dict:
+def chat_logprobs(tokens: TokenStrings, positions: list[tuple]) -> dict:
     """The ``logprobs`` object of a chat choice (or of one streamed chunk)."""
-    return {"content": [{**_entry(tokenizer, token_id, item.logprob),
-                         "top_logprobs": [_entry(tokenizer, t, v) for t, v in item.top]}
+    return {"content": [{**_entry(tokens, token_id, item.logprob),
+                         "top_logprobs": [_entry(tokens, t, v) for t, v in item.top]}
                         for token_id, item in positions]}

@@ -39,7 +39,9 @@ class ProposerInputBatch:
 
     def __init__(self, batch) -> None:
         missing = [name for name in NAMES.values() if name not in batch.fields]
-        assert not missing, f"register proposer_fields(k) in the batch's field registry first (missing {missing})"
+        if missing:
+            raise ValueError(f"ProposerInputBatch: register proposer_fields(k) in the batch's field registry first "
+                             f"(missing {missing})")
         self.main = batch
 
     def np(self, name: str) -> np.ndarray:

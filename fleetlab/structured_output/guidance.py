@@ -30,7 +30,7 @@ import numpy as np
 
 from fleetlab.engine.structured_outputs_params import StructuredOutputsParams
 from fleetlab.structured_output.backend import CompiledGrammar, GrammarBackend, GrammarError, GrammarMatcher
-from fleetlab.structured_output.vocab_check import check_vocabulary, missing_characters
+from fleetlab.structured_output.vocab_check import NO_OUTPUT, check_vocabulary, missing_characters
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +100,13 @@ def _hf_tokenizer(llg, tokenizer, vocab_size: int):
     return llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=tokenizer.eos_token_id)
 
 
+def token_bytes_reader(tokenizer, vocab_size: int):
+    """``f(token_id) -> bytes``: a fast tokenizer's token as its own bytes (a piece of a character
+    included), as llguidance reads them from the tokenizer's JSON (byte-level, byte fallback...)."""
+    lltok = _hf_tokenizer(_llguidance(), tokenizer, vocab_size)
+    return lambda token_id: lltok.decode_bytes([int(token_id)])
+
+
 class GuidanceMatcher(GrammarMatcher):
     """A request's llguidance ``LLMatcher`` behind fleetlab's matcher interface."""
 
@@ -157,7 +164,8 @@ class GuidanceMatcher(GrammarMatcher):
 
     @property
     def error(self) -> str:
-        return self._m.get_error()
+        message = self._m.get_error()
+        return _one_line(message) if message else ""
 
     def is_terminated(self) -> bool:
         return self._m.is_stopped()
@@ -293,11 +301,20 @@ class GuidanceBackend(GrammarBackend):
                 raise
             except ValueError as exc:  # a parser limit hit while searching: the constraint is refused
                 raise GrammarError(params.kind, f"cannot be served: {exc}") from None
+        elif self._allows_nothing(template):  # a byte-complete vocabulary spells any output: one that has none
+            raise GrammarError(params.kind, NO_OUTPUT)
         t2 = time.perf_counter()
         grammar = CompiledGrammar(key=params.cache_key(), kind=params.kind, compile_time_s=t2 - t0, backend=self,
                                   handle=template, check_time_s=t2 - t1)
         logger.debug("compiled a %s grammar in %.2f ms", params.kind, grammar.compile_time_s * 1e3)
         return grammar
+
+    def _allows_nothing(self, template) -> bool:
+        """Whether a matcher at the grammar's start allows no token at all, EOS included (llguidance
+        finds an unsatisfiable regex or a schema that only refers to itself there, at its first mask)."""
+        row = self.allocate_bitmask(1)
+        GuidanceMatcher(template.deep_copy(), self.vocab_size, self._eos).fill_bitmask(row, 0)
+        return not row.any()
 
     def _matcher(self, params: StructuredOutputsParams, grammar: str):
         m = self._llg.LLMatcher(self._lltok, grammar, log_level=_LOG_LEVEL, limits=self._limits)

@@ -41,6 +41,9 @@ MAX_NODES = 1000
 """Token masks one search may compute before it gives up (about 40 us each here, walking included)."""
 MAX_DEPTH = 128
 """Tokens along one depth-first path before that path is given up as undecided."""
+NO_OUTPUT = ("matches no output at all (an unsatisfiable regex, or a schema no value satisfies, such as a $ref "
+             "that only refers to itself)")
+"""The refusal of a constraint that no text satisfies, whatever the vocabulary."""
 
 
 @dataclass(slots=True)
@@ -165,8 +168,7 @@ def check_vocabulary(backend: GrammarBackend, field_name: str, new_matcher: Call
         lacking |= missing_characters(backend, text)
         shown = f" (an output it allows: {text!r})"
     if not lacking and example.path is None:  # not the vocabulary: nothing at all matches
-        raise GrammarError(field_name, "matches no output at all (an unsatisfiable regex, or a schema no value "
-                                       "satisfies, such as a $ref that only refers to itself)")
+        raise GrammarError(field_name, NO_OUTPUT)
     chars = ", ".join(repr(c) for c in sorted(lacking)) or "(none found)"
     raise GrammarError(field_name, f"cannot be spelled by the model's vocabulary: it has no {chars}{shown}")
 

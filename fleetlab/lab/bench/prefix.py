@@ -17,9 +17,9 @@ preemptions, output tokens per second, median time to first token. Every configu
 warmed up once untimed, then each round runs every configuration once on a fresh ``LLM``
 (building it is not timed) in a rotated order; a figure is the median over rounds.
 
-Also measured: what serving a match that ends inside a block costs either way: recomputing
-the partial block's tokens (page-granular matching, what fleetlab does) against copying the
-block's K/V through every layer (``copy_block_us``, one block, K and V).
+Also measured: what serving a match that ends inside a block costs either way, per token: the
+radix tree copies the matched tokens' K/V (every layer, K and V), the hash chain recomputes them
+in the request's first chunk (:mod:`fleetlab.lab.bench.copy_cost`, both sides alternating).
 
 Results: ``<out>/prefix.json`` (default ``benchmarks/results``).
 
@@ -37,10 +37,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-import paddle
 
 from fleetlab import LLM, SamplingParams
-from fleetlab.kv.paged_cache import PagedKVCache
+from fleetlab.lab.bench.copy_cost import copy_against_recompute
 from fleetlab.lab.bench.machine import MachineRecord, describe
 from fleetlab.lab.bench.progress import add_quiet, section
 from fleetlab.models import tiny
@@ -48,9 +47,9 @@ from fleetlab.models import tiny
 DEFAULT_OUT = Path("benchmarks/results")
 PRESETS = {  # requests per workload, shared prefix length, output tokens, rounds
     "full": dict(num_requests=24, prefix_len=150, question_len=(8, 24), max_tokens=8, turns=4, chats=6,
-                 groups=4, per_group=6, group_pool_blocks=40, rounds=3),
+                 groups=4, per_group=6, group_pool_blocks=40, rounds=3, copy_rounds=200),
     "tiny": dict(num_requests=6, prefix_len=38, question_len=(3, 8), max_tokens=3, turns=2, chats=2,
-                 groups=2, per_group=3, group_pool_blocks=12, rounds=1),
+                 groups=2, per_group=3, group_pool_blocks=12, rounds=1, copy_rounds=5),
 }
 BLOCK_SIZE = 16
 
@@ -97,31 +96,11 @@ def _run(model, workload: str, prompts, p: dict, prefix_cache, policy="fcfs") ->
             "ttft_median_ms": 1e3 * statistics.median(ttft), "tokens": [o.token_ids for o in outs]}
 
 
-def copy_block_us(model, repeats: int = 200) -> float:
-    """Microseconds to copy one block's K and V through every layer of ``model``'s cache."""
-    from fleetlab.patching import patch_model
-
-    handle = patch_model(model)
-    try:
-        cache = PagedKVCache.for_handle(handle, 4, BLOCK_SIZE)
-        src, dst = paddle.to_tensor([1]), paddle.to_tensor([2])
-        def copy():
-            for layer in range(cache.num_layers):
-                for t in (cache.key_cache(layer), cache.value_cache(layer)):
-                    paddle.scatter_(t, dst, paddle.gather(t, src))
-        copy()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            copy()
-        return 1e6 * (time.perf_counter() - start) / repeats
-    finally:
-        handle.unpatch()
-
-
 CONFIGS = [("few_shot", "hash", "fcfs"), ("few_shot", "radix", "fcfs"), ("few_shot", None, "fcfs"),
            ("multi_turn", "hash", "fcfs"), ("multi_turn", "radix", "fcfs"), ("multi_turn", None, "fcfs"),
            ("unrelated", "hash", "fcfs"), ("unrelated", "radix", "fcfs"), ("unrelated", None, "fcfs"),
-           ("groups", "radix", "fcfs"), ("groups", "radix", "lpm")]
+           ("groups", "hash", "fcfs"), ("groups", "hash", "lpm"), ("groups", "radix", "fcfs"),
+           ("groups", "radix", "lpm")]
 
 
 def run_bench(preset: str, rounds: int | None, quiet: bool) -> dict:
@@ -153,9 +132,10 @@ def run_bench(preset: str, rounds: int | None, quiet: bool) -> dict:
         result["runs"][f"{workload}/hash/fcfs"]["same_tokens_as_no_cache"] = \
             runs[f"{workload}/hash/fcfs"][0]["tokens"] == none
     partial = p["prefix_len"] % BLOCK_SIZE
-    result["partial_block"] = {"tokens_recomputed_per_request": partial, "copy_block_us": copy_block_us(model),
-                               "prefill_us_per_token_no_cache": 1e6 * runs["few_shot/None/fcfs"][0]["seconds"]
-                               / runs["few_shot/None/fcfs"][0]["prompt_tokens"]}
+    with section("prefix: copy against recompute", 1, quiet=quiet) as bar:
+        result["partial_block"] = {"tokens_per_request": partial, **copy_against_recompute(
+            model, k=partial, context=p["prefix_len"] - partial, block_size=BLOCK_SIZE, rounds=p["copy_rounds"])}
+        bar.update(1)
     result["machine"] = machine.close()
     return result
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure  # a bare Figure, not pyplot: no global backend switch, nothing left open
 
-from fleetlab.engine.hooks import PHASES
+from fleetlab.engine.hooks import STEP_PHASES
 
 # The parts of an engine step that ``StepTrace.timings`` records (plus "other", the rest).
-STEP_KEYS = PHASES
+STEP_KEYS = STEP_PHASES
 
 
 def headline_table(result: dict) -> str:

@@ -29,7 +29,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
-from fleetlab.engine.hooks import PHASES
+from fleetlab.engine.hooks import STEP_PHASES
 from fleetlab.lab.viz._style import (
     ALERT_COLOR,
     EDGE_COLOR,
@@ -324,7 +324,7 @@ def draw_step_tokens(traces: Sequence, *, budget: int | None = None, upto: int |
 
 
 # The parts of a step in the order they run (keys of ``StepTrace.timings``).
-TIMING_PARTS = PHASES
+TIMING_PARTS = STEP_PHASES
 
 
 def draw_step_timings(traces: Sequence, *, ax=None, title: str | None = None):

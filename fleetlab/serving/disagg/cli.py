@@ -108,6 +108,25 @@ def _wait_healthy(url: str, watch, timeout: float = 180.0) -> bool:
     return False
 
 
+def _proxy_options(ap) -> None:
+    ap.add_argument("--host", default="127.0.0.1", help="the proxy's address (the client's one address)")
+    ap.add_argument("--port", type=int, default=8000, help="the proxy's port (0: any free port)")
+
+
+def build_parser():
+    """What ``disagg --help`` prints: the proxy's options, then ``serve``'s, which go to both
+    engines (their own ``--host``/``--port``/``--kv-role`` are set here)."""
+    import argparse
+
+    from fleetlab.serving.cli import build_parser as serve_parser
+
+    ap = argparse.ArgumentParser(prog="python -m fleetlab disagg", description=__doc__, parents=[serve_parser()],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, conflict_handler="resolve")
+    _proxy_options(ap)
+    ap.add_argument("--kv-role", help=argparse.SUPPRESS)
+    return ap
+
+
 def main(argv=None) -> int:
     """``python -m fleetlab disagg [serve options]``: both roles in one ``paddle.distributed.launch``
     job behind the proxy."""
@@ -120,12 +139,11 @@ def main(argv=None) -> int:
     from fleetlab.serving.listen import bind
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__)
+    if "-h" in argv or "--help" in argv:
+        build_parser().print_help()
         return 0
     ap = argparse.ArgumentParser(add_help=False)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    _proxy_options(ap)
     ours, rest = ap.parse_known_args(argv)
     try:
         sock = bind(ours.host, ours.port)
