@@ -100,6 +100,8 @@ def read_llama(directory: Path):
         if tuple(array.shape) != tuple(expected[key].shape):
             raise RuntimeError(f"read_llama: {key} has shape {array.shape}, model wants {expected[key].shape}")
         state[key] = np.ascontiguousarray(array)
+    if config.tie_word_embeddings:  # the same tensor: given, so Paddle does not warn that it is missing
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.set_state_dict(state)
     model.eval()
     return model
