@@ -29,6 +29,12 @@ batch until its K/V arrive)    ``finished_recving``
                                load_errors`` (failed loads are recomputed)  recomputed
 =============================  ===========================================  ==========================================
 
+If a step fails anywhere (the connector itself, the runner, another extension), the engine rolls
+the whole step back and calls :meth:`KVConnector.rollback` with its plan: a connector forgets
+what it recorded while planning it. Whatever a scheduler-side call returns is checked where the
+scheduler receives it (``checked_*`` below); an exception it raises comes out as
+:class:`~fleetlab.errors.ExtensionError` naming the connector and the method.
+
 This base class is itself the *null connector*: every call does nothing, so an engine with no
 ``kv_transfer_config`` runs exactly as before, through the same calls (no ``if`` anywhere in
 the core). vLLM builds two instances, one per side (role SCHEDULER / WORKER); fleetlab's

@@ -78,7 +78,7 @@ class OutputProcessor:
         if out.finished or stream.stopped:
             out.new_text += stream.finish()
         out.text = stream.text[:stream.sent]
-        if not stream.stopped:
+        if not stream.stopped or out.finish_reason in ("abort", "error"):  # an abort or an error stays what it is
             return False
         drop = len(out.token_ids) - stream.num_kept_tokens
         if drop:
