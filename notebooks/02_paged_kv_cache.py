@@ -326,13 +326,17 @@ for design in ("hash", "radix"):
 # every such case to the model's own full forward, under chunking, preemption, `n > 1`,
 # speculation and the overlapped loop).
 #
+# The copy happens inside the step: each layer writes the step's K/V, then applies the step's
+# copies, then attends. So requests admitted *together* copy from each other too: a block one
+# of them fills in this very step lends its head to the next, as a full block is shared whole
+# in the same step.
+#
 # **Where the two are equal**: a shared prefix that ends on a block boundary; prompts that
-# share nothing; and requests admitted in the *same* step: a block registered in the step
-# being planned is written by that step's forward, after the step's copies, so it is shared
-# whole or not at all. And the copy is not free: two indexed operations per layer and per
-# tensor (K, V), whatever the number of tokens. On this CPU with the tiny model, a copied
-# token cost about what a recomputed one does (README "Prefix caching" gives both, measured
-# side by side); the copy saves work that grows with the model, the copy's cost does not.
+# share nothing; the first request of a group (there is nothing to copy from yet). And the
+# copy is not free: two indexed operations per layer and per tensor (K, V), whatever the
+# number of tokens. On this CPU with the tiny model, a copied token cost about what a
+# recomputed one does (README "Prefix caching" gives both, measured side by side); the copy
+# saves work that grows with the model, the copy's cost does not.
 #
 # The tree's pieces, from `fleetlab/prefix_cache/radix.py`: `cache_blocks` walks the tree and
 # hangs new pages where the walk stops, `_split` cuts an edge in two, and `evict` gives back
@@ -349,7 +353,7 @@ display(viz.show_source(RadixCache._split, body_only=True), viz.show_source(Radi
 # **Where each design wins**, measured side by side in one run (`python -m fleetlab bench
 # prefix`, stored in `benchmarks/results/prefix.json`): on few-shot prompts sharing a prefix
 # of 150 tokens (9 blocks and 6 tokens) the radix tree computes fewer prompt tokens than the
-# hash chain (the requests admitted after the first batch copy the prefix's last 6 tokens),
+# hash chain (every request after the first copies the prefix's last 6 tokens),
 # on multi-turn chats too (each turn copies the last turn's tail page), and on unrelated
 # prompts neither helps (their throughputs, below, were timed on a shared machine: README
 # gives its load). What moves the numbers most is the **scheduler**: with groups of requests

@@ -163,7 +163,8 @@ assert len(system) == 10 and b[:10] == a[:10] and b[10] != a[10] and b_blocks[:2
 # the pool's code beside the pictures: allocate_slots touches the hits before it allocates, then registers; free walks
 # the table backwards; allocate pops the least recently freed block and evicts it only then
 slots_text = str(allocate_slots_source)
-assert slots_text.index("self.pool.touch([*hits, *pinned])") < slots_text.index("self.pool.allocate(num_new_blocks)") < \
+assert slots_text.index("self.pool.touch([*hits, *pinned])") < \
+    slots_text.index("self.pool.allocate(num_new_blocks)") < \
     slots_text.index("self._cache_known_blocks(") and "return None" in slots_text
 assert "for block_id in reversed(ids):" in str(free_source)
 _alloc = str(allocate_source)
@@ -173,7 +174,8 @@ assert _alloc.index("self._free.popitem(last=False)") < _alloc.index("self.prefi
 assert [len(trees["radix", rid]) for rid in "pqr"] == [1, 3, 5]
 assert [n.block_ids for n in trees["radix", "q"]][0] == (0, 1, 2, 3)
 assert [n.block_ids for n in trees["radix", "r"]][0] == (0, 1)
-# "The radix tree holds two blocks more: the tail pages of p and q ... (p's edge ends in one of 3 tokens, q's in one of 2)"
+# "The radix tree holds two blocks more: the tail pages of p and q ... (p's edge ends in one of 3 tokens, q's in
+# one of 2)"
 assert len(trees["hash", "r"]) == sum(len(n.block_ids) for n in trees["radix", "r"]) - 2
 assert sorted(len(n.token_ids) % 4 for n in trees["radix", "r"] if len(n.token_ids) % 4) == [2, 3]
 assert all(n.held for n in trees["radix", "r"] if n.block_ids[0] in (0, 12))

@@ -129,7 +129,7 @@ def test_the_source_stays_pinned_until_the_step_that_copies_commits():
     admitted(kv, a)
     src = kv.get_block_ids("a")[1]
     hits, n = kv.get_computed_blocks(request("probe", [1, 2, 3, 4, 5, 6, 0, 0]))
-    assert n == 4 and hits.copy_from is None  # [5 6 7 8] is written by the step being planned: after its copies
+    assert n == 6 and hits.copy_from == src  # [5 6 7 8] is written by the step being planned: before its copies
     kv.commit_step()
     kv.free(a)
     b = request("b", [1, 2, 3, 4, 5, 6, 0, 0])
@@ -145,6 +145,26 @@ def test_the_source_stays_pinned_until_the_step_that_copies_commits():
     kv.commit_step()  # the step ran: the source is let go
     assert kv.pool.ref_count(src) == 0 and kv.pool.is_cached(src)
     check_kv_manager(kv, ["b"])
+
+
+def test_a_block_a_planned_copy_writes_into_lends_nothing():
+    kv = KVCacheManager(BlockPool(16, 4, RadixCache(4)))
+    a = request("a", range(1, 11))
+    admitted(kv, a)
+    kv.commit_step()
+    kv.free(a)
+    p1 = kv.prefix_cache.lookup([1, 2, 3, 4, 5, 6, 7, 8, 0])[1]
+    b = request("b", [1, 2, 3, 4, 5, 6, 0, 0, 0])  # copies [5 6] of p1 into its block D, fills D: [5 6 0 0]
+    hits, _ = admitted(kv, b)
+    dst = kv.get_block_ids("b")[1]
+    assert hits.copy_from == p1 and kv.pool.is_cached(dst)
+    # c matches 3 tokens of D but D's head is copied only as the step runs: c takes 2 of p1
+    hits, n = kv.get_computed_blocks(request("c", [1, 2, 3, 4, 5, 6, 0, 9, 9]))
+    assert (hits.copy_from, hits.num_copy_tokens, n) == (p1, 2, 6)
+    kv.take_copies(["b"])
+    kv.commit_step()  # b's copy ran: D lends its head now
+    hits, n = kv.get_computed_blocks(request("c", [1, 2, 3, 4, 5, 6, 0, 9, 9]))
+    assert (hits.copy_from, hits.num_copy_tokens, n) == (dst, 3, 7)
 
 
 def test_a_request_freed_before_its_copy_lets_the_source_go():
@@ -264,6 +284,17 @@ def test_kv_connectors(fleet_model, shared, connector, tmp_path):
         assert got == want and copies
 
 
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_requests_admitted_together_copy_from_each_other(fleet_model, shared, overlapped):
+    """All admitted in one step: a block one of them fills this step lends its head to the others
+    (each layer copies after it writes), as a full block is shared whole."""
+    prompts, want = shared
+    got, computed, rate, copies = run(fleet_model, prompts, "radix", block_size=4, async_scheduling=overlapped)
+    got_h, computed_h, rate_h, _ = run(fleet_model, prompts, "hash", block_size=4, async_scheduling=overlapped)
+    assert got == got_h == want
+    assert copies and computed == computed_h - sum(c.num_tokens for c in copies) and rate > rate_h
+
+
 def test_the_issues_case_a_49_token_prefix_at_block_size_16(fleet_model):
     """A 49-token shared prefix, block size 16: the hash chain recomputes the prefix's last token of
     every request after the first; the radix tree copies it."""
@@ -303,15 +334,15 @@ def test_a_step_that_fails_after_its_copies_is_redone_with_them(fleet_model, sha
     sources still pinned) and the retried step gives the full forward's tokens."""
     prompts, want = shared
     with LLM(fleet_model, prefix_cache="radix", block_size=4, max_num_seqs=2, async_scheduling=overlapped) as llm:
-        copy, failures = llm.kv_cache.copy_blocks, []
+        apply, failures, last = llm.kv_cache.apply_copies, [], llm.kv_cache.num_layers - 1
 
-        def copy_then_fail(copies):
-            copy(copies)
-            if copies and len(failures) < 2:
-                failures.append([c.req_id for c in copies])
+        def copy_then_fail(layer_id, plan):
+            apply(layer_id, plan)
+            if plan is not None and layer_id == last and len(failures) < 2:
+                failures.append([c.req_id for c in plan.copies])
                 raise RuntimeError("injected: the forward after the copies failed")
 
-        llm.kv_cache.copy_blocks = copy_then_fail
+        llm.kv_cache.apply_copies = copy_then_fail
         ids = [llm.add_request(prompt_token_ids=p, sampling_params=GREEDY) for p in prompts]
         done = {}
         while llm.has_unfinished_requests():

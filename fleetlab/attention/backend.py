@@ -60,10 +60,12 @@ class AttentionBackend:
                 sinks: paddle.Tensor | None = None) -> paddle.Tensor:
         """Store this step's K/V in the cache, then attend over it (every layer writes before it
         reads, so a row can read a block another row of the same step fills). A KV connector's
-        loads for the layer land first; its save of the layer follows the write."""
+        loads for the layer land first; the step's copies of partial prefix hits follow the write,
+        and the connector's save of the layer follows them."""
         connector = current_kv_connector()
         connector.wait_for_layer_load(layer_id)
         kv_cache.write(layer_id, key, value, metadata.slot_mapping, metadata.slot_index)
+        kv_cache.apply_copies(layer_id, metadata.kv_copies)
         connector.save_kv_layer(layer_id, kv_cache, metadata)
         out = self.attend(query, kv_cache.key_cache(layer_id), kv_cache.value_cache(layer_id), metadata,
                           layer_id=layer_id, scale=scale, sliding_window=sliding_window, sinks=sinks)

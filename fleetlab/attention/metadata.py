@@ -39,6 +39,9 @@ class AttentionMetadata:
     ``batch``: the engine's ``InputBatch`` when built :meth:`from_batch` (row ``i`` of the
     metadata is its row ``i``), so a backend can read any per-request field (its own
     prototype fields too); None otherwise.
+    ``kv_copies``: the step's copies of partial prefix-cache hits (a :class:`~fleetlab.kv.copies.CopyPlan`,
+    or None), applied by each layer right after it writes the step's K/V
+    (:meth:`fleetlab.PagedKVCache.apply_copies`), so a block the same step fills can be copied from.
     """
 
     positions: paddle.Tensor
@@ -58,6 +61,7 @@ class AttentionMetadata:
     token_rows_host: np.ndarray | None = None
     block_tables_host: np.ndarray | None = None
     slot_index: tuple | None = None
+    kv_copies: object = None  # the step's partial prefix hits (a kv.copies.CopyPlan), copied after each layer's write
 
     def extend(self, cls, **extra):
         """This metadata as an instance of ``cls`` (a dataclass subclass of this class), with

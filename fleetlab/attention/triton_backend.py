@@ -102,6 +102,7 @@ class TritonBackend(AttentionBackend):
         connector = current_kv_connector()  # GPU path: written, unrun here (no Paddle GPU)
         connector.wait_for_layer_load(layer_id)
         plan.store_kv(key.contiguous(), value.contiguous(), key_cache, value_cache)
+        kv_cache.apply_copies(layer_id, metadata.kv_copies)  # (after the write, as in AttentionBackend.forward)
         connector.save_kv_layer(layer_id, kv_cache, metadata)
         return plan.run(query, key_cache, value_cache, scale=scale, sinks=sinks)
 

@@ -125,6 +125,7 @@ class ModelRunner:
             out = self.update_batch(so)
         with self.hooks.phase("metadata"):
             inputs = self.prepare_inputs()
+            inputs.metadata.kv_copies = self.kv_cache.copy_plan(so.kv_copies)  # each layer copies after its write
             sampling = self.sampling_tensors(inputs)
         return PreparedStep(so, out, inputs, sampling, self._placeholder_slots(inputs))
 
@@ -134,9 +135,8 @@ class ModelRunner:
         :mod:`fleetlab.overlap.frozen`) and the KV cache."""
         phase, so, out = self.hooks.phase, p.so, p.out
         with phase("forward"):
-            self.copy_blocks(so.kv_copies)
             self.kv_connector.start_load_kv(so.kv_connector_metadata, self.kv_cache)
-            logits = self.forward(p.inputs)  # each attention layer: wait_for_layer_load, write, save_kv_layer
+            logits = self.forward(p.inputs)  # each attention layer: wait_for_layer_load, write, copies, save_kv_layer
             self.kv_connector.wait_for_save()
             out.finished_sending, out.kv_load_failed_block_ids = checked_finished(
                 self.kv_connector, connector_call(self.kv_connector, "get_finished", so.finished_req_ids),
@@ -145,17 +145,10 @@ class ModelRunner:
             self.sample(logits, p.inputs, out, p.sampling)
         if self.proposer is not None:
             with phase("propose"):
+                self.proposer.set_copies(so.kv_copies)  # its own cache shares the block ids: same copies
                 drafts = self.proposer.propose(self.batch, out.sampled_token_ids)
                 out.spec_token_ids = check_drafts(self.proposer, drafts, self.batch.req_ids, self.handle.vocab_size)
         return out
-
-    def copy_blocks(self, copies) -> None:
-        """The step's copies of partial prefix-cache hits (:mod:`fleetlab.kv.copies`), into every
-        paged cache addressed by the step's block ids (the proposer's too), before anything reads them."""
-        if copies:
-            self.kv_cache.copy_blocks(copies)
-            if self.proposer is not None:
-                self.proposer.copy_blocks(copies)
 
     def reset(self) -> None:
         """Drop every row (and the proposer's state): the scheduler will resend them in full."""

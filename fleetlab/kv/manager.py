@@ -24,9 +24,9 @@ radix tree's) is served by a copy: ``get_computed_blocks`` returns the whole-blo
 block to copy from (:class:`ComputedBlocks`), ``allocate_slots`` pins that block (a reference,
 so no allocation can reuse it) and plans a :class:`~fleetlab.kv.copies.BlockCopy` of its head into
 the request's first new block; :meth:`KVCacheManager.take_copies` hands the copy to the first
-step that schedules the request (the runner copies before that step's forward), and the pin is
-released when that step commits. A block registered in the step being planned is never a source:
-its K/V are written by that step's forward, after the copy.
+step that schedules the request (each layer of that step's forward copies right after writing the step's K/V, so a
+block the same step fills can lend its head, as it can be shared whole), and the pin is released
+when that step commits. A block that a planned copy writes into is never a source.
 """
 
 from __future__ import annotations
@@ -114,10 +114,11 @@ class KVCacheManager:
         tokens = request.all_token_ids[: request.num_cacheable_tokens]
         hits = checked_hits(self.prefix_cache, cache_call(self.prefix_cache, "lookup", tokens, record_stats=False),
                             len(tokens), self.pool.num_blocks)
-        # Blocks registered in the step being planned are written by its forward, after its copies.
-        unwritten = {b for r in self._step_logs[-1].registrations.values() for b in r.block_ids}
+        # A step's copies are applied together (each reads its source as the layer's write left it):
+        # a block that a copy not yet applied writes into cannot lend its head.
+        copying = {c.dst_block for c in self._pending_copies.values()}
         partial = check_partial_hit(self.prefix_cache, cache_call(self.prefix_cache, "lookup_partial", tokens,
-                                                                  len(hits), unwritten), tokens, len(hits), unwritten)
+                                                                  len(hits), copying), tokens, len(hits), copying)
         if partial is None:
             return ComputedBlocks(hits), len(hits) * self.block_size
         return ComputedBlocks(hits, *partial), len(hits) * self.block_size + partial[1]

@@ -17,7 +17,7 @@ import numpy as np
 import paddle
 
 from fleetlab.device import upload
-from fleetlab.kv.copies import copy_slots
+from fleetlab.kv.copies import CopyPlan, copy_slots
 
 logger = logging.getLogger(__name__)
 
@@ -153,19 +153,29 @@ class PagedKVCache:
             rows = paddle.concat([new.astype(self.dtype), cache[:1, 0]])
             paddle.index_put_(cache, (block, offset), gather_rows(rows, source))
 
-    def copy_blocks(self, copies) -> None:
-        """Apply a step's :class:`~fleetlab.kv.copies.BlockCopy` s to the K and V of every layer, in
-        order: slots ``[0, num_tokens)`` of each ``src_block`` to the same slots of its ``dst_block``
-        (a prefix-cache match that ends inside a block). Two indexed ops per tensor, whatever the
-        number of copies; with tensor parallelism each rank copies its own heads."""
+    def copy_plan(self, copies) -> CopyPlan | None:
+        """A step's :class:`~fleetlab.kv.copies.BlockCopy` s as device indices (None for none): slots
+        ``[0, num_tokens)`` of each ``src_block`` to the same slots of its ``dst_block``, in order."""
         if not copies:
-            return
+            return None
         src, dst = copy_slots(copies, self.block_size)
         bs = self.block_size
-        read = upload(np.stack([src // bs, src % bs], axis=1))
-        block, offset = upload(dst // bs), upload(dst % bs)
-        for cache in (*self._k, *self._v):
-            paddle.index_put_(cache, (block, offset), _gather_slots(cache, read))
+        return CopyPlan(upload(np.stack([src // bs, src % bs], axis=1)), upload(dst // bs), upload(dst % bs),
+                        tuple(copies))
+
+    def apply_copies(self, layer_id: int, plan: CopyPlan | None) -> None:
+        """Apply ``plan`` to layer ``layer_id``'s K and V: one gather and one indexed write each
+        (a copy reads its source as it is now: after the layer's write, in the engine's step)."""
+        if plan is not None:
+            for cache in (self._k[layer_id], self._v[layer_id]):
+                paddle.index_put_(cache, (plan.block, plan.offset), _gather_slots(cache, plan.read))
+
+    def copy_blocks(self, copies) -> None:
+        """Apply ``copies`` to every layer at once (outside a step: tests, benchmarks, a notebook);
+        with tensor parallelism each rank copies its own heads."""
+        plan = self.copy_plan(copies)
+        for layer_id in range(self.num_layers):
+            self.apply_copies(layer_id, plan)
 
     def _check_layer(self, layer_id) -> int:
         if not (hasattr(layer_id, "__index__") and 0 <= operator.index(layer_id) < self.num_layers):

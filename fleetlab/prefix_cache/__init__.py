@@ -86,8 +86,8 @@ class PrefixCache:
                        exclude: Collection[int] = ()) -> tuple[int, int] | None:
         """A cached block whose first tokens continue the match past the ``num_hit_blocks`` blocks
         :meth:`lookup` found: ``(block_id, num_tokens)``, ``0 < num_tokens < block_size``, the
-        match never reaching the prompt's last token; never a block in ``exclude`` (its K/V are
-        not written yet); None when no block does (the default: a design that shares whole pages
+        match never reaching the prompt's last token; never a block in ``exclude`` (a copy of this
+        step writes into it); None when no block does (the default: a design that shares whole pages
         only). Takes no references, counts nothing."""
         return None
 
@@ -218,8 +218,8 @@ def check_partial_hit(cache: PrefixCache, hit, token_ids: Sequence[int], num_hit
     if num_tokens is None or not 0 < num_tokens <= limit or not cache.is_cached(block_id):
         raise bad_return(KIND, cache, "lookup_partial", hit, rule)
     if block_id in exclude:
-        raise bad_return(KIND, cache, "lookup_partial", hit, "that block was excluded: its K/V are written by the "
-                         "step being planned, after the step's copies")
+        raise bad_return(KIND, cache, "lookup_partial", hit, "that block was excluded: a copy planned in this step "
+                         "writes into it")
     return block_id, num_tokens
 
 

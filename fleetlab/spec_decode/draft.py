@@ -57,13 +57,15 @@ class DraftModelProposer(Proposer):
         self.fields = proposer_fields(self.num_speculative_tokens)  # registered on the main batch
         self.num_lookahead_tokens = self.num_speculative_tokens  # its drafts' K/V slots past a row's last token
         self.batch: ProposerInputBatch | None = None
+        self._copies = None  # the step's CopyPlan, for its first forward
 
     def bind(self, batch) -> None:
         self.batch = ProposerInputBatch(batch)
 
-    def copy_blocks(self, copies) -> None:
-        """A partial prefix hit's copy, in the draft's cache too (it shares the target's block ids)."""
-        self.kv_cache.copy_blocks(copies)
+    def set_copies(self, copies) -> None:
+        """The step's partial prefix hits, copied in the draft's cache too (it shares the target's block
+        ids) by the catch-up forward's layers, each after its write (a source the step fills is written then)."""
+        self._copies = self.kv_cache.copy_plan(copies)
 
     def close(self) -> None:
         """Undo the patch this proposer applied to the draft model."""
@@ -116,6 +118,7 @@ class DraftModelProposer(Proposer):
         device_tables = batch.dev("block_table") if len(rows) == batch.num_reqs else None  # all rows: the mirror
         md = AttentionMetadata.build(query_lens, num_computed, batch.block_table[rows], self.context.block_size,
                                      self.context.decode_threshold, block_tables_device=device_tables)
+        md.kv_copies, self._copies = self._copies, None  # the catch-up applies the step's copies
         last = upload(md.cu_seqlens_q_host[1:][scored].astype(np.int64) - 1)
         with paddle.no_grad(), forward_context(md, self.kv_cache):
             return self.handle.compute_logits(input_ids.astype("int64"), md.positions.reshape([1, -1]), last)

@@ -68,9 +68,10 @@ class Proposer:
                           batch.max_tokens[:n] - (num_tokens - batch.num_prompt_tokens[:n]) - 1)
         return np.where(gained > 0, np.clip(room, 0, self.num_speculative_tokens), 0)
 
-    def copy_blocks(self, copies) -> None:
-        """Apply the step's :class:`~fleetlab.kv.copies.BlockCopy` s (partial prefix-cache hits) to a
-        paged cache of the proposer's own, before the step's forward; default: it has none."""
+    def set_copies(self, copies) -> None:
+        """The step's :class:`~fleetlab.kv.copies.BlockCopy` s (partial prefix-cache hits), given just
+        before :meth:`propose`: a proposer with a paged cache of its own applies them in its next
+        forward, each layer after its write (the draft model's catch-up); default: it has none."""
 
     def reset(self) -> None:
         """Forget per-request state (the runner was reset after a failed step)."""
