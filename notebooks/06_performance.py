@@ -307,11 +307,15 @@ for r in prefill_rows:
 # %% [markdown]
 # On one long prompt (1 × 8k) it comes within a tenth of cuDNN, the fastest SDPA backend on
 # contiguous K/V (0.92x); a chunk after 8k cached tokens beats every SDPA backend (1.5x, cuDNN
-# needs an explicit mask there). Many shorter prompts (8 × 2k, 32 × 512) stay at 0.70-0.71x:
-# each work item then holds few K/V tiles, and the start and end of every item (its first
-# `S` without overlap, its last `P V`, the output store) are not hidden. Other head layouts
-# land between: 0.84-0.92x at head dim 64 and 128, 0.74x at head dim 256. The earlier portable
-# kernels (`before` in the JSON, commit 3d58b26) ran the three causal shapes at 0.58-0.61x.
+# needs an explicit mask there). Many shorter prompts (8 × 2k, 32 × 512) stay at 0.70-0.71x.
+# Hiding each item's start and end did not help them: issuing the next item's first `S` under
+# this item's last `P V`, and FA3's ping-pong of the two consumers, were each measured slower
+# on an H100 (README, issue #49). The profile of 32 × 512 says why: it is bound by memory, not
+# the tensor cores. The walk takes the longest tiles first across every (row, KV head) pair,
+# so each round re-reads all their K/V, more than the L2 holds, and DRAM moves 2.2 times the
+# bytes the shape needs. Other head layouts land between: 0.84-0.92x at head dim 64 and 128,
+# 0.74x at head dim 256. The earlier portable kernels (`before` in the JSON, commit 3d58b26)
+# ran the three causal shapes at 0.58-0.61x.
 
 # %% [markdown]
 # ## 5. How often a step waits for the device

@@ -352,8 +352,8 @@ print("restarted engine TTFT median:", {k: round(v, 1) for k, v in restart.items
 # to. Once every layer is in hand the link thread completes the request's future; at the next
 # step the scheduler lets the request join the batch, each layer's K/V is written into its
 # blocks right before that layer attends, and the decode side computes the last prompt token
-# and samples the first output token itself. Running two ranks inside a notebook is too slow,
-# so here is the drawing and the code:
+# and samples the first output token itself. Section 10 runs such a pair from a cell; first the
+# drawing and the code:
 
 # %%
 fig_handshake = kvviz.draw_handshake(model.config.num_layers)
@@ -373,14 +373,17 @@ show_source(PaddleDistributedConnector.save_kv_layer)
 #
 # From `benchmarks/results/kv.json` (`python -m fleetlab bench kv`, this 2-core machine, the
 # tiny model above). Bytes moved per token match `2 × layers × kv_heads × head_dim × dtype
-# bytes` exactly (only K/V crosses; the wire adds a small header per layer). On the mixed
-# workload (200-token prompts arriving while short requests decode) the pair's inter-token
-# latency is *lower* than one engine's with chunked prefill, at the median and at p99: a long
-# prompt waits for its K/V outside the decode rank's batch, so no decode step carries a prompt
-# chunk. The long prompts' time to first token is *worse* on the pair: the prefill rank runs
-# them one handshake after another, the K/V crosses, and only then does the decode side take
-# its first step. Both ranks share two cores with the rest of the machine; the gains reported
-# for separating the phases (DistServe, Splitwise) come with each side on devices of its own.
+# bytes` exactly (only K/V crosses; the wire adds a small header per layer). The mixed workload
+# (200-token prompts arriving while short requests decode) ran three times, the pair and one
+# engine (chunked prefill, 64 tokens a step) in turn inside each run; the bars are the medians of
+# the three runs and the lines their spread. The pair's decode inter-token latency is lower than
+# one engine's, at the median and at p99: a long prompt waits for its K/V outside the decode
+# rank's batch, so no decode step carries a prompt chunk. The long prompts' time to first token
+# is lower on the pair too: the prefill rank runs each prompt in one step of up to 512 tokens,
+# where one engine runs it in four chunks of 60, each a step beside the decodes; the K/V's
+# crossing and the decode rank's next step cost less than the three steps saved. Both ranks
+# share two cores with the rest of the machine; the gains reported for separating the phases
+# (DistServe, Splitwise) come with each side on devices of its own.
 # %%
 show_source(KVCacheSpec.bytes_per_block.fget)
 
@@ -389,32 +392,44 @@ pd = kv_results["paddle_distributed"]
 spec = KVCacheSpec(model.config.num_layers, BS, model.config.num_kv_heads,
                                         model.config.head_dim, "float32")
 formula = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4
-mixed = pd["mixed"]
-fig_bench = Figure(figsize=(10, 3), layout="constrained")
-ax1, ax2 = fig_bench.subplots(1, 2, width_ratios=[1, 2])
+mixed, spread = pd["mixed"], pd["mixed_spread"]
+fig_bench = Figure(figsize=(11, 3), layout="constrained")
+ax1, ax2, ax3 = fig_bench.subplots(1, 3, width_ratios=[1, 2, 1.3])
 ax1.bar(["measured", "2·L·H·D·4"], [pd["bytes_per_token"], formula], color=["tab:blue", "0.6"], gid="bytes")
 ax1.set_ylabel("bytes moved per token")
+setups = ("one engine", "pair")
+
+
+def bars_with_spread(ax, x, figure, **kw):
+    med = [spread[n][figure][0] for n in setups]
+    err = [[med[i] - spread[n][figure][1] for i, n in enumerate(setups)],
+           [spread[n][figure][2] - med[i] for i, n in enumerate(setups)]]
+    return ax.bar(x, med, yerr=err, capsize=3, **kw)
+
+
 for i, q in enumerate(("itl_p50_ms", "itl_p99_ms")):
-    ax2.bar([j + 0.38 * i for j in range(2)], [mixed[n][q] for n in ("one engine", "pair")], 0.36,
-            label=q.split("_")[1], gid=f"itl:{q}")
+    bars_with_spread(ax2, [j + 0.38 * i for j in range(2)], q, width=0.36, label=q.split("_")[1], gid=f"itl:{q}")
 ax2.set_xticks([0.19, 1.19], ["one engine (chunked prefill)", "prefill + decode pair"])
 ax2.set_ylabel("decode inter-token latency (ms)")
 ax2.legend(fontsize=8)
-print(f"bytes/token {pd['bytes_per_token']} vs formula {formula}; ITL", {n: (round(mixed[n]['itl_p50_ms'], 1),
-      round(mixed[n]['itl_p99_ms'], 1)) for n in ("one engine", "pair")}, "| same tokens:", mixed["identical_tokens"])
+bars_with_spread(ax3, [0, 1], "long_ttft_median_ms", color=["tab:gray", "tab:green"], gid="ttft")
+ax3.set_xticks([0, 1], ["one engine", "pair"])
+ax3.set_ylabel("long-prompt TTFT median (ms)")
+print(f"bytes/token {pd['bytes_per_token']} vs formula {formula}; medians of {len(pd['mixed_runs'])} runs:",
+      {n: {k: round(spread[n][k][0], 1) for k in spread[n]} for n in setups},
+      "| pair / one engine:", {k: round(v, 2) for k, v in spread["pair_over_one_engine"].items()},
+      "| same tokens:", all(r["identical_tokens"] for r in pd["mixed_runs"]))
 fig_bench
 
 # %% [markdown]
-# The same run, step by step, from each engine's own clock (a `StepClock` observer in
+# The middle run, step by step, from each engine's own clock (a `StepClock` observer in
 # `fleetlab/serving/disagg/mixed.py`; both ranks read one machine's monotonic clock). On one
 # engine, every long prompt that arrives (▼) turns the next steps orange: they run up to 60
-# prompt tokens beside the four decode rows, and each takes as long as a few decode-only steps
-# (the medians are printed below the figure), so the short requests' next tokens wait. On the
-# pair those orange steps run on the prefill rank; the decode rank only ever runs decode rows
-# (its hatched steps ran while some request, short or long, waited there for its K/V), and a
-# long prompt's first token (★) comes later than on one engine: a long prompt comes every eight
-# decode steps, so sooner on the pair, whose steps are shorter, and each waits on the prefill
-# rank for the one before it.
+# prompt tokens beside the four decode rows, and each takes longer than a decode-only step (the
+# medians are printed below the figure), so the short requests' next tokens wait. On the
+# pair the prompts run on the prefill rank, one step each; the decode rank only ever runs decode
+# rows (its hatched steps ran while some request, short or long, waited there for its K/V), and
+# a long prompt's first token (★) comes with the decode rank's first step after its K/V is in.
 
 # %%
 fig_timelines = kvviz.draw_timelines(mixed["timeline"])
@@ -430,6 +445,75 @@ step_ms = {lane: {kind: median_step_ms(run, kind == "prompt") for kind in ("prom
 print("median step (ms):", {lane: {k: round(v, 1) for k, v in d.items()} for lane, d in step_ms.items()},
       "| long-prompt TTFT median (ms):", {n: round(mixed[n]["long_ttft_median_ms"]) for n in ("one engine", "pair")})
 fig_timelines
+
+# %% [markdown]
+#
+# %% [markdown]
+# ## 10. A pair, live from this cell
+#
+# The cell starts `fleetlab.serving.disagg.mixed` on 2 ranks through Paddle's launcher, as
+# notebook 09 starts its tensor-parallel ranks (the command is printed below): the tiny Llama, 4
+# short requests decoding, 4 long prompts of 120 tokens arriving one every 8 decode steps. Rank 0
+# serves it as the pair's decode rank, then as one engine alone with chunked prefill (32 tokens a
+# step); rank 1 is the prefill rank. Between two of its steps the prefill rank polls the decode rank for the
+# handshakes queued meanwhile and takes them all (`fleetlab.serving.disagg.prefill.serve`), so
+# prompts that arrive close together share its steps.
+
+# %%
+from fleetlab.distributed.launch import launch, launch_command, shell_line
+from fleetlab.serving.disagg.mixed import collect
+
+live_args = ["fleetlab.serving.disagg.mixed", "--model-overrides", "{}", "--long-len", "120", "--budget", "32",
+             "--short-tokens", "16"]
+live_dir = Path(tempfile.mkdtemp(prefix="fleetlab-13-"))
+print(shell_line(launch_command(live_args, 2, live_dir / "logs")))
+live_run = launch(live_args, 2, log_dir=live_dir / "logs", timeout=300)
+live = collect(live_run.output, live_run.worker_logs.get(1, ""))
+print(f"exit code {live_run.returncode}, {live_run.seconds:.1f} s; tokens identical on the pair and one engine: "
+      f"{live['identical_tokens']}")
+for name in ("one engine", "pair"):
+    print(f"{name:10}  long-prompt TTFT median {live[name]['long_ttft_median_ms']:6.1f} ms   decode ITL p50 / p99 "
+          f"{live[name]['itl_p50_ms']:5.1f} / {live[name]['itl_p99_ms']:5.1f} ms")
+
+# %% [markdown]
+# Each long prompt's way through the pair, on rank 0's clock (one machine, one monotonic clock
+# for both ranks): it waits until the prefill rank's next step starts (grey), runs there in one
+# step (orange: the prefill rank decodes nothing, so its token budget, `--prefill-budget`, takes
+# a whole prompt), its K/V crosses layer by layer *inside* that step, and from that step's end
+# it waits for the decode rank's next step (blue; none when the last layer was in before the
+# prefill rank had finished sampling, and the decode rank's step started first), and that step
+# (green) writes the K/V into its blocks, runs the last prompt token and samples the first
+# token (★).
+
+# %%
+fig_paths = kvviz.draw_request_paths(live["long_requests"])
+
+
+def part_ms(p, part):
+    """One part of a long prompt's path, in ms (the blue part is 0 when the decode step began first)."""
+    if part in ("prefill", "join"):
+        return p[part][1] - p[part][0]
+    return p["prefill"][0] - p["arrive"] if part == "wait" else max(p["join"][0] - p["prefill"][1], 0.0)
+
+
+parts = {part: float(np.median([part_ms(p, part) for p in live["long_requests"].values()]))
+         for part in ("wait", "prefill", "transfer", "join")}
+print("median ms per part:", {k: round(v, 1) for k, v in parts.items()})
+fig_paths
+
+# %% [markdown]
+# Why the split pays is notebook 00's lesson (section 4, prefill against decode). A prefill
+# step does the arithmetic of many tokens on one read of the weights: it is compute-bound, and
+# it runs best in big steps. A decode step reads the weights and every request's cache for one
+# token each: it is memory-bound, and what its requests feel is its length. One engine has one
+# token budget for both: small, and a long prompt is cut into chunks that each cost a whole
+# step beside the decode rows and stretch their inter-token latency (section 9's orange steps);
+# large, and a decode step that carries a prompt takes longer still. The pair gives each phase
+# its own engine: the decode rank's steps never carry a prompt, and the prefill rank runs each
+# prompt in one step. What is left to pay is the hand-over: the K/V on the wire and the wait for
+# the decode rank's next step, the blue and green parts above. On this shared 2-core machine the
+# two ranks also compete for the same cores, so the live figures above move from run to run;
+# section 9's stored run says how they compare over several runs.
 
 # %% [markdown]
 # > **In vLLM / FastDeploy / SGLang**

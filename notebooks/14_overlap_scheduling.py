@@ -12,13 +12,15 @@
 #   drawn from the engine's own phase timestamps;
 # - how step N+1 is planned one step ahead, and where its placeholder is filled with step N's token;
 # - why a request that finished in step N costs one wasted slot in step N+1 and never an extra token;
-# - what it measured on this machine's CPU, and why it is slower here.
+# - what it measured on this machine's CPU, why overlapping every step is slower here, and how
+#   the loop's gate decides whether to overlap at all.
 
 # %%
 # %matplotlib inline
 import json
 
 import numpy as np
+from matplotlib.figure import Figure
 
 import fleetlab
 import fleetlab.lab  # the lab: its quiet mode keeps Paddle's import-time notices out
@@ -62,27 +64,49 @@ viz.show_source(ModelRunner.execute, body_only=True)
 viz.show_source(OverlapEngineCore.step, body_only=True, stop="outputs, result = self._update")
 
 # %%
-viz.show_source(OverlapEngineCore._execute, body_only=True)
+viz.show_source(OverlapEngineCore._execute_ahead, body_only=True)
 
 # %% [markdown]
 # ## 2. The timelines, from the engine's own timestamps
 #
 # A `Timeline` listens at the engine's `on_phase` point (`llm.hooks`): each phase of each step
-# becomes a span with its thread. Both loops serve the same 32 requests; the figure shows three
-# steady decode steps of each, numbered from step N's forward.
+# becomes a span with its thread. Both loops serve the same 32 requests, five times each in
+# turns (so both meet the same moments of the machine); here the overlapped loop overlaps every
+# step (`llm.core.gate.always = True`: section 5 says what its gate does otherwise). The figure
+# shows three steady decode steps of each loop's first run, numbered from step N's forward.
 
 # %%
-timelines, tokens = {}, {}
-for name, overlapped in (("synchronous", False), ("overlapped", True)):
-    with LLM(model, tokenizer, async_scheduling=overlapped, **ENGINE) as llm:
-        llm.generate(prompt_token_ids=prompts[:4], sampling_params=SP, use_tqdm=False)  # warm-up
+RUNS = 5
+
+
+def steady_step_ms(timeline):
+    """Median ms between two commits (``update`` ends) over the run's steady steps."""
+    ends = [s.end for s in timeline.spans if s.name == "update"]
+    return 1e3 * float(np.median(np.diff(ends)[3:-3]))
+
+
+timelines, tokens, step_ms = {}, {}, {"synchronous": [], "overlapped": []}
+engines = {name: LLM(model, tokenizer, async_scheduling=overlapped, **ENGINE)
+           for name, overlapped in (("synchronous", False), ("overlapped", True))}
+engines["overlapped"].core.gate.always = True
+for llm in engines.values():
+    llm.generate(prompt_token_ids=prompts[:4], sampling_params=SP, use_tqdm=False)  # warm-up
+for run in range(RUNS):
+    for name in (list(engines) if run % 2 == 0 else list(engines)[::-1]):
         timeline = Timeline()
-        llm.hooks.attach(timeline)
-        outs = llm.generate(prompt_token_ids=prompts, sampling_params=SP, use_tqdm=False)
-        timelines[name], tokens[name] = timeline, [o.token_ids for o in outs]
+        engines[name].hooks.attach(timeline)
+        outs = engines[name].generate(prompt_token_ids=prompts, sampling_params=SP, use_tqdm=False)
+        engines[name].hooks.detach(timeline)
+        step_ms[name].append(steady_step_ms(timeline))
+        if run == 0:
+            timelines[name], tokens[name] = timeline, [o.token_ids for o in outs]
+for llm in engines.values():
+    llm.close()
 print("same tokens in both loops:", tokens["synchronous"] == tokens["overlapped"])
 threads = {name: sorted({s.thread for s in t.spans if s.name == "forward"}) for name, t in timelines.items()}
 print("the forward ran on:", threads)
+print("decode step, median of the runs [min, max] (ms):",
+      {name: f"{np.median(v):.1f} [{min(v):.1f}, {max(v):.1f}]" for name, v in step_ms.items()})
 timeline_figure = viz.draw_overlap(timelines, first_forward=4, num_steps=3)
 timeline_figure
 
@@ -95,7 +119,9 @@ timeline_figure
 # N+1 runs. The model thread goes from one step to the next by itself: it `fill`s step N+1's
 # placeholders with step N's tokens (the thin red span before each forward) and runs it. Had the
 # host woken as step N ended, both threads would want the GIL at that moment (section 5).
-# Compare the forwards' lengths in the two loops too: section 5 measures them.
+# The printed step times are the median of five runs of each loop and their spread: on this
+# shared machine one run's drawing can make either loop look faster, so compare the medians
+# (and section 5's longer measurement), not one drawing.
 #
 # How much of the host's work ran under a forward, counted from the spans:
 
@@ -160,6 +186,7 @@ def watching_fill(prepared, result):
 
 overlap_core.fill = watching_fill
 with LLM(model, tokenizer, async_scheduling=True, **ENGINE) as llm:
+    llm.core.gate.always = True  # every step overlapped, as in section 2
     two = llm.generate(["12+7=", "45+38="], SamplingParams(max_tokens=4), use_tqdm=False)
 overlap_core.fill = fill
 for step, slots in enumerate(fills):
@@ -189,6 +216,7 @@ viz.show_source(Ahead.settle, body_only=True, stop="keep = lambda")
 # %%
 plans = []
 with LLM(model, tokenizer, async_scheduling=True, **ENGINE) as llm:
+    llm.core.gate.always = True
     schedule = llm.scheduler.schedule
 
     def recording_schedule():
@@ -210,36 +238,56 @@ print(f"request {rid}: 3 tokens, planned into {planned_in} steps; outputs: {stre
 # nothing after. The cost is one slot of one step per finished request (a few percent of a
 # step at batch 64), the price of not waiting for step N before planning step N+1.
 #
-# ## 5. What it measured here: slower, because of the GIL
+# ## 5. What it measured here, and the gate
 #
-# `python -m fleetlab bench overlap` serves 64 requests decoding together on this model, both
-# loops in turns (A B A B) on the same machine, and reads the step time and the model's own
-# forward + sample from the same timestamps as the figure above.
+# `python -m fleetlab bench overlap` serves 64 requests decoding together on this model with three
+# engines in turns (A B C, C B A, ... so all meet the same moments of the machine): the
+# synchronous loop, the overlapped loop made to overlap every step (`gate.always`, as above), and
+# the overlapped loop as `LLM(async_scheduling=True)` builds it, whose **gate**
+# (`fleetlab.overlap.gate.OverlapGate`) measures instead of assuming: every 96 steps it runs a
+# few steps each way, compares their cadence (wall time between two commits, per committed
+# token) and runs the faster way until the next probe. The bars are the medians of the rounds,
+# the lines their range.
 
 # %%
 bench = json.loads((results_dir() / "overlap.json").read_text())
-med = bench["summary"]["median"]
-for loop in ("sync", "overlap"):
+summary = bench["summary"]
+med, spread, probes = summary["median"], summary["spread"], bench["gate_probes"]
+LOOPS = {"sync": "synchronous", "overlap_always": "overlapped,\nevery step", "overlap": "overlapped,\ngated"}
+for loop, label in LOOPS.items():
     m = med[loop]
-    print(f"{loop:8s} step {m['step_ms']:.2f} ms, forward+sample {m['model_ms']:.2f} ms, host {m['host_ms']:.2f} ms,"
-          f" {m['tok_s']:.0f} tok/s, TTFT {m['ttft_ms']:.0f} ms")
-print(f"overlapped step / synchronous forward+sample: {bench['summary']['overlap_step_over_sync_model']:.2f}x")
+    print(f"{label.replace(chr(10), ' '):22s} step {m['step_ms']:.2f} ms, forward+sample {m['model_ms']:.2f} ms, host "
+          f"{m['host_ms']:.2f} ms, {m['tok_s']:.0f} tok/s (rounds {spread[loop]['tok_s'][0]:.0f}-"
+          f"{spread[loop]['tok_s'][1]:.0f})")
+print(f"round by round, tok/s over the synchronous loop's: every step {summary['paired_always_tok_s_ratio']:.2f}x, "
+      f"gated {summary['paired_tok_s_ratio']:.2f}x")
+print(f"the gate probed {len(probes)} times; it overlapped after {sum(p['overlap'] for p in probes)} of them")
 print("command:", bench["command"])
+fig_speed = Figure(figsize=(6, 2.8), layout="constrained")
+ax = fig_speed.subplots()
+tok = [med[loop]["tok_s"] for loop in LOOPS]
+err = [[t - spread[loop]["tok_s"][0] for t, loop in zip(tok, LOOPS)],
+       [spread[loop]["tok_s"][1] - t for t, loop in zip(tok, LOOPS)]]
+ax.bar(list(LOOPS.values()), tok, yerr=err, capsize=4, color=["tab:blue", "tab:red", "tab:green"], gid="tok_s")
+ax.set_ylabel("output tokens / s (batch 64)")
+fig_speed
 
 # %% [markdown]
-# On this CPU the overlapped loop is **slower** (fewer tokens a second than the synchronous
-# loop, in the stored run). Its host phases take more than twice as long as the synchronous
-# loop's, and the forward on the model thread is slower too: Paddle's eager forward of a tiny
-# model is mostly Python between small kernels, and Python holds the GIL. Two threads that both
-# mostly run Python do not run at once; they take turns, and each turn costs a hand-over. On a
-# 2-core machine that other work also uses, the two threads do not always get a core each
-# either. Overlap pays where the forward is
-# long device work the host does not wait on: a GPU, whose kernels run asynchronously while the
-# host thread is free between launches, or large kernels that release the GIL. On an H200 (torch
-# tensors) the Triton backend's per-step plan, built for step N+1 while step N's 32 layers ran,
-# was 81% hidden (the cell below reads that run). The loop is
-# right here (the same tokens as the synchronous loop, in every scenario of
-# `tests/test_overlap_scenarios.py`); the speed is the machine's to give.
+# Compare each round's loops with each other (the round-by-round ratios printed above), not the
+# bars alone: on a machine as loaded as the stored run's (its load is recorded with it, and the
+# bars' ranges show how far the rounds spread) a round's pace moves more than the loops differ.
+# Round by round, overlapping every step served fewer tokens a second than the synchronous
+# loop. Paddle's eager forward of a tiny model is mostly Python between small kernels, and
+# Python holds the GIL: two threads that both mostly run Python do not run at once, they take
+# turns, and each turn costs a hand-over; on a 2-core machine that other work also uses, the two
+# threads do not always get a core each either. The gate found in-line steps faster at most of
+# its probes and ran them in line, so the loop as built kept the synchronous loop's pace. Overlap
+# pays where the forward is long device work the host does not wait on: a GPU, whose kernels run
+# asynchronously while the host thread is free between launches. On an H200 (torch tensors) the
+# Triton backend's per-step plan, built for step N+1 while step N's 32 layers ran, was 81%
+# hidden (the cell below reads that run); there the gate would find the overlapped cadence the
+# faster one. The loop is right here either way (the same tokens as the synchronous loop, in
+# every scenario of `tests/test_overlap_scenarios.py`, and while the gate switches).
 
 # %%
 probe = json.loads((results_dir() / "h200_overlap_plan_probe.json").read_text())

@@ -918,17 +918,25 @@ assert restart["new engine, loading"] < restart["new engine, computing"]
 # "The long prompts' time to first token is worse on the pair"
 assert pd["bytes_per_token"] == pd["expected_bytes_per_token"] == formula == 768
 assert pd["bytes_loaded"] < pd["wire_bytes"] < 1.1 * pd["bytes_loaded"]
-assert mixed["pair"]["itl_p50_ms"] < mixed["one engine"]["itl_p50_ms"]
-assert mixed["pair"]["itl_p99_ms"] < mixed["one engine"]["itl_p99_ms"] and mixed["identical_tokens"]
-assert mixed["pair"]["long_ttft_median_ms"] > mixed["one engine"]["long_ttft_median_ms"]
+# "ran three times ...; the bars are the medians of the three runs and the lines their spread"; "lower than one
+# engine's, at the median and at p99"; "The long prompts' time to first token is lower on the pair too";
+# "one step of up to 512 tokens, where one engine runs it in four chunks of 60"
+assert len(pd["mixed_runs"]) == 3 and all(r_["identical_tokens"] for r_ in pd["mixed_runs"])
+for _f in ("itl_p50_ms", "itl_p99_ms", "long_ttft_median_ms"):
+    assert spread["pair"][_f][0] < spread["one engine"][_f][0], (_f, spread)
+    for _n in ("pair", "one engine"):
+        _bar = [b_ for b_ in fig_bench.axes[1 if _f.startswith("itl") else 2].patches
+                if abs(b_.get_height() - spread[_n][_f][0]) < 1e-9]
+        assert _bar, (_f, _n)
+assert kv_results["config"] is not None and max(s_[2] for s_ in mixed["timeline"]["prefill rank"]["timeline"]) <= 512
 assert pd["equal_forward"] and pd["equal_single"] and pd["failed_loads"] == 0
-# The timelines: "up to 60 prompt tokens beside the four decode rows"; "as long as a few decode-only steps";
+# The timelines: "up to 60 prompt tokens beside the four decode rows"; "longer than a decode-only step";
 # "the decode rank only ever runs decode rows"; "hatched steps ran while some request ... waited there"; the
 # prefill rank runs the prompt steps; every lane drawn from its data
 _tl = mixed["timeline"]
 assert max(s_[2] for s_ in _tl["one engine"]["timeline"]) == 60 and {s_[3] for s_ in _tl["one engine"]["timeline"]
                                                                     if s_[2] == 60} == {4}
-assert 2 < step_ms["one engine"]["prompt"] / step_ms["one engine"]["decode"] < 6, step_ms
+assert step_ms["one engine"]["prompt"] > 1.2 * step_ms["one engine"]["decode"], step_ms
 assert all(s_[2] == 0 for s_ in _tl["pair"]["timeline"]) and any(s_[4] > 0 for s_ in _tl["pair"]["timeline"])
 assert _tl["prefill rank"]["timeline"] and all(s_[2] > 0 and s_[3] == 0 for s_ in _tl["prefill rank"]["timeline"])
 _ax = fig_timelines.axes[0]
@@ -940,7 +948,20 @@ for _lane, _run in _tl.items():
 assert _drawn["held:pair"] == sum(s_[4] > 0 for s_ in _tl["pair"]["timeline"]) and "held:one engine" not in _drawn
 _stars = {ln.get_gid(): list(ln.get_xdata()) for ln in _ax.lines}
 assert len(_stars["arrive:one engine"]) == len(_stars["first:pair"]) == 4
-assert max(_stars["arrive:pair"]) < max(_stars["arrive:one engine"])  # "sooner on the pair"
+# Section 10 (a live run: only what holds on any run): the same tokens; each long prompt waits, runs "in one step"
+# on the prefill rank (its 119 prompt tokens but the last), then the decode rank's step takes it in and samples its
+# first token; "the decode rank's steps never carry a prompt"; the figure draws every part of every long prompt
+assert live_run.returncode == 0 and live["identical_tokens"] and len(live["long_requests"]) == 4
+_pre = {round(s_[0], 6): s_ for s_ in live["timeline"]["prefill rank"]["timeline"]}
+for _rid, _p in live["long_requests"].items():
+    assert _p["arrive"] <= _p["prefill"][0] < _p["join"][0] < _p["join"][1] <= _p["first_token"], (_rid, _p)
+    assert _p["prefill"][0] < _p["prefill"][1] and _pre[round(_p["prefill"][0], 6)][2] >= 119, (_rid, _p)
+assert all(s_[2] == 0 for s_ in live["timeline"]["pair"]["timeline"])
+_gids = {c.get_gid() for c in fig_paths.axes[0].collections} | {ln.get_gid() for ln in fig_paths.axes[0].lines}
+_parts = ("wait", "prefill", "transfer", "join")
+assert _gids == {f"path:{part}:{r_}" for part in _parts for r_ in live["long_requests"]} | {
+    f"first:{r_}" for r_ in live["long_requests"]}
+assert set(parts) == {"wait", "prefill", "transfer", "join"} and all(v >= 0 for v in parts.values())
 '''
 
 PROMISES["14_overlap_scheduling"] = '''
@@ -963,7 +984,15 @@ assert [show(tok) for _, _, tok, _ in fills[-1]] == ["<eos>", "<eos>"] and [o.te
 assert [pos for _, pos, _, _ in fills[1]] == [len(tokenizer.encode("12+7=")), len(tokenizer.encode("45+38="))]
 # Section 4: "Three tokens ... planned into 4 steps"; three tokens and one finished, nothing after
 assert planned_in == 4 and len(streamed) == 3 and [f for _, f in streamed] == [False, False, True]
-# Section 5: "slower (fewer tokens a second ...)"; host phases "more than twice as long"; the forward slower too
-assert med["overlap"]["tok_s"] < med["sync"]["tok_s"]
-assert med["overlap"]["host_ms"] > 2 * med["sync"]["host_ms"] and med["overlap"]["model_ms"] > med["sync"]["model_ms"]
+# Section 2: "five times each in turns"; the step times printed are each loop's runs
+assert all(len(v) == RUNS == 5 for v in step_ms.values())
+# Section 5: "Round by round, overlapping every step served fewer tokens a second than the synchronous loop";
+# "The gate found in-line steps faster at most of its probes"; "the loop as built kept the synchronous loop's pace"
+assert summary["paired_always_tok_s_ratio"] < 1
+assert 2 * sum(p_["overlap"] for p_ in probes) < len(probes) and probes
+assert summary["paired_tok_s_ratio"] >= 0.98, summary["paired_tok_s_ratio"]
+# the bars are the medians, the lines the rounds' range
+_bars = fig_speed.axes[0].patches
+assert [round(b_.get_height(), 6) for b_ in _bars] == [round(med[k_]["tok_s"], 6) for k_ in LOOPS]
+assert all(spread[k_]["tok_s"][0] <= med[k_]["tok_s"] <= spread[k_]["tok_s"][1] for k_ in LOOPS)
 '''

@@ -75,7 +75,8 @@ HostileOffload = hostile(OffloadConnector, {
     "wait_for_save": {},
     "get_finished": {"type": None, "range": (set(), {10**9})},
 })
-CACHE_FAULTS = {"lookup": {"type": "0", "range": [10**6]}, "cache_blocks": {"type": "x", "range": 10**6}}
+CACHE_FAULTS = {"lookup": {"type": "0", "range": [10**6]}, "cache_blocks": {"type": "x", "range": 10**6},
+                "keeps": {"type": "yes"}, "forget": {}, "evict": {"type": None, "range": [10**6]}}
 HOSTILE_CACHES = {"hash": hostile(HashChainCache, CACHE_FAULTS),
                   "radix": hostile(RadixCache, {**CACHE_FAULTS, "lookup_partial": {"type": 3, "range": (0, 99)}})}
 
@@ -134,7 +135,7 @@ def test_a_hostile_connector_never_costs_a_token_or_a_block(fleet_model, oracle,
 
 
 @SETTINGS
-@given(picks=PICKS, at=st.integers(1, 40), kind=st.sampled_from(KINDS), design=st.sampled_from(["hash", "radix"]),
+@given(picks=PICKS, at=st.integers(1, 60), kind=st.sampled_from(KINDS), design=st.sampled_from(["hash", "radix"]),
        num_blocks=st.integers(8, 20), budget=st.sampled_from([8, 16, 64]), async_scheduling=st.booleans())
 def test_a_hostile_prefix_cache_never_costs_a_token_or_a_block(fleet_model, oracle, picks, at, kind, design,
                                                                num_blocks, budget, async_scheduling):
@@ -143,7 +144,8 @@ def test_a_hostile_prefix_cache_never_costs_a_token_or_a_block(fleet_model, orac
               prefix_cache=cache, async_scheduling=async_scheduling)
     fault = cache.fault = Fault(at, kind)
     errors = serve(llm, picks, oracle)
-    assert len(errors) == (fault.fired is not None), (fault.fired, errors)
+    # A failing keeps costs the cache that block, never the step: logged, not raised.
+    assert len(errors) == (fault.fired is not None and fault.fired[0] != "keeps"), (fault.fired, errors)
     assert_idle(llm)
     cache.fault = None
     assert serve(llm, picks, oracle) == []

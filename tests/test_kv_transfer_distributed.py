@@ -126,3 +126,24 @@ def test_bench_kv_tiny(tmp_path):
     d = r["paddle_distributed"]
     assert d["equal_single"] and d["bytes_per_token"] == d["expected_bytes_per_token"]
     assert d["mixed"]["identical_tokens"] and d["mixed"]["pair"]["num_itl"] == d["mixed"]["one engine"]["num_itl"]
+
+
+def test_the_prefill_rank_takes_several_handshakes_in_one_step():
+    """Long prompts arriving every decode step while the prefill rank computes: it takes the
+    handshakes queued meanwhile together, so one of its steps runs more than one prompt (K/V
+    still sent layer by layer); one engine's tokens; each long prompt's path on one clock, in order."""
+    from fleetlab.serving.disagg.mixed import collect
+
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    long_len = 40
+    r = launch(["fleetlab.serving.disagg.mixed", "--model-overrides", "{}", "--long", "6", "--long-len",
+                str(long_len), "--every", "1", "--short-tokens", "12"], 2, timeout=120, env=env)
+    assert r.returncode == 0, r.output[-3000:] + r.worker_logs.get(1, "")[-3000:]
+    mixed = collect(r.output, r.worker_logs.get(1, ""))
+    assert mixed["identical_tokens"]
+    prefill_steps = mixed["timeline"]["prefill rank"]["timeline"]
+    assert max(step[2] for step in prefill_steps) >= 2 * (long_len - 1), prefill_steps  # two prompts in a step
+    for rid, path in mixed["long_requests"].items():
+        # (the last layer may be in, and the decode step started, before the prefill step has sampled)
+        assert path["arrive"] <= path["prefill"][0] < path["join"][0] < path["join"][1] <= path["first_token"], (
+            rid, path)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import random_prompts
 
 from fleetlab import LLM, SamplingParams
 from fleetlab.engine.messages import SchedulerOutput
 from fleetlab.overlap import OverlapGate
 from fleetlab.patching.parity import reference_greedy
-from conftest import random_prompts
 
 PROMPTS = random_prompts([7, 12, 4, 9, 15, 5], seed=46, low=10)
 
@@ -76,12 +76,11 @@ def test_a_slow_overlap_is_left_and_a_slow_in_line_step_kept_out(fleet_model, mo
             gate = llm.core.gate
             gate.probe_steps, gate.settle_steps, gate.run_steps = 4, 1, 1000
             if slow == "overlap":
-                fill = core.fill
-                monkeypatch.setattr(core, "fill", lambda p, r: (time.sleep(0.08), fill(p, r))[1])
+                monkeypatch.setattr(core, "fill", lambda p, r, fill=core.fill: (time.sleep(0.08), fill(p, r))[1])
             else:
-                step_in_line = type(llm.core)._step_in_line
+                inner = type(llm.core)._step_in_line
                 monkeypatch.setattr(type(llm.core), "_step_in_line",
-                                    lambda self: (time.sleep(0.08), step_in_line(self))[1])
+                                    lambda self, inner=inner: (time.sleep(0.08), inner(self))[1])
             for p in PROMPTS:
                 llm.add_request(prompt_token_ids=p, sampling_params=SamplingParams(max_tokens=40, ignore_eos=True))
             gate.always = True  # past the prefill first: the probe then compares decode steps with decode steps

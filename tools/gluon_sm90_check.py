@@ -2,7 +2,7 @@
 ptxas says: registers, spills, shared memory. Catches compile errors and register spills before
 any GPU time is spent.
 
-    .venv-kernels/bin/python tools/gluon_sm90_check.py [HEAD_DIM:GROUP ...] [--max-query-len N]
+    .venv-kernels/bin/python tools/gluon_sm90_check.py [HEAD_DIM:GROUP ...] [--max-query-len N ...]
 
 Needs Triton 3.6 (``make test-kernels`` builds ``.venv-kernels`` with it); Triton ships ptxas and
 cuobjdump, so no CUDA install is needed. Pointers and strides are compiled as 16-byte aligned,
@@ -61,18 +61,22 @@ def compile_sm90(head_dim: int, group: int, max_query_len: int, block_size: int 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shapes", nargs="*", default=["64:1", "128:4", "128:7", "256:4"], help="HEAD_DIM:GROUP")
-    parser.add_argument("--max-query-len", type=int, default=8192, help="picks the ring (see kernel_config)")
+    parser.add_argument("shapes", nargs="*", default=["64:1", "64:8", "128:4", "128:7", "256:4"],
+                        help="HEAD_DIM:GROUP")
+    parser.add_argument("--max-query-len", type=int, nargs="+", default=[512, 8192],
+                        help="picks the ring (see kernel_config): each length given is checked")
     args = parser.parse_args(argv)
     spilled = False
     for shape in args.shapes:
         head_dim, group = map(int, shape.split(":"))
-        knobs, shared, report, regs = compile_sm90(head_dim, group, args.max_query_len)
-        spill = re.search(r"(\d+) bytes spill stores", report)
-        spilled |= bool(spill and int(spill.group(1)))
-        used = re.search(r"Used (\d+) registers", report)
-        print(f"d{head_dim} group {group} {knobs}: shared {shared} B, {used.group(0) if used else '?'}, "
-              f"{spill.group(0) if spill else '? spills'}, setmaxnreg {' '.join(regs)}")
+        for max_query_len in args.max_query_len:
+            knobs, shared, report, regs = compile_sm90(head_dim, group, max_query_len)
+            spill = re.search(r"(\d+) bytes spill stores", report)
+            spilled |= bool(spill and int(spill.group(1)))
+            used = re.search(r"Used (\d+) registers", report)
+            print(f"d{head_dim} group {group} chunk {max_query_len} {knobs}: shared {shared} B, "
+                  f"{used.group(0) if used else '?'}, {spill.group(0) if spill else '? spills'}, "
+                  f"setmaxnreg {' '.join(regs)}")
     return 1 if spilled else 0
 
 

@@ -351,24 +351,28 @@ def kv_block(r: dict | None) -> str:
              f"{d['expected_bytes_per_token']} |",
              f"| prefill rank -> decode rank: transfer time per request (its handshake out to its last layer in) | "
              f"{ms(d['recv_ms_per_request'])} ms |"]
-    m = d.get("mixed")
-    if m:
-        mc, pair, one = m["config"], m["pair"], m["one engine"]
+    m, sp = d.get("mixed"), d.get("mixed_spread")
+    if m and sp:
+        mc, pair, one, ratio = m["config"], sp["pair"], sp["one engine"], sp["pair_over_one_engine"]
+        runs = len(d["mixed_runs"])
+        rng = lambda v: f"{ms(v[0])} ({ms(v[1])}-{ms(v[2])})"  # noqa: E731
         table += [f"| mixed ({mc['short']} short requests decoding {mc['short_tokens']} tokens, {mc['long']} "
-                  f"prompts of {mc['long_len']} arriving): decode ITL p50 / p99, one engine (chunked prefill) | "
-                  f"{ms(one['itl_p50_ms'])} / {ms(one['itl_p99_ms'])} ms |",
-                  f"| mixed: decode ITL p50 / p99, prefill rank + decode rank | {ms(pair['itl_p50_ms'])} / "
-                  f"{ms(pair['itl_p99_ms'])} ms |",
-                  f"| mixed: the long prompts' TTFT, one engine / the pair (median) | "
-                  f"{ms(one['long_ttft_median_ms'])} / {ms(pair['long_ttft_median_ms'])} ms |"]
+                  f"prompts of {mc['long_len']} arriving; {runs} runs, median (range)): decode ITL p50 / p99, one "
+                  f"engine (chunked prefill, {mc['budget']} tokens a step) | {rng(one['itl_p50_ms'])} / "
+                  f"{rng(one['itl_p99_ms'])} ms |",
+                  f"| mixed: decode ITL p50 / p99, prefill rank ({mc.get('prefill_budget', mc['budget'])} tokens a "
+                  f"step) + decode rank | {rng(pair['itl_p50_ms'])} / {rng(pair['itl_p99_ms'])} ms |",
+                  f"| mixed: the long prompts' TTFT, one engine / the pair (median of each run) | "
+                  f"{rng(one['long_ttft_median_ms'])} / {rng(pair['long_ttft_median_ms'])} ms |",
+                  f"| mixed: pair / one engine, median of the runs' ratios: ITL p99 / long-prompt TTFT | "
+                  f"{ratio['itl_p99_ms']:.2f}x / {ratio['long_ttft_median_ms']:.2f}x |"]
     mixed = ""
-    if m:
-        itl = "lower" if pair["itl_p99_ms"] < one["itl_p99_ms"] else "no lower"
-        later = pair["long_ttft_median_ms"] > one["long_ttft_median_ms"]
-        mixed = (f" On the mixed workload the decode requests' ITL p50 / p99 is {ms(pair['itl_p50_ms'])} / "
-                 f"{ms(pair['itl_p99_ms'])} ms on the pair against {ms(one['itl_p50_ms'])} / {ms(one['itl_p99_ms'])} "
-                 f"ms on one engine, and the long prompts' median TTFT {ms(pair['long_ttft_median_ms'])} against "
-                 f"{ms(one['long_ttft_median_ms'])} ms: {itl} decode latency, "
+    if m and sp:
+        itl = "lower" if ratio["itl_p99_ms"] < 1 else "no lower"
+        later = ratio["long_ttft_median_ms"] > 1
+        mixed = (f" On the mixed workload (the pair and one engine in turn within each of {runs} runs) the pair's "
+                 f"decode ITL p99 is {ratio['itl_p99_ms']:.2f}x one engine's and its long prompts' median TTFT "
+                 f"{ratio['long_ttft_median_ms']:.2f}x: {itl} decode latency, "
                  f"{'bought with a later first token' if later else 'and no later first token'} (both ranks share "
                  f"the machine's two cores).")
     after = fill(
@@ -388,29 +392,34 @@ def overlap_block(r: dict | None) -> str:
     if r is None:
         return not_measured(title, cmd, "overlap.json")
     c, s = r["config"], r["summary"]
-    med = s["median"]
+    med, spread = s["median"], s.get("spread", {})
     intro = fill(
         f"**{title}** — `{command(r, cmd)}` (writes `benchmarks/results/overlap.json`): {c['batch']} requests of "
         f"{c['prompt_len'][0]}-{c['prompt_len'][1]} prompt tokens decoding {c['output_len']} tokens together on the "
-        f"shipped tiny model, the two loops taking turns for {c['rounds']} rounds each (medians of the rounds; each "
-        f"round's figures are medians over its steady decode steps, from the engine's own phase timestamps), thread "
-        f"switch interval {c['switch_interval'] * 1e3:g} ms. Measured on {describe(r['machine'])}:")
-    table = ["| loop | step | forward + sample | host phases | step / forward + sample | tok/s | TTFT |",
-             "|---|---|---|---|---|---|---|"]
-    for mode, label in (("sync", "synchronous"), ("overlap", "overlapped")):
-        m = med[mode]
+        f"shipped tiny model, the loops taking turns for {c['rounds']} rounds each (medians of the rounds, and their "
+        f"range; each round's figures are medians over its steady decode steps, from the engine's own phase "
+        f"timestamps), thread switch interval {c['switch_interval'] * 1e3:g} ms. Measured on "
+        f"{describe(r['machine'])}:")
+    table = ["| loop | step | forward + sample | host phases | tok/s (range over rounds) | TTFT |",
+             "|---|---|---|---|---|---|"]
+    labels = (("sync", "synchronous"), ("overlap", "overlapped, `async_scheduling=True` (its gate chooses)"),
+              ("overlap_always", "overlapped, every step (`gate.always`)"))
+    for mode, label in labels:
+        if mode not in med:
+            continue
+        m, rng = med[mode], spread.get(mode, {}).get("tok_s")
+        span = f" ({rng[0]:.0f}-{rng[1]:.0f})" if rng else ""
         table.append(f"| {label} | {m['step_ms']:.2f} ms | {m['model_ms']:.2f} ms | {m['host_ms']:.2f} ms | "
-                     f"{m['step_ms'] / m['model_ms']:.2f}x | {m['tok_s']:.0f} | {ms(m['ttft_ms'])} ms |")
+                     f"{m['tok_s']:.0f}{span} | {ms(m['ttft_ms'])} ms |")
+    probes = r.get("gate_probes", [])
+    gate = (f" The gate probed {len(probes)} times in the overlapped engine's rounds and chose to overlap after "
+            f"{sum(p['overlap'] for p in probes)} of them." if probes else "")
+    always = (f"; overlapping every step, {s['paired_always_tok_s_ratio']:.2f}x" if "paired_always_tok_s_ratio" in s
+              else "")
     after = fill(
-        f"The overlapped step is {s['overlap_step_over_sync_model']:.2f}x the synchronous loop's forward + sample "
-        f"(the issue's target: at most 1.03x) and {compare(med['overlap']['step_ms'], med['sync']['step_ms'])} "
-        f"than the synchronous step; it serves {s['tok_s_ratio']:.2f}x the tokens a second, its time to the first "
-        f"token is {s['ttft_ratio']:.2f}x. Its host phases take "
-        f"{med['overlap']['host_ms'] / med['sync']['host_ms']:.1f}x "
-        f"as long as the synchronous loop's, and its forward + sample on the model thread "
-        f"{med['overlap']['model_ms'] / med['sync']['model_ms']:.2f}x. Round by round (each pair taken one "
-        f"right after the other, the median of the pairs) the overlapped step is "
-        f"{s['paired_step_ratio']:.2f}x the synchronous one and its tok/s {s['paired_tok_s_ratio']:.2f}x.")
+        f"Round by round (each round's loops taken one right after the other, the median of the rounds' ratios) "
+        f"the overlapped loop as built serves {s['paired_tok_s_ratio']:.2f}x the synchronous loop's tokens a second"
+        f"{always}.{gate} Its time to the first token is {s['ttft_ratio']:.2f}x the synchronous loop's.")
     return f"{intro}\n\n" + "\n".join(table) + f"\n\n{after}"
 
 

@@ -21,9 +21,14 @@ cache found, wherever it waits.
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+
+from fleetlab.prefix_cache import cache_call, checked_evicted
+
+logger = logging.getLogger(__name__)
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -83,12 +88,19 @@ class BlockPool:
                 f"asked for {n} blocks but only {self.num_free_blocks} of {self.num_blocks} are free")
         blocks = [self._free.popitem(last=False)[0] for _ in range(min(n, len(self._free)))]
         if self.prefix_cache is not None:
-            for block_id in blocks:
-                self.prefix_cache.forget(block_id)
-            if len(blocks) < n:
-                evicted = self.prefix_cache.evict(n - len(blocks))
-                self._kept.difference_update(evicted)
-                blocks += evicted
+            try:
+                for block_id in blocks:
+                    cache_call(self.prefix_cache, "forget", block_id)
+                if len(blocks) < n:
+                    evicted = checked_evicted(self.prefix_cache, cache_call(self.prefix_cache, "evict", n - len(blocks)),
+                                              n - len(blocks), self._kept)
+                    self._kept.difference_update(evicted)
+                    blocks += evicted
+            except BaseException:  # the cache failed: nothing is taken (the queue's blocks back at its head)
+                for block_id in reversed(blocks):
+                    self._free[block_id] = None
+                    self._free.move_to_end(block_id, last=False)
+                raise
         for block_id in blocks:
             self._ref_counts[block_id] = 1
         return blocks
@@ -101,10 +113,25 @@ class BlockPool:
         for block_id in reversed(ids):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                if self.prefix_cache is not None and self.prefix_cache.keeps(block_id):
+                if self.prefix_cache is not None and self._keeps(block_id):
                     self._kept.add(block_id)
                 else:
                     self._free[block_id] = None
+
+    def _keeps(self, block_id: int) -> bool:
+        """The cache's ``keeps``; if it raises or answers other than a bool, the block is not kept and
+        its cached prefix is dropped (logged, not raised: a free never fails half way, and a block
+        merely not kept is safe)."""
+        try:
+            kept = self.prefix_cache.keeps(block_id)
+            if isinstance(kept, bool):
+                return kept
+            raise TypeError(f"returned {kept!r:.40}, not a bool")
+        except Exception:
+            logger.exception("prefix cache %s.keeps(%d) failed: the block goes to the free queue, its cached "
+                             "prefix dropped", type(self.prefix_cache).__name__, block_id)
+            self.uncache([block_id])  # (a block below it that the cache kept joins the queue too)
+            return False
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take a reference on each block the prefix cache found; a free one stops being free.

@@ -164,7 +164,11 @@ class KVCacheManager:
         if num_new_blocks + revived > self.pool.num_free_blocks:
             return None
         self.pool.touch([*hits, *pinned])  # before allocating: the allocation may not hand these out
-        new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks else []
+        try:
+            new_blocks = self.pool.allocate(num_new_blocks) if num_new_blocks else []
+        except BaseException:  # (the prefix cache failed) nothing taken
+            self.pool.free([*hits, *pinned])
+            raise
         blocks = self._blocks.setdefault(rid, [])
         blocks += [*hits, *new_blocks]
         if hits:

@@ -21,14 +21,19 @@ A request preempted while its K/V arrives (a dry pool: it holds blocks and compu
 has its blocks freed at once; what still arrives for it is discarded (the connector reads
 ``preempted_req_ids``), and it asks the prefill side again when re-admitted.
 
-Wire format (int64 unless said): handshake ``[kind, n]`` then ``n`` ints (``kind`` 1: requests,
-each ``[num_tokens, start, count, num_blocks, tokens..., block_ids...]``; 0: stop, answered
-with the prefill pool's ``[num_free_blocks, num_blocks]``; 2: a keep-alive, sent by an idle
-link thread at least every ``KEEPALIVE_S`` seconds: gloo gives up a receive after 30 s and
-closes the pair); data ``[req_index, layer, count, status]``, then (status 0) the slots
-``[count]`` and ``[2, count, kv_heads, head_dim]`` K/V in the cache dtype. A request the
-prefill side refuses (status 1), or a peer that fails mid-way, makes the decode side recompute
-it: nothing it did not receive is served.
+The prefill side drives the wire: between two of its steps it *polls* the decode side, which
+answers with every handshake queued since (so the prefill engine takes several at once: their
+prompts' chunks share its steps, each request's K/V still goes out layer by layer in the step of
+its last chunk). An idle prefill side polls *waiting*: the answer comes with the next handshake,
+or empty after ``KEEPALIVE_S`` seconds (gloo gives up a receive after 30 s and closes the pair).
+Wire format (int64 unless said): prefill to decode, a header ``[kind, a, b, c, d]``: a poll
+``[POLL, waiting, 0, 0, 0]``, or a layer of a request ``[DATA, req_index, layer, count, status]``
+then (status 0) the slots ``[count]`` and ``[2, count, kv_heads, head_dim]`` K/V in the cache
+dtype. Decode to prefill, the answer to a poll: ``[kind, n]`` then ``n`` ints (``kind`` 1:
+requests, each ``[req_index, num_tokens, start, count, num_blocks, tokens..., block_ids...]``,
+``req_index`` counted across handshakes; 0: stop, answered with the prefill pool's
+``[num_free_blocks, num_blocks]``). A request the prefill side refuses (status 1), or a peer
+that fails mid-way, makes the decode side recompute it: nothing it did not receive is served.
 
 In vLLM: ``NixlConnector`` (``nixl_connector.py``; the decode side pulls with RDMA reads) and
 the ``P2pNcclConnector``; FastDeploy: ``splitwise_connector.py`` + ``cache_messager.py``
@@ -56,10 +61,11 @@ from fleetlab.kv_transfer.base import KVConnector
 
 logger = logging.getLogger(__name__)
 
-REQUESTS, STOP, PING = 1, 0, 2
+REQUESTS, STOP = 1, 0  # the decode side's answers to a poll
+POLL, DATA = 0, 1  # the prefill side's headers
 OK, REFUSED = 0, 1
 # Gloo closes a pair whose receive waits 30 s (measured, Paddle 3.3.1: the pair is unusable after),
-# so an idle decode side pings the prefill side, which waits in a receive, well within that.
+# so the decode side answers a waiting poll within this, even with nothing to send.
 KEEPALIVE_S = 10.0
 
 
@@ -155,7 +161,10 @@ class PaddleDistributedConnector(KVConnector):
         if payload:
             self._send(np.asarray(payload, dtype=np.int64))
 
-    def recv_handshake(self) -> tuple[int, list[int]]:
+    def poll(self, waiting: bool) -> tuple[int, list[int]]:
+        """Prefill side: ask the decode side for its new requests; ``waiting`` (nothing runs
+        here): the answer may wait for one (at most ``KEEPALIVE_S``). Returns ``(kind, payload)``."""
+        self._send(np.asarray([POLL, int(waiting), 0, 0, 0], dtype=np.int64))
         kind, n = self._recv([2], "int64").numpy().tolist()
         return kind, (self._recv([n], "int64").numpy().tolist() if n else [])
 
@@ -165,52 +174,66 @@ class PaddleDistributedConnector(KVConnector):
 
     # ------------------------------------------------------------------ decode side: the link thread
     def _run_link(self) -> None:
-        """Handshakes out, K/V in, a ping when idle, the stop at close: the decode side's one
-        thread on the transport (gloo's is not thread-safe; the steps never wait on it)."""
+        """Answer the prefill side's polls with the queued handshakes, take in the K/V it sends,
+        send the stop at close: the decode side's one thread on the transport (gloo's is not
+        thread-safe; the steps never wait on it)."""
+        open_loads: dict[int, RemoteLoad] = {}  # req_index -> its load, until every layer is in
+        next_index, t0 = 0, {}
         while True:
             try:
-                job = self._jobs.get(timeout=KEEPALIVE_S)
-            except queue.Empty:
-                job = []  # idle: a ping
-            stop, loads = job is None, list(job or [])
-            while not stop and not self._jobs.empty():  # every handshake queued so far goes as one
-                job = self._jobs.get()
-                stop, loads = job is None, loads + list(job or [])
-            try:
-                if loads:
-                    self._exchange(loads)
-                elif not stop:
-                    self.send_handshake(PING, [])
+                kind, index, layer, count, status = self._recv([5], "int64").numpy().tolist()
+                if kind == DATA:
+                    self._take_layer(open_loads, t0, index, layer, count, status)
+                    continue
+                loads, stop = self._queued(wait=KEEPALIVE_S if index else 0.0)
                 if stop:
                     self.send_handshake(STOP, [])
                     self.peer_pool = self._recv([2], "int64").numpy().tolist()
+                    for load in open_loads.values():
+                        self._fail(load, "the engine closed before it arrived")
                     return
+                payload = [len(loads)]
+                for load in loads:
+                    open_loads[next_index], t0[next_index] = load, time.perf_counter()
+                    payload += [next_index, len(load.token_ids), load.start, load.count, len(load.block_ids),
+                                *load.token_ids, *load.block_ids]
+                    next_index += 1
+                self.send_handshake(REQUESTS, payload if loads else [])
             except RuntimeError as exc:
-                self._peer_lost(f"the prefill rank stopped answering: {str(exc).strip()[:120]}", loads)
+                self._peer_lost(f"the prefill rank stopped answering: {str(exc).strip()[:120]}",
+                                list(open_loads.values()))
                 return
 
-    def _exchange(self, loads: list[RemoteLoad]) -> None:
-        """One handshake for ``loads``, then their K/V as the prefill side computes it."""
-        payload = [len(loads)]
-        for load in loads:
-            payload += [len(load.token_ids), load.start, load.count, len(load.block_ids), *load.token_ids,
-                        *load.block_ids]
-        t0 = time.perf_counter()
-        self.send_handshake(REQUESTS, payload)
-        open_ = set(range(len(loads)))
-        while open_:
-            index, layer, count, status = self._recv([4], "int64").numpy().tolist()
-            load = loads[index]
-            if status != OK:
-                open_.discard(index)
-                self._fail(load, "the prefill side refused it")
-                continue
-            load.layers[layer] = (self._recv([count], "int64"),
-                                  self._recv([2, count, self.spec.num_kv_heads, self.spec.head_dim], self.spec.dtype))
-            if len(load.layers) == self.spec.num_layers:
-                open_.discard(index)
-                self.stats.extra["recv_seconds"] += time.perf_counter() - t0
-                load.future.set_result(True)
+    def _queued(self, wait: float) -> tuple[list[RemoteLoad], bool]:
+        """Every load queued so far (waiting up to ``wait`` seconds for the first), and whether
+        the engine closes (the stop is queued)."""
+        loads = []
+        try:
+            job = self._jobs.get(timeout=wait) if wait else self._jobs.get_nowait()
+        except queue.Empty:
+            return loads, False
+        while True:
+            if job is None:
+                return loads, True
+            loads += job
+            if self._jobs.empty():
+                return loads, False
+            job = self._jobs.get()
+
+    def _take_layer(self, open_loads: dict, t0: dict, index: int, layer: int, count: int, status: int) -> None:
+        """One layer of request ``index`` (or its refusal) off the wire."""
+        load = open_loads[index]
+        if status != OK:
+            del open_loads[index]
+            t0.pop(index)
+            self._fail(load, "the prefill side refused it")
+            return
+        load.layers[layer] = (self._recv([count], "int64"),
+                              self._recv([2, count, self.spec.num_kv_heads, self.spec.head_dim], self.spec.dtype))
+        if len(load.layers) == self.spec.num_layers:
+            del open_loads[index]
+            self.stats.extra["recv_seconds"] += time.perf_counter() - t0.pop(index)
+            load.future.set_result(True)
 
     def _fail(self, load: RemoteLoad, why: str) -> None:
         if load.future.done():
@@ -326,7 +349,7 @@ class PaddleDistributedConnector(KVConnector):
             flat = [-1, self.spec.num_kv_heads, self.spec.head_dim]
             k = gather_rows(kv_cache.key_cache(layer_id).reshape(flat), index)
             v = gather_rows(kv_cache.value_cache(layer_id).reshape(flat), index)
-            self._send(np.asarray([send.index, layer_id, len(send.src_slots), OK], dtype=np.int64))
+            self._send(np.asarray([DATA, send.index, layer_id, len(send.src_slots), OK], dtype=np.int64))
             self._send(send.dst_slots)
             kv = paddle.stack([k, v])
             self.dist.send(kv, dst=self.peer)
@@ -337,7 +360,7 @@ class PaddleDistributedConnector(KVConnector):
         self._meta = PDMeta()
 
     def refuse(self, index: int) -> None:
-        self._send(np.asarray([index, -1, 0, REFUSED], dtype=np.int64))
+        self._send(np.asarray([DATA, index, -1, 0, REFUSED], dtype=np.int64))
 
     def expect(self, req_id: str, index: int, start: int, count: int, dst_blocks: list[int]) -> None:
         self._outgoing[req_id] = (index, start, count, dst_blocks)

@@ -187,6 +187,19 @@ def checked_hits(cache: PrefixCache, hits, num_tokens: int, num_blocks: int) -> 
                      f"most {most} for {num_tokens} tokens (a hit never covers the whole prompt)")
 
 
+def checked_evicted(cache: PrefixCache, value, n: int, kept: set) -> list[int]:
+    """What ``evict(n)`` returned: ``n`` distinct blocks among those it keeps (``kept``, the pool's
+    count of free blocks included them); else ExtensionError."""
+    try:
+        ids = [operator.index(b) for b in value]
+    except TypeError:
+        ids = None
+    if ids is not None and len(ids) == n and len(set(ids)) == n and all(b in kept for b in ids):
+        return ids
+    raise bad_return(KIND, cache, "evict", value, f"asked for {n} blocks, it must return {n} distinct blocks "
+                     "among the free ones it keeps")
+
+
 def checked_num_cached(cache: PrefixCache, value, num_cached_blocks: int, num_full_blocks: int) -> int:
     """What ``cache_blocks`` returned: the request's new count of cached leading blocks, an int in
     ``[num_cached_blocks, num_full_blocks]``; else ExtensionError."""

@@ -132,6 +132,7 @@ def shared_storage(model, cfg: dict, bar) -> dict:
 
 def distributed(preset: str, bar) -> dict:
     from fleetlab.distributed.launch import launch
+    from fleetlab.serving.disagg.mixed import collect
 
     args = ["fleetlab.serving.disagg.parity", "--prompts", "8", "--max-tokens", "4"]
     if preset == "default":
@@ -146,18 +147,33 @@ def distributed(preset: str, bar) -> dict:
     res["job_wall_s"] = r.seconds
     mixed = ["fleetlab.serving.disagg.mixed"] + ([] if preset == "default" else
                                               ["--model-overrides", "{}", "--long-len", "40", "--short-tokens", "10"])
-    r = launch(mixed, 2, timeout=300)
+    runs = []
+    for _ in range(MIXED_REPEATS[preset]):  # the pair and one engine take turns inside each run
+        r = launch(mixed, 2, timeout=300)
+        if r.returncode:
+            raise RuntimeError(f"bench kv: the mixed workload failed (exit {r.returncode}):\n{r.output[-3000:]}")
+        runs.append(collect(r.output, r.worker_logs.get(1, "")))
     bar.update()
-    lines = [line for line in r.output.splitlines() if line.startswith("MIXED_RESULT ")]
-    if r.returncode or not lines:
-        raise RuntimeError(f"bench kv: the mixed workload failed (exit {r.returncode}):\n{r.output[-3000:]}")
-    res["mixed"] = mixed = json.loads(lines[-1].removeprefix("MIXED_RESULT "))
-    steps = [line for line in r.worker_logs.get(1, "").splitlines() if line.startswith("PREFILL_STEPS ")]
-    t0 = mixed.pop("pair_t0")
-    mixed["timeline"]["prefill rank"] = {"timeline": [[1e3 * (a - t0), 1e3 * (b - t0), *rest] for a, b, *rest in
-                                                      json.loads(steps[-1].removeprefix("PREFILL_STEPS "))]
-                                         if steps else []}
+    res["mixed"] = runs[len(runs) // 2]  # a whole run (its timeline drawn), and every run's figures:
+    res["mixed_runs"] = [{k: run[k] for k in ("pair", "one engine", "identical_tokens")} for run in runs]
+    res["mixed_spread"] = spread(res["mixed_runs"])
     return res
+
+
+MIXED_REPEATS = {"default": 3, "tiny": 1}
+MIXED_FIGURES = ("itl_p50_ms", "itl_p99_ms", "long_ttft_median_ms")
+
+
+def spread(runs: list[dict]) -> dict:
+    """Per setup and figure, the ``[median, min, max]`` over runs, and per figure the median of the
+    runs' pair / one-engine ratios (each run's pair and engine met the same moments of the machine)."""
+    import statistics
+
+    out = {name: {f: [statistics.median(r[name][f] for r in runs), min(r[name][f] for r in runs),
+                      max(r[name][f] for r in runs)] for f in MIXED_FIGURES} for name in ("pair", "one engine")}
+    out["pair_over_one_engine"] = {f: statistics.median(r["pair"][f] / r["one engine"][f] for r in runs)
+                                   for f in MIXED_FIGURES}
+    return out
 
 
 def run(preset: str = "default", out=None, quiet: bool = True, argv=None) -> dict:
@@ -199,9 +215,13 @@ def main(argv=None) -> int:
           f"{d['expected_bytes_per_token']}), {d['recv_ms_per_request']:.1f} ms transfer per request (handshake to "
           f"last layer); tokens "
           f"equal one engine's: {d['equal_single']}, the full forward's: {d['equal_forward']}")
-    m = d["mixed"]
-    print(f"mixed workload: decode ITL p50 / p99 {m['pair']['itl_p50_ms']:.1f} / {m['pair']['itl_p99_ms']:.1f} ms on "
-          f"the pair vs {m['one engine']['itl_p50_ms']:.1f} / {m['one engine']['itl_p99_ms']:.1f} ms on one engine; "
-          f"tokens identical: {m['identical_tokens']}")
+    m, ratio = d["mixed_spread"], d["mixed_spread"]["pair_over_one_engine"]
+    pair, one = m["pair"], m["one engine"]
+    print(f"mixed workload ({len(d['mixed_runs'])} runs, medians): decode ITL p50 / p99 "
+          f"{pair['itl_p50_ms'][0]:.1f} / {pair['itl_p99_ms'][0]:.1f} ms on the pair vs {one['itl_p50_ms'][0]:.1f} / "
+          f"{one['itl_p99_ms'][0]:.1f} ms on one engine; long-prompt TTFT {pair['long_ttft_median_ms'][0]:.0f} vs "
+          f"{one['long_ttft_median_ms'][0]:.0f} ms; pair / one engine: ITL p99 {ratio['itl_p99_ms']:.2f}x, TTFT "
+          f"{ratio['long_ttft_median_ms']:.2f}x; tokens identical: "
+          f"{all(r['identical_tokens'] for r in d['mixed_runs'])}")
     print(f"wrote {Path(args.out) / 'kv.json'}")
     return 0

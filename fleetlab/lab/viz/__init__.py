@@ -55,7 +55,12 @@ from fleetlab.lab.viz.blocks import (
 )
 from fleetlab.lab.viz.cost import draw_attention_pattern, draw_cache_cost, draw_pass_cost
 from fleetlab.lab.viz.forks import draw_parallel_sampling, fork_tables
-from fleetlab.lab.viz.kv_transfer import draw_connector_calls, draw_handshake, draw_pool_use  # noqa: F401 (notebook 13)
+from fleetlab.lab.viz.kv_transfer import (  # noqa: F401 (notebook 13)
+    draw_connector_calls,
+    draw_handshake,
+    draw_pool_use,
+    draw_request_paths,
+)
 from fleetlab.lab.viz.latency import draw_latency
 from fleetlab.lab.viz.layers import PatchedLayer, draw_layer_map, format_patch_table, patch_table
 from fleetlab.lab.viz.mask import PackedMask, draw_packed_mask, packed_mask

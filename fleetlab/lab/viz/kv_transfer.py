@@ -121,3 +121,36 @@ def draw_timelines(timeline: dict) -> Figure:
                        Line2D([], [], marker="*", color="tab:red", ls="", ms=10, label="its first token")],
               fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=5, frameon=False)
     return fig
+
+
+PATH_PARTS = (("wait", "0.75", "waits for the prefill rank"), ("prefill", "tab:orange", "its prompt's step there"),
+              ("transfer", "tab:blue", "K/V in flight, then the next decode step"),
+              ("join", "tab:green", "the decode step that takes it in"))
+
+
+def draw_request_paths(paths: dict) -> Figure:
+    """Each long prompt's way through a prefill/decode pair on one time axis (``collect``'s
+    ``long_requests``: ms of ``arrive``, ``prefill`` [start, end], ``join`` [start, end],
+    ``first_token``): waiting for the prefill rank, its step there (its K/V sent layer by layer
+    inside it), the K/V in flight until the decode rank's next step, that step, and the first
+    token (a star). One row per request, gids ``path:PART:RID`` and ``first:RID``."""
+    fig = Figure(figsize=(9, 0.5 + 0.45 * max(1, len(paths))), layout="constrained")
+    ax = fig.subplots()
+    rids = sorted(paths, key=lambda r: paths[r]["arrive"])
+    for y, rid in enumerate(reversed(rids)):
+        p = paths[rid]
+        edges = {"wait": (p["arrive"], p["prefill"][0]), "prefill": tuple(p["prefill"]),
+                 "transfer": (p["prefill"][1], p["join"][0]), "join": tuple(p["join"])}
+        for part, color, _ in PATH_PARTS:
+            a, b = edges[part]
+            ax.broken_barh([(a, max(b - a, 0.0))], (y - 0.3, 0.6), facecolors=color, gid=f"path:{part}:{rid}")
+        ax.plot([p["first_token"]], [y], "*", color="tab:red", ms=11, gid=f"first:{rid}")
+    ax.set_yticks(range(len(rids)), list(reversed(rids)))
+    ax.set_xlabel("ms since the short requests arrived")
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=c, label=label) for _, c, label in PATH_PARTS]
+              + [Line2D([], [], marker="*", color="tab:red", ls="", ms=10, label="first token")],
+              fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5, frameon=False)
+    return fig
