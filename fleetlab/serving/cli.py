@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fleetlab serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="'tiny' (the shipped tiny Llama), 'tiny-json' (a tiny random "
-                   "model that can spell JSON, for structured outputs) or a checkpoint directory")
+    p.add_argument("--model", default="tiny", help="'tiny' (the shipped tiny Llama), 'code' (the shipped code model), "
+                   "'tiny-json' (a tiny random model that can spell JSON, for structured outputs), a checkpoint "
+                   "directory or a PaddleFormers model id (downloaded by from_pretrained)")
     p.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS,
                    help="auto/paddleformers: the PaddleFormers model; fleet (or paddlefleet, the production "
                         "Paddle engine's spelling): the weights in the Fleet-style model")
