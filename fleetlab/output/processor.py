@@ -85,7 +85,7 @@ class OutputProcessor:
             return False
         drop = len(out.token_ids) - stream.num_kept_tokens
         if drop:
-            del out.new_token_ids[len(out.new_token_ids) - drop:]
+            del out.new_token_ids[max(0, len(out.new_token_ids) - drop):]
             del out.token_ids[stream.num_kept_tokens:]
         out.finish_reason, out.stop_reason, out.error = "stop", stream.stop_reason, None
         if running:
