@@ -171,3 +171,31 @@ def test_serve_loads_the_code_model_its_draft_and_renders_chat_without_a_templat
     assert not has_chat_template(tok)  # no chat training: the minimal template, messages' text on lines
     messages = [{"role": "user", "content": "import os"}, {"role": "user", "content": "def f():"}]
     assert chat_prompt_ids(tok, messages) == tok.encode("import os\ndef f():")
+
+
+@pytest.mark.slow
+def test_import_gpu_makes_a_checkpoint_and_refuses_logits_that_differ(tmp_path):
+    """The GPU recipe's output, stood in for by a random draft's weights in PyTorch's layout (HF names,
+    [out, in]) and its own logits: imported, loaded by from_pretrained, checked; wrong logits refused."""
+    from fleetlab.models.code_checkpoint import paddle_state_to_hf
+    from fleetlab.models.code_import import import_gpu
+    from fleetlab.models.train_code import CodeTrainConfig, build_model
+
+    model = build_model(CodeTrainConfig(draft=True, seed=3))
+    model.eval()
+    src = tmp_path / "gpu"
+    src.mkdir()
+    np.savez(src / "draft_weights.npz", **paddle_state_to_hf(model))
+    ids = np.arange(3, 3 + 2 * 16, dtype=np.int64).reshape(2, 16)
+    with paddle.no_grad():
+        logits = model(input_ids=paddle.to_tensor(ids), return_dict=True).logits.numpy()
+    np.savez(src / "draft_reference.npz", input_ids=ids, logits=logits)
+    log = {"dims": code_recipe.DRAFT, "device": "stand-in", "torch": "none", "parameters": 1, "train_tokens": 1,
+           "steps": 1, "best_step": 1, "wall_s": 0.0, "settings": {}, "held_out_float32": {}, "log": []}  # fmt: skip
+    (src / "draft_log.json").write_text(json.dumps(log))
+    record = import_gpu(str(src), str(tmp_path / "out"), draft=True)
+    assert record["export_parity"]["argmax_agreement"] == 1.0 and record["export_parity"]["max_abs_logit_diff"] < 1e-4
+    assert load(tmp_path / "out")[0].config.num_hidden_layers == code_recipe.DRAFT["num_hidden_layers"]
+    np.savez(src / "draft_reference.npz", input_ids=ids, logits=logits + 0.01)
+    with pytest.raises(RuntimeError, match="differ from PyTorch's"):
+        import_gpu(str(src), str(tmp_path / "again"), draft=True)

@@ -378,7 +378,8 @@ class InputBatch:
         ``perm[new_row] = old_row`` over rows ``[0, num_reqs)``. The two-pointer scan
         (:func:`two_pointer_swaps`): the fewest swaps, NOT stable within the decode or
         prefill group (``fleetlab.lab.lessons.reorder`` shows the stable partition and the
-        no-move gather map beside it). The batch must be condensed first.
+        no-move gather map beside it). The batch must be condensed first: a batch with holes
+        is refused (RuntimeError naming them), with or without ``python -O``.
         """
         if self.has_holes:  # a check, not an assert: ``python -O`` would reorder around the holes
             raise RuntimeError(f"reorder_split_prefill_and_decode needs a dense batch: rows {self._holes()} are "
