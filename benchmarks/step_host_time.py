@@ -34,8 +34,13 @@ STEPS_PER_ROUND = 10
 def worker(batch: int) -> None:
     """Serve the workload; on each "go" from stdin run a round and print its timings."""
     from fleetlab import SamplingParams
-    from fleetlab.lab.bench.engine import MODEL_SIZES, BenchConfig, build_model, make_llm
-    from fleetlab.lab.bench.workloads import mixed_workload
+
+    try:
+        from fleetlab.lab.bench.engine import MODEL_SIZES, BenchConfig, build_model, make_llm
+        from fleetlab.lab.bench.workloads import mixed_workload
+    except ImportError:  # older checkouts: the bench was fleetlab/bench
+        from fleetlab.bench.engine import MODEL_SIZES, BenchConfig, build_model, make_llm
+        from fleetlab.bench.workloads import mixed_workload
 
     cfg = BenchConfig()
     wl = mixed_workload(batch, cfg.breakdown_prompt_len, (1000, 1000), MODEL_SIZES["small"]["vocab_size"],

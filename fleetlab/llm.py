@@ -117,13 +117,8 @@ class LLM:
         # A verify row carries k + 1 query tokens: still a decode for the reorder and the kernels.
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         decode_threshold = max(backend_cls.reorder_threshold, k + 1)
-        self.proposer, lookahead = None, 0
-        if self.spec_config:  # speculative decoding: the proposer, with what it needs to know of the engine
-            ctx = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
-                                  self.handle.vocab_size, decode_threshold)
-            self.proposer = PROPOSERS.make(self.spec_config.method, self.spec_config, ctx, **self.spec_config.options)
-            self._closables.append(self.proposer)
-            lookahead = self.proposer.num_lookahead_tokens
+        self.proposer = self._build_proposer(cfg, num_blocks, decode_threshold)
+        lookahead = 0 if self.proposer is None else self.proposer.num_lookahead_tokens
         self.kv_connector = make_kv_connector(cfg.kv_transfer_config, self.kv_cache)  # the null one by default
         self._closables.append(self.kv_connector)
         self.scheduler = Scheduler(
@@ -132,13 +127,34 @@ class LLM:
             enable_chunked_prefill=cfg.enable_chunked_prefill, policy=cfg.scheduling_policy,
             num_lookahead_tokens=lookahead, kv_connector=self.kv_connector)
         processors, batch = self._build_batch(cfg, k, batch_fields, processors)
-        self.runner = ModelRunner(self.handle, self.kv_cache, batch, reorder=backend_cls.requires_reorder
-                                  if cfg.reorder is None else cfg.reorder, decode_threshold=decode_threshold,
-                                  sampler=(RejectionSampler if self.proposer else Sampler)(processors),
-                                  proposer=self.proposer, hooks=self.hooks, kv_connector=self.kv_connector)
-        if self.tensor_parallel is not None:
-            self.runner = self.tensor_parallel.wrap_runner(self.runner)
+        self.runner = self._build_runner(cfg, backend_cls, batch, processors, decode_threshold)
         self._build_edges(cfg, batch, processors, lookahead)
+
+    def _build_runner(self, cfg, backend_cls, batch: InputBatch, processors: list, decode_threshold: int):
+        """The model runner over ``batch``: its sampler, its reorder, the proposer (a rank's own wrapper with
+        tensor parallelism)."""
+        reorder = cfg.reorder
+        if reorder is None:  # the backend decides
+            reorder = backend_cls.requires_reorder
+        if self.proposer is None:
+            sampler = Sampler(processors)
+        else:  # drafts to verify
+            sampler = RejectionSampler(processors)
+        runner = ModelRunner(self.handle, self.kv_cache, batch, reorder=reorder, decode_threshold=decode_threshold,
+                             sampler=sampler, proposer=self.proposer, hooks=self.hooks, kv_connector=self.kv_connector)
+        if self.tensor_parallel is not None:
+            runner = self.tensor_parallel.wrap_runner(runner)
+        return runner
+
+    def _build_proposer(self, cfg, num_blocks: int, decode_threshold: int):
+        """Speculative decoding's proposer, with what it needs to know of the engine (None: no speculation)."""
+        if self.spec_config is None:
+            return None
+        ctx = ProposerContext(self.handle.backend, num_blocks, cfg.block_size, self.max_model_len,
+                              self.handle.vocab_size, decode_threshold)
+        proposer = PROPOSERS.make(self.spec_config.method, self.spec_config, ctx, **self.spec_config.options)
+        self._closables.append(proposer)
+        return proposer
 
     def _build_batch(self, cfg, k: int, batch_fields: list, processors: list) -> tuple[list, InputBatch]:
         """The sampler's processors and the persistent batch, with every processor's fields."""
@@ -150,11 +166,14 @@ class LLM:
         self._closables.append(self.structured_outputs)
         processors = [self.structured_outputs, *processors]
         fields = DEFAULT_FIELDS.copy()
-        owned = [("LLM(batch_fields=...)", f) for f in batch_fields]
-        owned += [(f"{'proposer' if p is self.proposer else 'logits processor'} {type(p).__name__}", f)
-                  for p in [*processors, self.proposer] if p is not None for f in p.fields]
-        for owner, field in owned:
-            fields.register(field, owner=owner)
+        for field in batch_fields:
+            fields.register(field, owner="LLM(batch_fields=...)")
+        for processor in processors:
+            for field in processor.fields:
+                fields.register(field, owner=f"logits processor {type(processor).__name__}")
+        if self.proposer is not None:
+            for field in self.proposer.fields:
+                fields.register(field, owner=f"proposer {type(self.proposer).__name__}")
         return processors, InputBatch(max_num_seqs=cfg.max_num_seqs, max_model_len=self.max_model_len,
                                       max_blocks_per_seq=-(-self.max_model_len // cfg.block_size), fields=fields)
 
@@ -163,7 +182,10 @@ class LLM:
         grammars = RefusedStructuredOutputs() if cfg.async_scheduling else self.structured_outputs
         self.processor = InputProcessor(self.tokenizer, self.handle, batch, self.pool, processors=processors,
                                         num_lookahead_tokens=lookahead, seed=cfg.seed, structured_outputs=grammars)
-        self.core = (OverlapEngineCore if cfg.async_scheduling else EngineCore)(self.scheduler, self.runner, self.hooks)
+        if cfg.async_scheduling:  # the host plans step N+1 while the model runs step N
+            self.core = OverlapEngineCore(self.scheduler, self.runner, self.hooks)
+        else:
+            self.core = EngineCore(self.scheduler, self.runner, self.hooks)
         if cfg.async_scheduling:
             self._closables.insert(0, self.core)  # its model thread stops before anything it reads is closed
         self.output_processor = OutputProcessor(self.tokenizer, self.handle.eos_token_id)

@@ -151,10 +151,10 @@ handle.unpatch()
 #   maximum length (notebook 02 in numbers);
 # - **shared-prefix workload**: prompts that share a long prefix, prefix cache off and on;
 # - **where an engine step's time goes**: milliseconds per step by part, at batch 4 and 64.
-#   Its steps are longer than the ones section 2 measured (22.7 ms at batch 4): that run
-#   has its own workload (64-128-token prompts, 48 tokens out, 16-token blocks) on another
-#   day's machine load, so compare its shares (the forward against the rest) with section
-#   2's, not its milliseconds;
+#   The stored run (22.7 ms a step at batch 4) has its own workload (64-128-token prompts,
+#   48 tokens out, 16-token blocks) and another day's machine load, so compare its shares
+#   (the forward against the rest) with section 2's, not its milliseconds: milliseconds
+#   measured live move with whatever else the machine is doing;
 # - **decode attention** (the H200 kernel file): how fast each implementation reads the KV
 #   cache as the context grows, against two reference lines explained in the legend, timed
 #   under CUDA-graph replay (a CUDA graph records a sequence of kernel launches once and

@@ -303,12 +303,17 @@ print("sampled_token_ids:", result.sampled_token_ids,
 # ## 9. The commit: `Scheduler.update` and `RequestOutput`
 #
 # The runner reported what it computed, keyed by request id. Only the scheduler advances a
-# request: `num_computed_tokens` moves past the step's tokens, the sampled tokens are appended
-# one at a time (each may stop the request: EOS, a stop token, `max_tokens`), and a finished
-# request's blocks go back to the pool.
+# request, in two phases. First `_outcome` works out, changing nothing, what the step does to each
+# request: the sampled tokens are looked at one at a time (each may stop the request: EOS, a stop
+# token, `max_tokens`), and the KV connector hears which requests retire. Only then does `_commit`
+# change anything: `num_computed_tokens` moves past the step's tokens, the tokens are appended, and a
+# finished request's blocks go back to the pool. So an extension that raises leaves nothing half done.
 
 # %%
-viz.show_source(fleetlab.Scheduler.update, start="for rid, n in", stop="outputs.append(")
+viz.show_source(fleetlab.Scheduler.update, start="redo = requests_to_recompute", stop="return [o for o in outputs")
+
+# %%
+viz.show_source(fleetlab.Scheduler._commit, start="rid = req.request_id", stop="return None if tokens")
 
 # %%
 outputs = llm.scheduler.update(plan, result)

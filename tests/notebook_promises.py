@@ -525,13 +525,12 @@ if prefill_rows:
 # Section 5: "One read per step ... and between five and ten uploads"; a plain decode step uploads five
 assert counts and all(reads == 1 for reads, _ in counts) and all(5 <= u <= 10 for _, u in counts), counts
 assert (1, 5) in counts, counts
-# "Its steps are longer than the ones section 2 measured (22.7 ms at batch 4): that run has its own workload
-# (64-128-token prompts, 48 tokens out, 16-token blocks)"
+# "The stored run (22.7 ms a step at batch 4) has its own workload (64-128-token prompts, 48 tokens out,
+# 16-token blocks)": live milliseconds are not compared with it (they move with the machine's load)
 _bench = results["bench"]
 _b4 = next(r for r in _bench["step_breakdown"] if r["batch_size"] == 4)
 assert round(_b4["ms_per_step"]["total"], 1) == 22.7 and _bench["config"]["breakdown_prompt_len"] == [64, 128]
 assert _bench["config"]["breakdown_output_len"] == 48 and _bench["config"]["block_size"] == 16
-assert 1e3 * whole / len(continuous_llm.traces) < _b4["ms_per_step"]["total"]
 
 '''
 

@@ -213,3 +213,23 @@ def test_a_decode_stream_that_refuses_its_prefix_is_restarted_other_errors_are_n
     detok._stream = Refusing("something else")
     with pytest.raises(Exception, match="something else"):
         detok.push(encode(TOK, "x"))
+
+
+def test_the_text_covers_every_token_when_a_caller_drove_a_step_through_the_scheduler_itself():
+    """Notebook 12 runs one step by hand (``schedule``, ``execute``, ``update``), then ``LLM.step``:
+    the output processor never saw that step's tokens, and the text must still be all of them."""
+    from types import SimpleNamespace
+
+    from fleetlab import SamplingParams
+    from fleetlab.engine.outputs import RequestOutput
+    from fleetlab.output.processor import OutputProcessor
+
+    ids = encode(TOK, "héllo wörld")
+    request = SimpleNamespace(request_id="r", sampling_params=SamplingParams(max_tokens=len(ids), stop=[]),
+                              prompt_token_ids=encode(TOK, "say: "))
+    processor = OutputProcessor(TOK, eos_token_id=None)
+    processor.add(request)
+    out = RequestOutput(request_id="r", prompt_token_ids=request.prompt_token_ids, token_ids=list(ids),
+                        new_token_ids=list(ids[-1:]), finish_reason="length")
+    (user_out,), stopped = processor.process([out])
+    assert user_out.text == TOK.decode(ids) and not stopped

@@ -537,3 +537,17 @@ def test_stable_reorder_permutation_direction():
     assert perm.tolist() == [2, 0, 1] and num_decodes == 1  # perm[new_row] = old_row: a 3-cycle
     assert batch.req_ids == ["d", "p0", "p1"]
     assert unpermute(batch.req_ids, perm).tolist() == ["p0", "p1", "d"]
+
+
+def test_every_default_field_has_a_typed_accessor_declared_on_the_class():
+    """``batch.<field>`` is defined in InputBatch's own body (a reader and an IDE find it), one per default field,
+    and reads what ``batch.np(field)`` reads."""
+    from fleetlab.engine.batch_fields import DEFAULT_FIELDS, FieldView
+
+    declared = [name for name, value in vars(InputBatch).items() if isinstance(value, FieldView)]
+    assert declared == DEFAULT_FIELDS.names()
+    batch = InputBatch(max_num_seqs=2, max_model_len=8, max_blocks_per_seq=2)
+    batch.add_request("a", [5, 6, 7], block_ids=[0])
+    assert batch.token_ids is not None and np.shares_memory(batch.token_ids, batch.np("token_ids"))
+    assert batch.num_tokens.tolist() == batch.np("num_tokens").tolist() == [3]
+    assert InputBatch.num_tokens.__doc__ == DEFAULT_FIELDS["num_tokens"].doc

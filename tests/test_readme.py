@@ -103,3 +103,15 @@ def test_the_reading_guide_is_current():
     done = subprocess.run([sys.executable, str(ROOT / "tools" / "read_the_engine.py"), "--check"],
                           capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
+
+
+def test_layout_names_every_package_and_module_of_the_tree_once():
+    """README's Layout follows the tree: each folder and module directly under fleetlab/ is named exactly once."""
+    layout = README.split("## Layout", 1)[1].split("```", 2)[1]
+    package = ROOT / "fleetlab"
+    packages = [f"{p.name}/" for p in package.iterdir() if (p / "__init__.py").is_file()]
+    modules = [p.name for p in package.glob("*.py") if p.name != "__init__.py"]
+    entries = sorted(packages + modules)
+    counts = {name: len(re.findall(rf"(?<![\w/.]){re.escape(name)}", layout)) for name in entries}
+    assert {name: n for name, n in counts.items() if n != 1} == {}
+    assert len(entries) > 20

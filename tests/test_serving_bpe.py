@@ -1,13 +1,13 @@
-"""Real text through the OpenAI-compatible server, over real HTTP: tiny random Llamas over byte-level
-BPE vocabularies (the tests' small one, whose outputs split characters over tokens all the time, and
-the shipped code tokenizer's 4,096 tokens for structured outputs).
+"""Real text through the OpenAI-compatible server, over real HTTP: a tiny random Llama over the tests'
+small byte-level BPE (its outputs split characters over tokens all the time), and the shipped code
+model (its 4,096-token byte-level BPE) for structured outputs.
 
 - streamed deltas (completions and chat) join to the whole response's text, which is the offline
   engine's, which is the full decode of the full-forward greedy tokens; no delta holds a U+FFFD
   that the text does not hold there;
 - a stop string that ends inside a token cuts the text exactly there;
-- structured outputs over the BPE vocabulary (llguidance with the tokenizer's byte tokens): a JSON
-  schema in ``response_format``, and the ``openai`` client's ``parse``, return valid JSON;
+- structured outputs over the code model's vocabulary (llguidance with the tokenizer's byte tokens):
+  a JSON schema offline, in ``response_format``, and the ``openai`` client's ``parse`` return valid JSON;
 - logprobs' token strings are the tokens' own text;
 - odd input (a lone surrogate in the prompt or a message, an empty prompt, ids outside the
   vocabulary) is a 400 naming the field.
@@ -25,7 +25,7 @@ pydantic = pytest.importorskip("pydantic")
 jsonschema = pytest.importorskip("jsonschema")
 
 from fleetlab import LLM, SamplingParams
-from fleetlab.models import load_code_tokenizer, tiny
+from fleetlab.models import load_code
 from fleetlab.patching.parity import reference_greedy
 from fleetlab.serving import AsyncLLM, ServerThread
 from fleetlab.serving.chat_template import encode_text
@@ -36,7 +36,7 @@ COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}
 
 
 class Point(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")  # a random model would add properties for ever
+    model_config = pydantic.ConfigDict(extra="forbid")  # else a small model may add properties for ever
     x: int = pydantic.Field(ge=-99, le=99)
     label: str = pydantic.Field(max_length=6)
 
@@ -50,14 +50,9 @@ def served():
         yield s, tok, ids, ref
 
 
-def code_model():
-    tok = load_code_tokenizer()
-    return tiny("llama", seed=5, vocab_size=len(tok), num_hidden_layers=2), tok
-
-
 @pytest.fixture(scope="module")
 def code_server():
-    model, tok = code_model()
+    model, tok = load_code()
     with ServerThread(AsyncLLM(LLM(model, tok, block_size=16, max_num_seqs=8)), "code") as s:
         yield s, tok
 
@@ -101,10 +96,10 @@ def test_a_stop_string_ending_inside_a_token_cuts_the_text_there(served, include
         assert got == want
 
 
-def test_a_json_schema_on_the_bpe_vocabulary_is_valid_json_offline_and_served(code_server):
+def test_a_json_schema_on_the_code_model_is_valid_json_offline_and_served(code_server):
     server, tok = code_server
     schema = Point.model_json_schema()
-    model, _ = code_model()
+    model, _ = load_code()
     with LLM(model, tok, block_size=16) as offline:
         outs = offline.generate([PROMPT, "# a point\n"], SamplingParams(
             max_tokens=48, temperature=0, structured_outputs={"json": schema, "disable_any_whitespace": True}),
@@ -158,7 +153,7 @@ def test_odd_input_is_a_400_naming_the_field(served, body, param):
 
 
 def test_odd_input_offline_names_the_request_and_the_field():
-    model, tok = code_model()
+    model, tok = load_code()
     with LLM(model, tok, block_size=16) as llm:
         for kwargs, words in [
                 (dict(prompt="a\ud800b"), "prompt is not valid UTF-8 text: a lone surrogate \\ud800"),

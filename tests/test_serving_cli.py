@@ -33,10 +33,37 @@ async def _events(response) -> list:
     return [line[6:] async for line in response.aiter_lines() if line.startswith("data: ")]
 
 
-def _stop_with_open_streams(server, sig, n: int, max_tokens: int) -> list:
-    """Open ``n`` streams, send ``sig`` to the server, read every stream to its end."""
+async def _running(client, n: int) -> None:
+    """Until the server's ``/metrics`` reports ``n`` requests in its running batch (all admitted and
+    none finished: the first of them must not be done before the last was admitted)."""
+    while True:
+        text = (await client.get("/metrics")).text
+        running = re.search(r"^fleetlab:num_requests_running\{[^}]*\} (\S+)$", text, re.M)
+        if running and float(running.group(1)) >= n:
+            return
+        assert "fleetlab:num_requests_running" in text, text[:500]
+        await asyncio.sleep(0.02)
+
+
+async def _stopped_listening(url: str) -> None:
+    """Until the server refuses new connections: its shutdown began, and the drain with it."""
+    host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    while True:
+        try:
+            _, writer = await asyncio.open_connection(host, int(port))
+        except OSError:
+            return
+        writer.close()
+        await asyncio.sleep(0.02)
+
+
+def _stop_with_open_streams(server, sig, n: int, max_tokens: int, running: bool = False) -> list:
+    """Open ``n`` streams, send ``sig`` to the server, read every stream to its end. ``running``:
+    signal only once the server reports all ``n`` in its running batch (else: once their headers came)."""
     async def run():
         client, responses = await _open_streams(server.url, n, max_tokens)
+        if running:
+            await asyncio.wait_for(_running(client, n), 60)
         server.process.send_signal(sig)
         events = await asyncio.gather(*(_events(r) for r in responses))
         await client.aclose()
@@ -86,8 +113,11 @@ def test_serve_process_bench_serve_and_ctrl_c_with_200_open_streams(tmp_path):
 
 
 def test_sigterm_lets_requests_finish_and_verbose_shows_uvicorn_and_fleetlab_lines():
+    # The signal goes once the server reports the 3 requests in its running batch, each with ~100
+    # tokens still to make: headers alone did not say so (on a loaded machine the first 12-token
+    # request was done before the last one's headers came, and the drain counted fewer than 3).
     with ServerProcess(["-v", "--model", "tiny", "--shutdown-timeout", "60"], timeout=120) as server:
-        events = _stop_with_open_streams(server, signal.SIGTERM, 3, 12)
+        events = _stop_with_open_streams(server, signal.SIGTERM, 3, 100, running=True)
         assert server.process.wait(30) == 0  # SIGTERM: a clean exit too, not 143
     for stream in events:  # they ran to the end within the shutdown timeout
         assert stream[-1] == "[DONE]" and json.loads(stream[-2])["choices"][0]["finish_reason"] == "length"
@@ -103,7 +133,7 @@ def test_a_second_ctrl_c_during_the_drain_ends_every_stream_at_once_quietly():
         async def run():
             client, responses = await _open_streams(server.url, 20, 100)
             server.process.send_signal(signal.SIGINT)  # the drain: up to 60 s for the streams to finish
-            await asyncio.sleep(0.5)
+            await _stopped_listening(server.url)  # the drain has begun (not a guess at how long that takes)
             t0 = time.monotonic()
             server.process.send_signal(signal.SIGINT)  # do not wait
             events = await asyncio.gather(*(_events(r) for r in responses))

@@ -101,3 +101,23 @@ def test_a_stop_token_s_text_is_left_out(bpe):
     kept = refs[0][: refs[0].index(token) + 1]
     assert drop.token_ids == keep.token_ids == kept and drop.stop_reason == token
     assert drop.text == tok.decode(kept[:-1]) and keep.text == tok.decode(kept)
+
+
+@pytest.mark.parametrize("speculative", SPECULATION)
+def test_the_code_model_s_text_and_stop_strings_equal_decoding_its_full_forward_tokens(speculative):
+    """The same on the shipped code model, whose tokens hold whole words with their leading spaces."""
+    from fleetlab.models import load_code
+
+    model, tok = load_code()
+    prompts = [tok.encode(p) for p in ["def read_lines(path):\n    with open(path) as f:\n", "import os\n\n\ndef "]]
+    refs, _ = reference_greedy(model, prompts, MAX_TOKENS)
+    stops = [stops_inside_tokens(tok, ref)[:1] or ["zz"] for ref in refs]
+    assert any(s != ["zz"] for s in stops)
+    with LLM(model, tok, block_size=4, speculative_config=speculative) as llm:
+        for include in (False, True):
+            sps = [SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0, stop=s,
+                                  include_stop_str_in_output=include) for s in stops]
+            for outs, ref, s in zip(run(llm, prompts, sps), refs, stops):
+                final = check_steps(outs[0])
+                kept, text, reason = expected_text(tok, ref, s, include)
+                assert (final.token_ids, final.text, final.stop_reason) == (ref[:kept], text, reason), s

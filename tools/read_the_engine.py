@@ -20,38 +20,50 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 START, END = "<!-- read-the-engine -->", "<!-- /read-the-engine -->"
 
-# (file, where the request is in it) in the order a request meets them.
+# (file, where the request is in it) in the order a request meets them: every module one decode step passes
+# through (tests/test_read_the_engine.py traces a step and holds this list to it), the edge and the
+# attention to read first beside them.
 PATH = [
-    ("fleetlab/llm.py", "`LLM.add_request`: the front door takes a prompt"),
+    ("fleetlab/llm.py", "`LLM.add_request`: the front door takes a prompt; `LLM.step` runs a step"),
     ("fleetlab/edge/input_processor.py", "`InputProcessor.process`: every check, once, at the edge"),
     ("fleetlab/engine/request.py", "`Request`: the scheduler's record of it"),
     ("fleetlab/engine/core.py", "`EngineCore.step`: schedule, execute, update"),
+    ("fleetlab/engine/hooks.py", "`StepHooks`: the step's phases, and where observers see it"),
     ("fleetlab/engine/scheduler.py", "`Scheduler.schedule`: admitted under the token budget"),
     ("fleetlab/kv/manager.py", "`KVCacheManager.allocate_slots`: prefix-cache hits, then new blocks"),
+    ("fleetlab/prefix_cache/__init__.py", "`PrefixCache`: what the pool calls (`hash_chain.py` by default)"),
     ("fleetlab/kv/block_pool.py", "`BlockPool`: reference counts, LRU free queue, the prefix cache's hooks"),
+    ("fleetlab/kv_transfer/base.py", "`KVConnector`: the connector's calls in every step (the null one by default)"),
     ("fleetlab/engine/messages.py", "`SchedulerOutput`: the step's plan sent to the runner"),
     ("fleetlab/engine/model_runner.py", "`ModelRunner.execute`: the plan applied to the batch, the model run"),
     ("fleetlab/engine/input_batch.py", "`InputBatch`: its row, condensed and reordered decode-first"),
     ("fleetlab/engine/batch_fields.py", "`Field`: every per-request buffer, declared once"),
+    ("fleetlab/device.py", "`upload_packed`: the step's host arrays to the device in one copy"),
     ("fleetlab/attention/metadata.py", "`AttentionMetadata.from_batch`: positions, `slot_mapping`, `block_tables`"),
     ("fleetlab/attention/context.py", "`forward_context`: how attention deep in the model finds the step"),
+    ("fleetlab/patching/handle.py", "`PatchHandle`: the patched model, checked live and the step well formed"),
+    ("fleetlab/patching/paddleformers.py", "the model's own forward, its attention routed to fleetlab's"),
     ("fleetlab/attention/backend.py", "`AttentionBackend.forward`: write K/V, then `attend`"),
     ("fleetlab/kv/paged_cache.py", "`PagedKVCache.write`: K/V into their slots"),
     ("fleetlab/attention/naive.py", "`naive_paged_attention`: the attention to read (`tiled.py` batches it)"),
+    ("fleetlab/attention/tiled.py", "`TiledBackend.attend`: the default attention, rows batched into tiles"),
     ("fleetlab/engine/sampler.py", "`Sampler`: its next token, in the step's one device read"),
+    ("fleetlab/engine/logits_processor.py", "`apply_processor`: each logits processor called, its result checked"),
+    ("fleetlab/structured_output/processor.py", "grammar masks, a logits processor (no constraint: nothing to do)"),
+    ("fleetlab/processors/penalties.py", "`PenaltiesProcessor`: penalties and `logit_bias`, a logits processor"),
+    ("fleetlab/errors.py", "`refuse`, `call_extension`: a failure names what failed"),
     ("fleetlab/engine/outputs.py", "`RequestOutput`: what `Scheduler.update` hands back"),
-    ("fleetlab/engine/hooks.py", "`StepHooks`: where observers see the step"),
     ("fleetlab/output/processor.py", "`OutputProcessor`: stop strings, logprobs, fan-in, text (beside the core)"),
     ("fleetlab/output/text.py", "`TextStream`: its text token by token, cut at a stop string"),
     ("fleetlab/output/detokenizer.py", "incremental detokenization: `DecodeStream`, or prefix and read offsets"),
-    ("fleetlab/inspect/recorder.py", "`StepRecorder`: a trace of every step (beside the core)"),
+    ("fleetlab/output/stop.py", "stop strings: the search, and what a stream holds back"),
+    ("fleetlab/output/logprobs.py", "`LogprobsCollector`: the step's log-probabilities, by request"),
+    ("fleetlab/inspect/recorder.py", "`StepRecorder`: a trace of every step (`record_traces=True`, beside the core)"),
 ]
-# A request asking for more than one sequence, logprobs, penalties or stop strings also passes through these.
+# A request asking for more than one sequence or for logprobs also passes through these.
 SAMPLING_PATH = [
     ("fleetlab/output/parallel_sampling.py", "`ParentRequest`: `n` children sharing the prompt's blocks"),
-    ("fleetlab/processors/penalties.py", "`PenaltiesProcessor`: penalties and `logit_bias`, a logits processor"),
     ("fleetlab/engine/logprobs.py", "log-probabilities, in the step's one read"),
-    ("fleetlab/output/stop.py", "stop strings: the search, and what a stream holds back"),
 ]
 # With speculative decoding, the request also passes through these.
 SPEC_PATH = [
@@ -105,7 +117,7 @@ def table() -> str:
     for i, (name, what) in enumerate(PATH + SAMPLING_PATH + SPEC_PATH, 1):
         path = ROOT / name
         note = (" (speculative decoding)" if (name, what) in SPEC_PATH else
-                " (`n`, logprobs, penalties, stop strings)" if (name, what) in SAMPLING_PATH else "")
+                " (`n`, logprobs)" if (name, what) in SAMPLING_PATH else "")
         rows.append(f"| {i} | `{name}` | {what}{note} | {code_lines(path)} | "
                     f"{len(path.read_text(encoding='utf-8').splitlines())} |")
     files = core_files()

@@ -157,6 +157,70 @@ def tiny_model_block(t: dict) -> str:
         f"(`fleetlab/models/weights/training.json`); `tests/test_tiny_trained.py` checks >= 90%.")
 
 
+CODE_DIR = ROOT / "fleetlab" / "models" / "code"
+
+
+def code_model_block(bench: dict) -> str:
+    """The code model's training and held-out figures (its and its draft's ``training.json``) and
+    ``bench code``'s speculation and prefix-caching figures (``code.json``)."""
+    model, draft = (json.loads((d / "training.json").read_text(encoding="utf-8"))
+                    for d in (CODE_DIR, CODE_DIR / "draft"))
+    mh, dh = model["evaluation"]["held_out"], draft["evaluation"]["held_out"]
+    sample = model["evaluation"]["samples"][3]
+    head = fill(
+        f"**The shipped code model is undertrained.** It was trained on a 2-core CPU shared with other work by "
+        f"`python -m fleetlab train-code --steps {model['config']['steps']}` (and `--draft --steps "
+        f"{draft['config']['steps']}`): {model['config']['steps']} steps of {model['config']['batch_size']} × "
+        f"{model['config']['seq_len']} tokens, "
+        f"{model['config']['steps'] * model['config']['batch_size'] * model['config']['seq_len'] / 1e6:.1f}M tokens of "
+        f"the {model['train_tokens'] / 1e6:.1f}M, in {model['cpu_s']:.0f} s of CPU time ({model['wall_s']:.0f} s "
+        f"wall-clock); the draft took {draft['cpu_s']:.0f} s of CPU time. No GPU machine could be had while it was "
+        f"built, so the GPU recipe above has not been run. Held-out figures (`python -m fleetlab train-code "
+        f"--evaluate [--draft]`: every {mh['seq_len']}-token window of the held-out modules, {mh['tokens']:,} "
+        f"tokens, Paddle on the CPU; in `fleetlab/models/code/training.json`):")
+    table = ["| model | held-out loss (nats) | perplexity | next-token accuracy |", "| --- | --- | --- | --- |",
+             f"| code model ({model['parameters'] / 1e6:.1f}M) | {mh['loss']:.2f} | {mh['perplexity']:.0f} | "
+             f"{100 * mh['accuracy']:.1f}% |",
+             f"| draft ({draft['parameters'] / 1e6:.2f}M) | {dh['loss']:.2f} | {dh['perplexity']:.0f} | "
+             f"{100 * dh['accuracy']:.1f}% |"]
+    looks = fill(
+        "Greedy text has the look of the library (indentation, `self.`, `assertEqual`, test classes) but soon "
+        "loops; the tests compare the held-out figures with a model of token frequencies alone "
+        "(`tests/test_code_model.py`). One of the samples in `training.json`, prompt then completion:")
+    looks += "\n\n```text\n" + sample["prompt"] + sample["completion"] + "\n```"
+    runs = {(w, r["name"]): r for w in ("edit", "continue") for r in bench[w]}
+    intro = fill(
+        f"**Speculation and prefix caching on it** (`OMP_NUM_THREADS=1 {bench['command']}`, "
+        f"`benchmarks/results/code.json`; {describe(bench['machine'])}). Greedy, "
+        f"{bench['edit'][0]['num_output_tokens']} and {bench['continue'][0]['num_output_tokens']} output tokens "
+        f"over the prompts cut from the held-out modules; "
+        f"every run's tokens equal speculation off's: "
+        f"{all(r['identical_to_off'] for r in runs.values())}.")
+    spec = ["| workload | run | acceptance | tokens per verify step | target forwards per output token |",
+            "| --- | --- | --- | --- | --- |"]
+    for (w, name), r in runs.items():
+        if name != "off":
+            spec.append(f"| {w} | {name} | {r['acceptance_rate']:.2f} | {r['mean_acceptance_length']:.2f} | "
+                        f"{r['forwards_per_token_vs_off']:.2f} of off's |")
+    completion = bench["sample_edit"]["completion"]
+    caveat = fill(
+        f"Read the prompt-lookup figures with care: the model does not copy the function back (on the first `edit` "
+        f"prompt, after the function's `def` line, it writes `{' '.join(completion.split())[:40]}`...), and "
+        f"{100 * bench['edit'][0]['repeated_4gram_share']:.0f}% of "
+        f"the 4-grams of its `edit` outputs ({100 * bench['continue'][0]['repeated_4gram_share']:.0f}% for "
+        f"`continue`) repeat earlier ones of the same output. Prompt lookup reads the output too, so it predicts "
+        f"those loops: the acceptance is mostly loops, not identifiers copied from the prompt.")
+    radix, none = bench["prefix"]["runs"]
+    prefix = fill(
+        f"Prefix caching over a real shared header (`{bench['prefix']['header_module']}` up to its first method: "
+        f"imports, module code, the class skeleton; {bench['prefix']['header_tokens']} tokens), then one request "
+        f"per method `def` line: with the radix cache {radix['prefill_tokens_computed']:,} of "
+        f"{radix['prompt_tokens']:,} prompt tokens were computed (hit rate {radix['hit_rate']:.2f}), with none all "
+        f"{none['prefill_tokens_computed']:,}; {radix['seconds']:.1f} s against {none['seconds']:.1f} s for the batch "
+        f"(one run each after a warm-up: indicative only); tokens identical: {radix['identical_tokens']}.")
+    return "\n\n".join([head, "\n".join(table), looks, intro, "\n".join(spec), caveat, prefix])
+
+
 def tp_block(r: dict) -> str:
     from fleetlab.lab.bench.tp import table
 
@@ -483,6 +547,7 @@ BLOCKS = {
     "kv": (RESULTS / "kv.json", kv_block),
     "overlap": (RESULTS / "overlap.json", overlap_block),
     "engine-overlap": (RESULTS / "engine_overlap" / "bench.json", engine_overlap_block),
+    "code-model": (RESULTS / "code.json", code_model_block),
 }
 _BLOCK = re.compile(r"<!-- figures (?P<name>[\w-]+) -->\n(?:(?P<body>.*?)\n)?<!-- /figures (?P=name) -->", re.S)
 

@@ -79,11 +79,12 @@ class FieldRegistry:
     """
 
     def __init__(self, fields: tuple[Field, ...] | list[Field] = (), *, frozen: bool = False,
-                 owners: Mapping[str, str] | None = None) -> None:
+                 owners: Mapping[str, str] | None = None, owner: str = "") -> None:
+        """``owners``: who declared each field (by name), else ``owner`` for all of them."""
         self._fields: dict[str, Field] = {}
-        self._owners = dict(owners or {})  # field name -> who registered it, for the duplicate's message
+        self._owners: dict[str, str] = {}  # field name -> who registered it, for the duplicate's message
         for field in fields:
-            self.register(field, owner=self._owners.get(field.name, ""))
+            self.register(field, owner=(owners or {}).get(field.name, owner))
         self.frozen = frozen
 
     def register(self, field: Field, owner: str = "") -> None:
@@ -124,7 +125,7 @@ class FieldRegistry:
 # The per-request state of one running request. Device fields are what the sampler reads
 # every step (and the block table, which attention reads); the rest is host bookkeeping
 # that the runner turns into AttentionMetadata itself.
-DEFAULT_FIELDS = FieldRegistry([
+DEFAULT_FIELDS = FieldRegistry(owner="the engine (fleetlab DEFAULT_FIELDS)", fields=[
     Field("req_id", (), "object", "host", None, "request id; None marks an empty row"),
     Field("token_ids", ("max_model_len",), "int64", "host", 0, "prompt then output tokens"),
     Field("num_tokens", (), "int32", "host", 0, "valid entries of token_ids (prompt + output)"),
@@ -153,7 +154,18 @@ DEFAULT_FIELDS = FieldRegistry([
     Field("prompt_embeds", (), "object", "host", None,
           "side data bound to the request: (positions, embeddings) replacing prompt token embeddings"),
 ])
-DEFAULT_FIELDS._owners = dict.fromkeys(DEFAULT_FIELDS.names(), "the engine (fleetlab DEFAULT_FIELDS)")
+
+
+class FieldView:
+    """``batch.<name>``: an InputBatch's writable numpy view of default field ``name``, rows
+    ``[0, num_rows)`` (``batch.np(name)``), declared on the class where a reader and an IDE find it."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+        self.__doc__ = DEFAULT_FIELDS[name].doc
+
+    def __get__(self, batch, owner=None) -> np.ndarray:
+        return self if batch is None else batch.np(self.name)
 
 
 def check_field_value(field, where: str, value, sizes: Mapping[str, int]):

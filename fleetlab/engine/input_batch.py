@@ -36,7 +36,7 @@ import paddle
 
 from fleetlab import device
 from fleetlab.attention.metadata import is_decode_row
-from fleetlab.engine.batch_fields import DEFAULT_FIELDS, FieldRegistry
+from fleetlab.engine.batch_fields import DEFAULT_FIELDS, FieldRegistry, FieldView
 from fleetlab.errors import refuse
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,30 @@ class InputBatch:
     because moving rows of device tensors would launch one kernel per buffer per swap;
     ``sync_to_device()`` copies rows ``[0, num_reqs)`` of each device field once per step.
     """
+
+    # One typed accessor per default field: ``batch.token_ids`` is ``batch.np("token_ids")`` (the field's doc).
+    req_id = FieldView()
+    token_ids = FieldView()
+    num_tokens = FieldView()
+    num_prompt_tokens = FieldView()
+    num_computed_tokens = FieldView()
+    num_scheduled_tokens = FieldView()
+    num_spec_tokens = FieldView()
+    num_placeholders = FieldView()
+    block_table = FieldView()
+    num_blocks = FieldView()
+    temperature = FieldView()
+    top_k = FieldView()
+    top_p = FieldView()
+    seed = FieldView()
+    max_tokens = FieldView()
+    min_tokens = FieldView()
+    ignore_eos = FieldView()
+    stop_token_ids = FieldView()
+    eos_token_id = FieldView()
+    num_logprobs = FieldView()
+    num_prompt_logprobs = FieldView()
+    prompt_embeds = FieldView()
 
 
     def __init__(self, max_num_seqs: int, max_model_len: int, max_blocks_per_seq: int, *, max_stop_ids: int = 8,
@@ -354,7 +378,8 @@ class InputBatch:
         ``perm[new_row] = old_row`` over rows ``[0, num_reqs)``. The two-pointer scan
         (:func:`two_pointer_swaps`): the fewest swaps, NOT stable within the decode or
         prefill group (``fleetlab.lab.lessons.reorder`` shows the stable partition and the
-        no-move gather map beside it). The batch must be condensed first.
+        no-move gather map beside it). The batch must be condensed first: a batch with holes
+        is refused (RuntimeError naming them), with or without ``python -O``.
         """
         if self.has_holes:  # a check, not an assert: ``python -O`` would reorder around the holes
             raise RuntimeError(f"reorder_split_prefill_and_decode needs a dense batch: rows {self._holes()} are "
@@ -388,10 +413,6 @@ class InputBatch:
                 self._mirrored[name][...] = self._np[name]
         self._synced_rows = self._num_rows
 
-
-# ``batch.token_ids`` is ``batch.np("token_ids")``: a typed accessor for each default field.
-for _name in DEFAULT_FIELDS.names():
-    setattr(InputBatch, _name, property(lambda batch, name=_name: batch.np(name), doc=DEFAULT_FIELDS[_name].doc))
 
 
 def _fits(field, value) -> bool:

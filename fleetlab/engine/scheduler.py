@@ -205,9 +205,10 @@ class Scheduler:
                 break
             n = min(remaining, budget)
             wait = num_external > 0 and self.connector.load_kv_async  # its K/V arrive between steps
-            # Waiting, it holds its slots as lookahead: no block enters the prefix cache before its K/V is there.
-            new, ahead = ((0, num_external + remaining + self.num_lookahead_tokens) if wait else
-                          (num_external + n, self._lookahead(req, n + num_hit_tokens + num_external)))
+            if wait:  # it holds its slots as lookahead: no block enters the prefix cache before its K/V is there
+                new, ahead = 0, num_external + remaining + self.num_lookahead_tokens
+            else:
+                new, ahead = num_external + n, self._lookahead(req, n + num_hit_tokens + num_external)
             try:
                 if self.kv.allocate_slots(req, new, ahead, hits, max_num_tokens=self.max_model_len) is None:
                     break
@@ -356,7 +357,10 @@ class Scheduler:
         """End a running request (or a waiting one, aborted): free its blocks (or hold them, if
         the connector asked, ``hold``) and forget it (the engine keeps no history)."""
         req.finish_time = now
-        (self.running if req in self.running else self.waiting).remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        else:  # aborted while waiting
+            self.waiting.remove(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         req.spec_token_ids = []

@@ -32,12 +32,20 @@ def load_code_tokenizer():
 
 def load_code(draft: bool = False):
     """The shipped code model (or, ``draft=True``, its draft) and tokenizer: ``(model, tokenizer)``,
-    the model a PaddleFormers ``LlamaForCausalLM`` in eval mode."""
+    the model a PaddleFormers ``LlamaForCausalLM`` in eval mode.
+
+    The directory is a PaddleFormers checkpoint (``from_pretrained`` reads it, as :func:`load` does
+    for a copy); the weights are read here without ``from_pretrained``, which would write a
+    metadata file into the package.
+    """
+    from fleetlab.models.bpe import load_fast_tokenizer
+    from fleetlab.models.pretrained import read_llama
+
     directory = DRAFT_DIR if draft else CODE_DIR
     if not (directory / "model.safetensors").is_file():
         raise FileNotFoundError(f"load_code: no model.safetensors in {directory}; "
                                 f"run `python -m fleetlab train-code{' --draft' if draft else ''}`")  # fmt: skip
-    return from_pretrained(directory)
+    return read_llama(directory), load_fast_tokenizer(directory)
 
 
 def load(name_or_path: str | os.PathLike):
@@ -50,10 +58,12 @@ def load(name_or_path: str | os.PathLike):
         return pretrained.load_tiny(pretrained.DRAFT_WEIGHTS_DIR if name == "tiny-draft" else None)
     if name in ("code", "code-draft"):
         return load_code(draft=name == "code-draft")
-    path = Path(name)
-    if path.exists() and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"load: {name!r} exists but is not a checkpoint directory (no config.json)")
-    return from_pretrained(name)
+    path = Path(name).expanduser()
+    looks_like_path = path.is_absolute() or name.startswith((".", "~")) or path.exists()
+    if looks_like_path and not (path / "config.json").is_file():
+        raise FileNotFoundError(f"load: {name!r} is not a checkpoint directory with config.json "
+                                f"(nor one of {list(SHIPPED)})")  # fmt: skip
+    return from_pretrained(path if looks_like_path else name)
 
 
 def from_pretrained(name_or_path: str | os.PathLike):

@@ -69,31 +69,42 @@ def load_tiny(path: str | os.PathLike | None = None):
     """The trained tiny Llama and its tokenizer: ``(LlamaForCausalLM in eval mode, CharTokenizer)``.
 
     ``path`` defaults to the checkpoint shipped in the package (``WEIGHTS_DIR``).
-    Weights are read with ``safetensors.numpy`` (device-neutral) and copied into a
-    model built from ``config.json`` on Paddle's current device.
     """
     directory = Path(path) if path is not None else WEIGHTS_DIR
     if not (directory / MODEL_FILE).is_file():
         raise FileNotFoundError(
             f"load_tiny: no {MODEL_FILE} in {directory}; run `python -m fleetlab train-tiny` to create it"
         )
+    return read_llama(directory), CharTokenizer.load(directory)
+
+
+def read_llama(directory: Path):
+    """The ``LlamaForCausalLM`` (eval mode) of a shipped checkpoint directory.
+
+    Weights are read with ``safetensors.numpy`` (device-neutral) and copied into a model built
+    from ``config.json`` on Paddle's current device; a tied ``lm_head`` may be absent from the
+    file. Unlike ``from_pretrained`` this writes nothing into ``directory`` (package data).
+    """
     with open(directory / CONFIG_FILE, encoding="utf-8") as f:
         config = LlamaConfig(**json.load(f))
     model = LlamaForCausalLM(config)
     weights = load_file(str(directory / MODEL_FILE))
     expected = model.state_dict()
-    if set(weights) != set(expected):
-        missing, unexpected = sorted(set(expected) - set(weights)), sorted(set(weights) - set(expected))
-        raise RuntimeError(f"load_tiny: {directory / MODEL_FILE} missing {missing}, unexpected {unexpected}")
+    wanted = set(expected) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if set(weights) != wanted:
+        missing, unexpected = sorted(wanted - set(weights)), sorted(set(weights) - wanted)
+        raise RuntimeError(f"read_llama: {directory / MODEL_FILE} missing {missing}, unexpected {unexpected}")
     state = {}
     for key, array in weights.items():
         array = array.T if _is_transposed(model, key, array.ndim) else array
         if tuple(array.shape) != tuple(expected[key].shape):
-            raise RuntimeError(f"load_tiny: {key} has shape {array.shape}, model wants {expected[key].shape}")
+            raise RuntimeError(f"read_llama: {key} has shape {array.shape}, model wants {expected[key].shape}")
         state[key] = np.ascontiguousarray(array)
+    if config.tie_word_embeddings:  # the same tensor: given, so Paddle does not warn that it is missing
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.set_state_dict(state)
     model.eval()
-    return model, CharTokenizer.load(directory)
+    return model
 
 
 def load_pretrained(path: str | os.PathLike):

@@ -173,6 +173,26 @@ def train(cfg: CodeTrainConfig) -> dict:
     return record
 
 
+def evaluate_checkpoint(out_dir: str, seq_len: int) -> dict:
+    """``--evaluate``: held-out loss and accuracy over every ``seq_len`` window of the held-out
+    modules, and greedy samples; stored under ``"evaluation"`` in ``out_dir/training.json``."""
+    from fleetlab.models.code_checkpoint import evaluate
+    from fleetlab.models.code_import import samples
+    from fleetlab.models.pretrained import read_llama
+
+    # Not from_pretrained: it would write a metadata file into the (package's) directory.
+    model, tokenizer = read_llama(Path(out_dir)), bpe.load_fast_tokenizer(out_dir)
+    ids = [tokenizer.encode(text) + [bpe.EOS_ID] for text in code_corpus.documents("held_out")]
+    held = evaluate(model, np.concatenate([np.asarray(i, np.int64) for i in ids]), seq_len)
+    result = {"held_out": {**asdict(held), "perplexity": held.perplexity, "seq_len": seq_len,
+                           "measured": "Paddle, CPU, every window"}, "samples": samples(model, tokenizer)}  # fmt: skip
+    path = Path(out_dir, "training.json")
+    record = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    record["evaluation"] = result
+    path.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
 def export_inputs(directory: str) -> None:
     """``--export DIR``: the GPU recipe's inputs (token streams as ``.npy``, ``recipe.json``)."""
     out = Path(directory)
@@ -201,6 +221,8 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[CodeTrainConfig, argp
     parser.add_argument("--tokenizer-only", action="store_true", help="write the tokenizer and manifest only")
     parser.add_argument("--export", metavar="DIR", help="write the GPU recipe's inputs to DIR and stop")
     parser.add_argument("--import-gpu", metavar="DIR", help="make the checkpoint from the GPU recipe's output DIR")
+    parser.add_argument("--evaluate", action="store_true",
+                        help="measure the checkpoint in --out on every held-out window, add samples; record both")
     args = parser.parse_args(argv)
     out = args.out or str(code_recipe.DRAFT_DIR if args.draft else code_recipe.CODE_DIR)
     cfg = CodeTrainConfig(out_dir=out, draft=args.draft, steps=args.steps, seed=args.seed, batch_size=args.batch_size,
@@ -222,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         from fleetlab.models.code_import import import_gpu
 
         print(json.dumps(import_gpu(args.import_gpu, cfg.out_dir, draft=cfg.draft), indent=2))
+        return 0
+    if args.evaluate:
+        print(json.dumps(evaluate_checkpoint(cfg.out_dir, cfg.seq_len), indent=2))
         return 0
     if args.tokenizer_only:
         tokenizer, manifest = bpe.train_bpe(code_corpus.documents("train")), code_corpus.manifest()

@@ -73,8 +73,11 @@ class OutputProcessor:
         if stream is None:
             return False
         running = not out.finished
-        # the scheduler's "stop" is always its last token's (EOS or a stop token)
-        out.new_text = stream.push(out.new_token_ids, stopped_on_token=out.finish_reason == "stop")
+        # the tokens the stream has not seen: this step's new ones, and any of a step a caller drove
+        # through the scheduler itself (notebook 12 does), so the text always covers all of token_ids.
+        # The scheduler's "stop" is always its last token's (EOS or a stop token).
+        unseen = out.token_ids[stream.num_tokens:]
+        out.new_text = stream.push(unseen, stopped_on_token=out.finish_reason == "stop")
         if out.finished or stream.stopped:
             out.new_text += stream.finish()
         out.text = stream.text[:stream.sent]
@@ -82,7 +85,7 @@ class OutputProcessor:
             return False
         drop = len(out.token_ids) - stream.num_kept_tokens
         if drop:
-            del out.new_token_ids[len(out.new_token_ids) - drop:]
+            del out.new_token_ids[max(0, len(out.new_token_ids) - drop):]
             del out.token_ids[stream.num_kept_tokens:]
         out.finish_reason, out.stop_reason, out.error = "stop", stream.stop_reason, None
         if running:

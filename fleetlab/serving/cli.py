@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m fleetlab serve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny", help="'tiny' (the shipped tiny Llama), 'tiny-json' (a tiny random "
-                   "model that can spell JSON, for structured outputs) or a checkpoint directory")
+    p.add_argument("--model", default="tiny", help="'tiny' (the shipped tiny Llama), 'code' (the shipped code model), "
+                   "'tiny-json' (a tiny random model that can spell JSON, for structured outputs), a checkpoint "
+                   "directory or a PaddleFormers model id (downloaded by from_pretrained)")
     p.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS,
                    help="auto/paddleformers: the PaddleFormers model; fleet (or paddlefleet, the production "
                         "Paddle engine's spelling): the weights in the Fleet-style model")
@@ -71,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--async-scheduling", action="store_true",
                    help="overlap scheduling: the host plans step N+1 while step N's forward runs (fleetlab.overlap)")
     p.add_argument("--kv-role", choices=("prefill", "decode", "by-rank"), default=None,
-                   help="disaggregated serving (fleetlab.serving.disagg.cli; `python -m fleetlab disagg` starts "
+                   help="disaggregated serving (fleetlab.serving.disagg.rank; `python -m fleetlab disagg` starts "
                         "both): decode serves HTTP and pulls each prompt's K/V from the prefill rank")
     p.add_argument("--max-queue-len", type=int, default=256,
                    help="requests that may wait beyond --max-num-seqs; one more is answered 503 at once")
@@ -118,7 +119,7 @@ def engine_config(args) -> dict:
     if args.speculative_config is not None:
         cfg["speculative_config"] = resolve_draft(args.speculative_config)
     if args.kv_role is not None:
-        from fleetlab.serving.disagg.cli import kv_role_config
+        from fleetlab.serving.disagg.rank import kv_role_config
 
         cfg["kv_transfer_config"] = kv_role_config(args.kv_role)
     return cfg
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
         return 2
     verbose = logging.getLogger("fleetlab").isEnabledFor(logging.INFO)  # `python -m fleetlab -v`
     if args.kv_role is not None:
-        from fleetlab.serving.disagg.cli import resolve_role, run_prefill
+        from fleetlab.serving.disagg.rank import resolve_role, run_prefill
 
         if resolve_role(args.kv_role) == "prefill":
             return run_prefill(args, engine_config)

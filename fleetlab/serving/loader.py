@@ -2,12 +2,15 @@
 
 ``--model``:
   ``tiny``  the trained tiny Llama shipped in ``fleetlab/models/weights`` (character tokenizer);
+  ``code``  the code model shipped in ``fleetlab/models/code`` (byte-level BPE tokenizer);
   ``tiny-json``  a tiny random Llama whose characters can spell JSON
             (:func:`fleetlab.models.tiny_json`): it writes noise unless a request constrains it
             (``response_format``, ``structured_outputs``);
   PATH      a checkpoint directory: PaddleFormers' ``AutoModelForCausalLM`` reads it, and its
             tokenizer is fleetlab's ``CharTokenizer`` when ``tokenizer.json`` says so, else
-            PaddleFormers' ``AutoTokenizer`` (nothing is downloaded: both read the directory).
+            PaddleFormers' ``AutoTokenizer`` (nothing is downloaded: both read the directory);
+  ID        a model id (``baidu/ERNIE-4.5-0.3B-PT``): PaddleFormers' ``from_pretrained``
+            downloads it, on a machine with a network (:func:`fleetlab.models.load`).
 ``--model-impl``:
   ``auto`` / ``paddleformers``  the PaddleFormers model, its attention patched through
             PaddleFormers' attention interface;
@@ -20,7 +23,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 MODEL_IMPLS = ("auto", "paddleformers", "fleet", "paddlefleet")
@@ -34,16 +36,14 @@ def load_model(model: str, model_impl: str = "auto"):
     """
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"--model-impl {model_impl!r}: choose from {list(MODEL_IMPLS)}")
-    if model == "tiny":
-        from fleetlab.models import load_tiny
-
-        net, tokenizer = load_tiny()
-    elif model == "tiny-json":
+    if model == "tiny-json":
         from fleetlab.models import tiny_json
 
         net, tokenizer = tiny_json()
     else:
-        net, tokenizer = _checkpoint("--model", model), load_tokenizer(Path(model))
+        from fleetlab.models import load
+
+        net, tokenizer = load(model)
     if model_impl in ("fleet", "paddlefleet"):
         from fleetlab.models.convert import fleet_from_llama
 
@@ -52,12 +52,13 @@ def load_model(model: str, model_impl: str = "auto"):
 
 
 def load_draft(model: str):
-    """The draft model a speculative config names: ``"tiny"`` is the shipped draft
-    (``fleetlab.models.load_tiny_draft``), anything else a checkpoint directory."""
-    if model == "tiny":
-        from fleetlab.models import load_tiny_draft
+    """The draft model a speculative config names: ``"tiny"`` / ``"code"`` are the shipped
+    drafts of those models (``fleetlab.models.load_tiny_draft``, ``load_code(draft=True)``),
+    anything else a checkpoint directory."""
+    if model in ("tiny", "code"):
+        from fleetlab.models import load
 
-        return load_tiny_draft()[0]
+        return load(f"{model}-draft")[0]
     return _checkpoint("speculative_config model", model)
 
 
@@ -66,24 +67,7 @@ def _checkpoint(what: str, model: str):
     ``what`` when it is not one."""
     path = Path(model)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{what} {model!r}: not 'tiny' and not a checkpoint directory with config.json")
+        raise FileNotFoundError(f"{what} {model!r}: not 'tiny', 'code' or a checkpoint directory with config.json")
     from fleetlab.models import load_pretrained
 
     return load_pretrained(path)
-
-
-def load_tokenizer(path: Path):
-    """The tokenizer stored in checkpoint directory ``path``."""
-    file = path / "tokenizer.json"
-    if file.is_file():
-        try:
-            kind = json.loads(file.read_text(encoding="utf-8")).get("type")
-        except (ValueError, AttributeError):
-            kind = None
-        if kind == "char":
-            from fleetlab.models.tokenizer import CharTokenizer
-
-            return CharTokenizer.load(path)
-    from paddleformers.transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))

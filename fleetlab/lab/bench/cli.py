@@ -12,7 +12,9 @@ tensor-parallel processes: step time and the share spent in all-reduce), ``spec`
 workload: acceptance, target forwards per output token, engine steps, wall-clock speed-up),
 ``structured`` (structured outputs outside the model: grammar compile time per constraint,
 bitmask fill per row, masking), ``prefix`` (prefix caching: hash chain, radix tree and none on
-shared-prefix, multi-turn and unrelated prompts; fcfs against longest-prefix-first),
+shared-prefix, multi-turn and unrelated prompts; fcfs against longest-prefix-first), ``code``
+(the code model: prompt lookup and its draft on a code-editing workload, prefix caching over a
+real header),
 ``kv`` (KV connectors: the offload tier's hit rate and TTFT
 against the pool alone, a new engine loading from shared storage, bytes moved between a
 prefill rank and a decode rank), ``overlap`` (overlap scheduling against the synchronous loop at
@@ -40,6 +42,7 @@ BENCHES = {
     "spec": "fleetlab.lab.bench.spec",
     "structured": "fleetlab.lab.bench.structured",
     "prefix": "fleetlab.lab.bench.prefix",
+    "code": "fleetlab.lab.bench.code",
     "kv": "fleetlab.lab.bench.kv",
     "overlap": "fleetlab.lab.bench.overlap",
 }

@@ -9,6 +9,13 @@ in flight as soon as the watch sees the death (a stream that has started gets an
 event and ``[DONE]``). It never waits on a dead rank. The proxy keeps answering 503 until it
 is stopped; restarting the job is the operator's move.
 
+A rank's death also stops its peer: the launcher sends the decode rank SIGTERM, and its server
+ends the streams it still holds with its own "the server is shutting down" error, which would
+reach the client before the proxy's watch names the rank that died. So an upstream
+``shutting_down`` error (a stream's event or a whole 503) is answered with the watch's reason
+instead, waiting up to ``NAME_WAIT_S`` for the watch to see the death; only a decode server
+stopped on its own (the job still up) passes its message through.
+
 vLLM's ``disagg_proxy_server.py`` (its examples) forwards to a prefill and a decode instance;
 FastDeploy's router and SGLang's ``mini_lb`` pick the pair. Here the decode side routes to the
 prefill side itself (the handshake), so the proxy has one upstream and two processes to watch.
@@ -27,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 ROLES = {"prefill": 1, "decode": 0}  # role -> rank in the job
 POLL_S = 0.2
+NAME_WAIT_S = 3.0  # how long an upstream shutdown waits for the watch to name the rank that died
 # Hop-by-hop headers and those the body's new framing replaces.
 _DROP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive"}
 
@@ -111,20 +119,47 @@ async def _or_gone(awaitable, gone: asyncio.Event):
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
-def build_proxy(upstream: str, watch: JobWatch):
-    """A Starlette app forwarding every path to ``upstream`` (``http://host:port``) while ``watch`` is up."""
+def shutting_down(payload: bytes) -> bool:
+    """Whether ``payload`` (an SSE event or a response body) is the decode server's own shutdown error."""
+    if b"shutting_down" not in payload:
+        return False
+    text = payload.decode("utf-8", "replace").strip()
+    text = text[len("data:"):].strip() if text.startswith("data:") else text
+    try:
+        error = json.loads(text).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "shutting_down"
+
+
+async def why_down(watch: JobWatch, wait: float = NAME_WAIT_S) -> str | None:
+    """The watch's reason the job is down, waiting up to ``wait`` seconds for it to see a death
+    (the peer's shutdown can come first); None if the job is still up."""
+    deadline = asyncio.get_running_loop().time() + wait
+    while watch.poll() is None and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(POLL_S / 4)
+    return watch.poll()
+
+
+def build_proxy(upstream: str, watch: JobWatch, transport=None):
+    """A Starlette app forwarding every path to ``upstream`` (``http://host:port``) while ``watch``
+    is up. ``transport``: httpx's, for tests (an ``httpx.ASGITransport`` standing in for the rank)."""
     import httpx
     from starlette.applications import Starlette
-    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     from fleetlab.serving.errors import error_body
 
     gone = asyncio.Event()
-    client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(None, connect=5.0))
+    client = httpx.AsyncClient(base_url=upstream, timeout=httpx.Timeout(None, connect=5.0), transport=transport)
 
     def unavailable(why: str) -> JSONResponse:
         return JSONResponse(error_body(why, "engine_dead", code="service_unavailable"), status_code=503)
+
+    def error_event(why: str) -> bytes:
+        err = error_body(why, "engine_dead", code="service_unavailable")
+        return f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
 
     async def forward(request):
         if watch.poll():
@@ -135,26 +170,42 @@ def build_proxy(upstream: str, watch: JobWatch):
         try:
             resp = await _or_gone(client.send(up, stream=True), gone)
         except (Gone, httpx.TransportError) as exc:
-            return unavailable(watch.poll() or f"the decode engine stopped answering ({type(exc).__name__})")
+            return unavailable(await why_down(watch) or f"the decode engine stopped answering ({type(exc).__name__})")
         sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+        keep = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP}
+        if resp.status_code == 503 and not sse:  # a whole answer: the decode server's shutdown?
+            content = await resp.aread()
+            await resp.aclose()
+            why = await why_down(watch) if shutting_down(content) else None
+            return unavailable(why) if why else Response(content, status_code=503, headers=keep)
 
         async def body():
-            chunks = resp.aiter_raw()
+            chunks, pending = resp.aiter_raw(), b""
             try:
                 while True:
                     try:
-                        yield await _or_gone(chunks.__anext__(), gone)
+                        chunk = await _or_gone(chunks.__anext__(), gone)
                     except StopAsyncIteration:
+                        if pending:
+                            yield pending
                         return
+                    if not sse:
+                        yield chunk
+                        continue
+                    *events, pending = (pending + chunk).split(b"\n\n")  # whole events only
+                    for event in events:
+                        why = await why_down(watch) if shutting_down(event) else None
+                        if why:  # the peer's shutdown, not the reason: name the rank that died
+                            yield error_event(why)
+                            return
+                        yield event + b"\n\n"
             except (Gone, httpx.TransportError) as exc:
-                why = watch.poll() or f"the decode engine stopped answering ({type(exc).__name__})"
+                why = await why_down(watch) or f"the decode engine stopped answering ({type(exc).__name__})"
                 if sse:  # the status went out already: the stream ends with the error
-                    err = error_body(why, "engine_dead", code="service_unavailable")
-                    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+                    yield error_event(why)
             finally:
                 await resp.aclose()
 
-        keep = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP}
         return StreamingResponse(body(), status_code=resp.status_code, headers=keep)
 
     async def watch_loop():
