@@ -246,7 +246,8 @@ print(f"request {rid}: 3 tokens, planned into {planned_in} steps; outputs: {stre
 # the overlapped loop as `LLM(async_scheduling=True)` builds it, whose **gate**
 # (`fleetlab.overlap.gate.OverlapGate`) measures instead of assuming: every 96 steps it runs a
 # few steps each way, compares their cadence (wall time between two commits, per committed
-# token) and runs the faster way until the next probe. The bars are the medians of the rounds,
+# token) and runs the faster way until the next probe (overlapping only if at least 3% faster;
+# the stored run below predates that margin). The bars are the medians of the rounds,
 # the lines their range.
 
 # %%

@@ -40,13 +40,16 @@ class OverlapGate:
     """Decides, step by step, whether :class:`~fleetlab.overlap.core.OverlapEngineCore` overlaps.
 
     probe_steps: cadences measured per mode in a probe (after ``settle_steps`` uncounted ones);
-    run_steps: steps run the chosen way between two probes. ``always``: overlap every step (no
+    run_steps: steps run the chosen way between two probes; margin: how much faster (a share of
+    the in-line cadence) overlapping must measure to be chosen: a probe's few steps are noisy on
+    a shared machine, and wrongly overlapping costs more there than wrongly not. ``always``: overlap every step (no
     probe; what a lesson that draws the overlap itself wants). ``clock``: seconds now (a test's
     own clock; default ``time.perf_counter``).
     """
 
-    probe_steps: int = 6
+    probe_steps: int = 8
     settle_steps: int = 2
+    margin: float = 0.03
     run_steps: int = 96
     always: bool = False
     clock: Callable[[], float] = time.perf_counter
@@ -86,8 +89,8 @@ class OverlapGate:
         """Queue the next probe, or the run decided by the probe just over."""
         over, inline = self._samples[True], self._samples[False]
         if over and inline:  # a probe just ended: decide, then run
-            decision = Probe(self._num_commits, statistics.median(over), statistics.median(inline),
-                             statistics.median(over) <= statistics.median(inline))
+            over_s, inline_s = statistics.median(over), statistics.median(inline)
+            decision = Probe(self._num_commits, over_s, inline_s, over_s < (1 - self.margin) * inline_s)
             self.history.append(decision)
             over.clear()
             inline.clear()
