@@ -245,9 +245,9 @@ print(f"request {rid}: 3 tokens, planned into {planned_in} steps; outputs: {stre
 # synchronous loop, the overlapped loop made to overlap every step (`gate.always`, as above), and
 # the overlapped loop as `LLM(async_scheduling=True)` builds it, whose **gate**
 # (`fleetlab.overlap.gate.OverlapGate`) measures instead of assuming: every 96 steps it runs a
-# few steps each way, compares their cadence (wall time between two commits, per committed
-# token) and runs the faster way until the next probe (overlapping only if at least 3% faster;
-# the stored run below predates that margin). The bars are the medians of the rounds,
+# few steps each way, compares their cadence (wall time between two commits of decode steps, per
+# row) and runs the faster way until the next probe (overlapping only if at least 3% faster; the
+# stored run below predates that margin and counted prompt steps too). The bars are the medians of the rounds,
 # the lines their range.
 
 # %%

@@ -7,7 +7,7 @@ instead of running together, and the hand-overs cost more than the overlap hides
 0.85-0.93x the synchronous loop's output tokens per second at batch 64). So the loop measures
 instead of assuming. It probes: a few steps overlapped, a few in line (the synchronous loop's
 three moves, one step at a time), and compares their median *cadence* (wall time between two
-commits, per token committed). The faster way then runs until the next probe. A probe's first
+commits of decode steps, per row). The faster way then runs until the next probe. A probe's first
 steps after each switch are not counted (the pipeline fills or drains there). Nothing is
 hidden: ``history`` keeps every probe's two medians and the choice made from them.
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True, frozen=True)
 class Probe:
-    """One probe's outcome: the median seconds per committed token overlapped and in line, and
-    whether the steps after it overlap; ``step``: the commit count when it was decided."""
+    """One probe's outcome: the median seconds per decode row between two commits, overlapped and
+    in line, and whether the steps after it overlap; ``step``: the commit count when it was decided."""
 
     step: int
     overlapped: float
@@ -72,13 +72,14 @@ class OverlapGate:
         return self._mode
 
     def on_step(self, scheduler_output, runner_output, outputs) -> None:
-        """A step was committed: its cadence (since the commit before) per scheduled token is a sample
-        of the mode that ran it, if counted."""
+        """A step was committed: its cadence (since the commit before) per scheduled row is a sample
+        of the mode that ran it, if counted and if every row was a decode (a prompt's chunk costs
+        more per row, and a probe that caught one would compare unlike steps)."""
         now, last = self.clock(), self._last_commit
         self._last_commit, self._num_commits = now, self._num_commits + 1
-        tokens = sum(scheduler_output.num_scheduled_tokens.values())
-        if self._counted and last is not None and tokens:
-            self._samples[self._mode].append((now - last) / tokens)
+        counts = scheduler_output.num_scheduled_tokens.values()
+        if self._counted and last is not None and counts and max(counts) == 1:
+            self._samples[self._mode].append((now - last) / len(counts))
 
     @property
     def overlapping(self) -> bool:
