@@ -31,10 +31,10 @@ assert pass_ms[128] > 1.5 * pass_ms[8] and pass_ms[128] > np.median(decode_ms), 
 assert pass_ms[64] < 8 * pass_ms[1] and per_token[1] / per_token[64] > 10, pass_ms
 assert pass_ms[8] < 2 * pass_ms[1], pass_ms
 # Section 3, the timing by measurement (the two timed in alternating rounds): "The engine's own work ... is the
-# small part of its step; the forward is most of it, and that forward costs more than a bare pass over a short
-# sequence"; "the lines cross"
-assert sum(host_ms.values()) < 0.5 * engine_forward_ms and engine_forward_ms > bare_ms, (engine_forward_ms,
-                                                                                       bare_ms, host_ms)
+# small part of its step; the forward is most of it, and that forward costs about what a bare pass over a short
+# sequence costs (within a factor of two)"; "the lines cross"
+assert sum(host_ms.values()) < 0.5 * engine_forward_ms and 0.5 < engine_forward_ms / bare_ms < 2, (
+    engine_forward_ms, bare_ms, host_ms)
 assert len(early) >= 10 and set(host_ms) == {"schedule", "batch_update", "metadata", "sample", "update"}
 assert crossing is not None and crossing > 8
 bars = {p.get_gid(): p.get_width() for p in split.axes[0].patches}
@@ -168,7 +168,7 @@ assert slots_text.index("self.pool.touch([*hits, *pinned])") < \
     slots_text.index("self._cache_known_blocks(") and "return None" in slots_text
 assert "for block_id in reversed(ids):" in str(free_source)
 _alloc = str(allocate_source)
-assert _alloc.index("self._free.popitem(last=False)") < _alloc.index("self.prefix_cache.forget(block_id)")
+assert _alloc.index("self._free.popitem(last=False)") < _alloc.index('cache_call(self.prefix_cache, "forget", block_id)')
 # Section 5: q's insert splits p's edge after 4 blocks, r's after 2; the hash chain holds the same tree, a node a block;
 # "Both found the same blocks"; r "shares 9 tokens with p", q 17
 assert [len(trees["radix", rid]) for rid in "pqr"] == [1, 3, 5]
