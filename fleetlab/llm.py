@@ -89,7 +89,8 @@ class LLM:
                                 if cfg.tensor_parallel_size > 1 else None)
         self.hooks = StepHooks()  # where observers see the steps
         self.observers = self.hooks.observers  # anything with on_step(scheduler_output, runner_output, outputs)
-        self._undelivered: list[RequestOutput] = []  # a committed step's outputs, held while an observer's error is raised
+        # a committed step's outputs, held while an observer's error is raised
+        self._undelivered: list[RequestOutput] = []
         self._owns_handle = not isinstance(model, PatchHandle)
         self.handle = patch_model(model, backend=cfg.backend) if self._owns_handle else model
         # Closing happens once, on close() or when the LLM is garbage-collected (a notebook

@@ -212,10 +212,10 @@ split
 # committing) is the small part of its step; the forward is most of it, and that forward costs
 # about what a bare pass over a short sequence costs (within a factor of two; which of the two
 # is faster moves with the machine's load), although it carries one token where the bare pass
-# carries eight, because its attention takes the paged path (write the new K/V into their slots, gather every cached key through the
-# block table, a plan for the tiled kernels) where the bare pass attends over a few
-# contiguous tokens. That fixed cost stays while the bare pass grows with the sequence,
-# so the lines cross (the printed length).
+# carries eight, because its attention takes the paged path (write the new K/V into their
+# slots, gather every cached key through the block table, a plan for the tiled kernels)
+# where the bare pass attends over a few contiguous tokens. That fixed cost stays while the
+# bare pass grows with the sequence, so the lines cross (the printed length).
 #
 # ### What the cache costs: bytes per token
 #

@@ -147,7 +147,7 @@ from IPython.display import display
 
 free_source = viz.show_source(fleetlab.BlockPool.free, start="for block_id in reversed(ids)")
 allocate_source = viz.show_source(fleetlab.BlockPool.allocate, start="blocks = [self._free.popitem",
-                                  stop="evicted = checked_evicted(")
+                                  stop="evicted = cache_call(")
 display(free_source, allocate_source)
 
 # %% [markdown]

@@ -168,7 +168,8 @@ assert slots_text.index("self.pool.touch([*hits, *pinned])") < \
     slots_text.index("self._cache_known_blocks(") and "return None" in slots_text
 assert "for block_id in reversed(ids):" in str(free_source)
 _alloc = str(allocate_source)
-assert _alloc.index("self._free.popitem(last=False)") < _alloc.index('cache_call(self.prefix_cache, "forget", block_id)')
+_forget = 'cache_call(self.prefix_cache, "forget", block_id)'
+assert _alloc.index("self._free.popitem(last=False)") < _alloc.index(_forget)
 # Section 5: q's insert splits p's edge after 4 blocks, r's after 2; the hash chain holds the same tree, a node a block;
 # "Both found the same blocks"; r "shares 9 tokens with p", q 17
 assert [len(trees["radix", rid]) for rid in "pqr"] == [1, 3, 5]

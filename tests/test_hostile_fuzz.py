@@ -188,6 +188,7 @@ def json_setup():
 @given(SPEC)
 @example({"json": {"enum": [math.inf]}})  # found by this test: Python's json wrote it as Infinity, not JSON
 @example({"json": '{"const": NaN}'})  # JSON text Python's json reads, with a value JSON has not
+@example({"json": {"": None, 0: None}})  # found by this test: keys of two kinds could not be sorted for the cache key
 def test_structured_output_specs_are_refused_naming_the_field_or_run(json_setup, spec):
     llm, want = json_setup
     constrained = SamplingParams(max_tokens=12, structured_outputs=spec)

@@ -9,8 +9,8 @@ entries, the connector's own bookkeeping through its ``rollback``) and the runne
 the step never happened and the same requests run again from where they were. Observers see a
 step once it is committed; one that raises cannot take the step back: the other observers
 still run, then :class:`~fleetlab.errors.ObserverError` names it and carries the step's outputs
-(``LLM.step`` returns them with its next call, so none is lost). What users get back (logprobs attached, parallel samples
-fanned in, stop strings applied, text) is the output processor's work, after the step
+(``LLM.step`` returns them with its next call, so none is lost). What users get back (logprobs
+attached, parallel samples fanned in, stop strings applied, text) is the output processor's work, after the step
 (:mod:`fleetlab.output`); ``LLM`` is the front door over both.
 
 ``step`` is the synchronous loop's step. An engine that overlaps the next step's scheduling

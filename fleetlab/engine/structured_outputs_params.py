@@ -135,7 +135,8 @@ def _schema(where: str, value) -> dict | bool:
     if value is False:
         raise ValueError(f"{where} json=False is the schema no value satisfies: nothing could be generated")
     try:  # strict JSON: Python writes NaN and infinities as tokens no grammar library parses
-        _json.dumps(value, allow_nan=False)
+        # sorted, as cache_key writes it: keys of mixed kinds ("" and 0) are refused here
+        _json.dumps(value, allow_nan=False, sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where} json cannot be written as JSON: {exc}") from None
     return value

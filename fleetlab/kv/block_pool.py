@@ -92,7 +92,8 @@ class BlockPool:
                 for block_id in blocks:
                     cache_call(self.prefix_cache, "forget", block_id)
                 if len(blocks) < n:
-                    evicted = checked_evicted(self.prefix_cache, cache_call(self.prefix_cache, "evict", n - len(blocks)),
+                    evicted = cache_call(self.prefix_cache, "evict", n - len(blocks))
+                    evicted = checked_evicted(self.prefix_cache, evicted,
                                               n - len(blocks), self._kept)
                     self._kept.difference_update(evicted)
                     blocks += evicted

@@ -28,8 +28,8 @@ from fleetlab.kv_transfer.base import (
 )
 from fleetlab.kv_transfer.config import KVTransferConfig, check_kv_transfer_config, make_kv_connector
 
-__all__ = ["KV_CONNECTORS", "NULL_CONNECTOR", "BlockStoreConnector", "KVCacheSpec", "KVConnector", "KVConnectorStats", "KVTransferConfig",
-           "LoadError", "check_kv_transfer_config", "make_kv_connector", "register_kv_connector"]
+__all__ = ["KV_CONNECTORS", "NULL_CONNECTOR", "BlockStoreConnector", "KVCacheSpec", "KVConnector", "KVConnectorStats",
+           "KVTransferConfig", "LoadError", "check_kv_transfer_config", "make_kv_connector", "register_kv_connector"]
 
 _LAZY = {"BlockStoreConnector": "fleetlab.kv_transfer.block_store", "LoadError": "fleetlab.kv_transfer.block_store"}
 

@@ -36,8 +36,8 @@ def check_async_scheduling(cfg) -> None:
                "record_traces": cfg.record_traces}
     for name, clash in clashes.items():
         if clash:
-            raise ValueError(f"engine config: async_scheduling=True cannot go with {name}={readable(getattr(cfg, name))}:"
-                             f" {_WHY[name]}")
+            value = readable(getattr(cfg, name))
+            raise ValueError(f"engine config: async_scheduling=True cannot go with {name}={value}: {_WHY[name]}")
 
 
 def readable(value, limit: int = 80) -> str:
