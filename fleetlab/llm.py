@@ -91,6 +91,8 @@ class LLM:
         self.observers = self.hooks.observers  # anything with on_step(scheduler_output, runner_output, outputs)
         # a committed step's outputs, held while an observer's error is raised
         self._undelivered: list[RequestOutput] = []
+        # requests a stop string ended, still running in the scheduler until aborted there
+        self._stopped: list[str] = []
         self._owns_handle = not isinstance(model, PatchHandle)
         self.handle = patch_model(model, backend=cfg.backend) if self._owns_handle else model
         # Closing happens once, on close() or when the LLM is garbage-collected (a notebook
@@ -273,20 +275,33 @@ class LLM:
 
         If the step fails it is rolled back (the exception names the extension that raised) and the
         same requests carry on with the next call. If only an observer raised
-        (:class:`~fleetlab.errors.ObserverError`), the step stands: its outputs come with the next call."""
+        (:class:`~fleetlab.errors.ObserverError`), or the KV connector raised while the requests a stop
+        string ended were aborted, the step stands: its outputs come with the next call (which
+        aborts those requests first)."""
+        self._abort_stopped()  # left over from a step whose abort raised: before they run again
         try:
             outputs, result = self.core.step()
         except ObserverError as exc:
             self._undelivered += self._deliver(exc.outputs, exc.runner_output)
             raise
-        outputs, self._undelivered = self._undelivered + self._deliver(outputs, result), []
+        self._undelivered += self._deliver(outputs, result)
+        self._abort_stopped()
+        outputs, self._undelivered = self._undelivered, []
         return outputs
 
     def _deliver(self, outputs: list[RequestOutput], result) -> list[RequestOutput]:
-        """The core's outputs made the user's (the output processor); stop strings end requests here."""
+        """The core's outputs made the user's (the output processor); the requests a stop string
+        ended are noted, for :meth:`_abort_stopped`."""
         outputs, stopped = self.output_processor.process(outputs, result)
-        self.scheduler.abort(stopped)  # ended by a stop string: their blocks are freed now
+        self._stopped += stopped
         return outputs
+
+    def _abort_stopped(self) -> None:
+        """Abort in the scheduler the requests a stop string ended (their blocks are freed now). If
+        the KV connector's ``request_finished`` raises, nothing is aborted and they stay noted."""
+        if self._stopped:
+            self.scheduler.abort(self._stopped)
+            self._stopped = []
 
     def wait_until_runnable(self, timeout: float = 0.05) -> None:
         """Between steps: if every request waits on something (its grammar's compile, its K/V

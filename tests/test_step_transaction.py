@@ -175,3 +175,45 @@ def test_an_observer_error_in_generate_names_the_observer_and_leaves_the_engine_
     outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=SP, use_tqdm=False)
     assert [o.token_ids for o in outs] == oracle
     llm.close()
+
+
+def test_a_connector_raising_while_a_stop_string_ends_a_request_loses_no_output():
+    """A stop string ends a request after the step committed (the output processor finds it), and
+    ``LLM.step`` then aborts it in the scheduler, which tells the KV connector (``request_finished``).
+    If that raises, the step's outputs come with the next call, which aborts the request first: the
+    user sees what a run without the fault shows, once, and every block comes back."""
+    from fleetlab.models import load_tiny
+
+    model, tok = load_tiny()
+    prompts = ["12+7=", "45+38=", "3+4="]
+
+    def run(fault: bool):
+        llm = LLM(model, tok, block_size=4, kv_transfer_config={"connector": KVConnector, "role": "both"})
+        plain = SamplingParams(max_tokens=8, ignore_eos=True)
+        texts = [o.text for o in llm.generate(prompts, plain, use_tqdm=False)]
+        stopped = SamplingParams(max_tokens=8, ignore_eos=True, stop=[texts[1][1:3]])
+        if fault:
+            raise_on_call(llm.scheduler.connector, "request_finished", 1)
+        ids = [llm.add_request(p, stopped) for p in prompts]
+        done, errors = {}, []
+        for _ in range(100):
+            if not llm.has_unfinished_requests():
+                break
+            try:
+                outs = llm.step()
+            except ExtensionError as exc:
+                errors.append(str(exc))
+                continue
+            for out in outs:
+                assert out.request_id not in done, f"{out.request_id} finished twice"
+                if out.finished:
+                    done[out.request_id] = (out.text, out.token_ids, out.finish_reason, out.stop_reason)
+        assert_idle(llm)
+        llm.close()
+        return [done[i] for i in ids], errors
+
+    want, no_errors = run(fault=False)
+    got, errors = run(fault=True)
+    assert not no_errors and want[1][2:] == ("stop", want[1][3]) and want[1][3]
+    assert got == want
+    assert len(errors) == 1 and "request_finished" in errors[0], errors
