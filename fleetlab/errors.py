@@ -4,6 +4,8 @@ dataclasses (``SamplingParams``, ``StructuredOutputsParams``) and the checks (``
 
 from __future__ import annotations
 
+import operator
+
 
 class FieldTypeError(TypeError, ValueError):
     """A setting of the wrong type (a ``TypeError`` that is also a ``ValueError``)."""
@@ -67,3 +69,15 @@ def bad_return(kind: str, extension, method: str, value, rule: str) -> Extension
     """The refusal of what an extension's method returned: it, the method, the value, the rule."""
     return ExtensionError(f"{extension_name(kind, extension)}.{method} returned {short(value)} "
                           f"({type(value).__name__}); {rule}")
+
+
+def int_in(value, low: int, high: int) -> int | None:
+    """``value`` as an int if it is one (not a bool) in ``[low, high]``, else None: the shape of most
+    counts an extension returns (the caller raises :func:`bad_return` on None)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        n = operator.index(value)
+    except TypeError:
+        return None
+    return n if low <= n <= high else None

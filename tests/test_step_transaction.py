@@ -47,10 +47,12 @@ def raise_on_call(obj, method, call, error=ValueError):
     return calls
 
 
-def run_through(llm, prompts=PROMPTS, errors=(ExtensionError,)):
-    """Queue ``prompts`` and step until all finish, catching ``errors`` (the loop carries on,
-    as a server's would); returns each prompt's tokens and the errors' messages."""
-    ids = [llm.add_request(prompt_token_ids=p, sampling_params=SP) for p in prompts]
+def run_through(llm, prompts=PROMPTS, errors=(ExtensionError,), sp=SP, record=lambda out: out.token_ids):
+    """Queue ``prompts`` (token ids, or text) and step until all finish, catching ``errors`` (the loop
+    carries on, as a server's would); returns ``record(output)`` of each prompt's final output and the
+    errors' messages."""
+    ids = [llm.add_request(p, sp) if isinstance(p, str) else llm.add_request(prompt_token_ids=p, sampling_params=sp)
+           for p in prompts]
     done, seen = {}, []
     for _ in range(500):
         if not llm.has_unfinished_requests():
@@ -63,7 +65,7 @@ def run_through(llm, prompts=PROMPTS, errors=(ExtensionError,)):
         for out in outs:
             assert out.request_id not in done, f"{out.request_id} finished twice"
             if out.finished:
-                done[out.request_id] = out.token_ids
+                done[out.request_id] = record(out)
     return [done.get(i) for i in ids], seen
 
 
@@ -194,23 +196,11 @@ def test_a_connector_raising_while_a_stop_string_ends_a_request_loses_no_output(
         stopped = SamplingParams(max_tokens=8, ignore_eos=True, stop=[texts[1][1:3]])
         if fault:
             raise_on_call(llm.scheduler.connector, "request_finished", 1)
-        ids = [llm.add_request(p, stopped) for p in prompts]
-        done, errors = {}, []
-        for _ in range(100):
-            if not llm.has_unfinished_requests():
-                break
-            try:
-                outs = llm.step()
-            except ExtensionError as exc:
-                errors.append(str(exc))
-                continue
-            for out in outs:
-                assert out.request_id not in done, f"{out.request_id} finished twice"
-                if out.finished:
-                    done[out.request_id] = (out.text, out.token_ids, out.finish_reason, out.stop_reason)
+        got, errors = run_through(llm, prompts, sp=stopped,
+                                  record=lambda out: (out.text, out.token_ids, out.finish_reason, out.stop_reason))
         assert_idle(llm)
         llm.close()
-        return [done[i] for i in ids], errors
+        return got, errors
 
     want, no_errors = run(fault=False)
     got, errors = run(fault=True)

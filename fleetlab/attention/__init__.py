@@ -5,16 +5,9 @@ more per step adds fields in a subclass (``TiledMetadata``, ``tiled.py``) built 
 :meth:`AttentionMetadata.extend`. Both are importable from here (loaded when first named).
 """
 
+from fleetlab.lazy import lazy_getattr
+
 _LAZY = {"AttentionMetadata": "fleetlab.attention.metadata", "TiledMetadata": "fleetlab.attention.tiled",
          "AttentionBackend": "fleetlab.attention.backend", "TiledBackend": "fleetlab.attention.tiled"}
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'fleetlab.attention' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -27,19 +27,11 @@ from fleetlab.kv_transfer.base import (
     register_kv_connector,
 )
 from fleetlab.kv_transfer.config import KVTransferConfig, check_kv_transfer_config, make_kv_connector
+from fleetlab.lazy import lazy_getattr
 
 __all__ = ["KV_CONNECTORS", "NULL_CONNECTOR", "BlockStoreConnector", "KVCacheSpec", "KVConnector", "KVConnectorStats",
            "KVTransferConfig", "LoadError", "check_kv_transfer_config", "make_kv_connector", "register_kv_connector"]
 
 _LAZY = {"BlockStoreConnector": "fleetlab.kv_transfer.block_store", "LoadError": "fleetlab.kv_transfer.block_store"}
-
-
-def __getattr__(name: str):
-    """The block-store names, imported when first asked for (they load Paddle; the API above does not)."""
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'fleetlab.kv_transfer' has no attribute {name!r}")
+# the block-store names, imported when first asked for (they load Paddle; the API above does not)
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -55,7 +55,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from fleetlab.errors import bad_return, call_extension
+from fleetlab.errors import bad_return, call_extension, int_in
 from fleetlab.registry import Registry
 
 
@@ -223,12 +223,8 @@ def checked_num_matched(connector, value, request, num_computed_tokens: int) -> 
     """What ``get_num_new_matched_tokens`` returned: an int in ``[0, tokens left - 1]`` (one token
     always runs through the model), else ExtensionError naming the connector and the request."""
     most = request.num_tokens - num_computed_tokens - 1
-    if not isinstance(value, bool):
-        try:
-            if 0 <= operator.index(value) <= most:
-                return operator.index(value)
-        except TypeError:
-            pass
+    if (n := int_in(value, 0, most)) is not None:
+        return n
     raise bad_return(KIND, connector, "get_num_new_matched_tokens", value,
                      f"request {request.request_id!r} has {request.num_tokens} tokens, {num_computed_tokens} of "
                      f"them computed: it must return an int in [0, {most}] (one token always runs)")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Collection, Sequence
 
-from fleetlab.errors import bad_return, call_extension
+from fleetlab.errors import bad_return, call_extension, int_in
 from fleetlab.registry import Registry
 
 KIND = "prefix cache"
@@ -203,12 +203,8 @@ def checked_evicted(cache: PrefixCache, value, n: int, kept: set) -> list[int]:
 def checked_num_cached(cache: PrefixCache, value, num_cached_blocks: int, num_full_blocks: int) -> int:
     """What ``cache_blocks`` returned: the request's new count of cached leading blocks, an int in
     ``[num_cached_blocks, num_full_blocks]``; else ExtensionError."""
-    if not isinstance(value, bool):
-        try:
-            if num_cached_blocks <= operator.index(value) <= num_full_blocks:
-                return operator.index(value)
-        except TypeError:
-            pass
+    if (n := int_in(value, num_cached_blocks, num_full_blocks)) is not None:
+        return n
     raise bad_return(KIND, cache, "cache_blocks", value,
                      f"it must return an int in [num_cached_blocks={num_cached_blocks}, "
                      f"num_full_blocks={num_full_blocks}] (the leading blocks now cached)")

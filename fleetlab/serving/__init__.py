@@ -21,7 +21,7 @@ One concept per module:
 
 from __future__ import annotations
 
-import importlib
+from fleetlab.lazy import lazy_getattr
 
 _LAZY = {
     "AsyncLLM": "fleetlab.serving.async_llm",
@@ -35,12 +35,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name: str):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'fleetlab.serving' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def __dir__():

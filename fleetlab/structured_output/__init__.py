@@ -50,7 +50,7 @@ pool, one ``StructuredOutputRequest`` per request, the scheduler building each s
 the runner applying it); FastDeploy builds its structured outputs on xgrammar.
 """
 
-import importlib
+from fleetlab.lazy import lazy_getattr
 
 # Names load lazily, so that importing the plain StructuredOutputsParams dataclass loads no Paddle.
 _LAZY = {name: "fleetlab.structured_output.backend" for name in (
@@ -62,12 +62,7 @@ _LAZY.update(apply_token_bitmask="fleetlab.structured_output.bitmask", dead_rows
              StructuredOutputRequest="fleetlab.structured_output.request")
 
 
-def __getattr__(name: str):
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = ["CompiledGrammar", "GrammarBackend", "GrammarError", "GrammarMatcher", "StructuredOutputManager",
